@@ -1,0 +1,125 @@
+//! Paged KV cache writes and causal attention read through block tables.
+//!
+//! Cache layout, per layer: `[blocks, block_size, num_kv_heads, head_dim]`. The kernel
+//! computes each (query row, head) with an online softmax over the sequence's keys, so
+//! no `[q, k]` score matrix is ever materialised.
+
+use super::matmul::dot;
+use super::CpuBackend;
+use crate::{AttentionShape, KernelError, PagedBatch, Result};
+use crate::error::expect_len;
+use rayon::prelude::*;
+
+pub(super) fn write_kv(
+    k: &[f32],
+    v: &[f32],
+    slots: &[u32],
+    shape: &AttentionShape,
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
+) -> Result<()> {
+    let w = shape.kv_width();
+    expect_len("write_kv", "keys", k.len(), slots.len() * w)?;
+    expect_len("write_kv", "values", v.len(), slots.len() * w)?;
+    expect_len("write_kv", "value cache", v_cache.len(), k_cache.len())?;
+    let capacity = k_cache.len() / w;
+    for (t, &slot) in slots.iter().enumerate() {
+        let slot = slot as usize;
+        if slot >= capacity {
+            return Err(KernelError::shape("write_kv", format!("slot {slot} outside a cache of {capacity}")));
+        }
+        k_cache[slot * w..(slot + 1) * w].copy_from_slice(&k[t * w..(t + 1) * w]);
+        v_cache[slot * w..(slot + 1) * w].copy_from_slice(&v[t * w..(t + 1) * w]);
+    }
+    Ok(())
+}
+
+/// One query row's place in the batch.
+struct Row {
+    seq: usize,
+    /// Number of keys it sees (its position + 1).
+    keys: usize,
+}
+
+pub(super) fn paged_attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    batch: &PagedBatch<'_, CpuBackend>,
+    shape: &AttentionShape,
+) -> Result<Vec<f32>> {
+    let rows = validate(q, k_cache, v_cache, batch, shape)?;
+    let (hd, qw) = (shape.head_dim, shape.q_width());
+    let group = shape.num_heads / shape.num_kv_heads;
+    let mut out = vec![0.0f32; q.len()];
+    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+        let (row, head) = (&rows[i / shape.num_heads], i % shape.num_heads);
+        let kv_head = head / group;
+        let query = &q[i * hd..(i + 1) * hd];
+        let table = &batch.block_tables[row.seq * batch.max_blocks_per_seq..];
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+        for pos in 0..row.keys {
+            let block = table[pos / shape.block_size] as usize;
+            let at = ((block * shape.block_size + pos % shape.block_size) * shape.num_kv_heads + kv_head) * hd;
+            let score = dot(query, &k_cache[at..at + hd]) * shape.scale;
+            // Online softmax: rescale what was accumulated when the max grows.
+            let new_max = max.max(score);
+            let correction = (max - new_max).exp();
+            let weight = (score - new_max).exp();
+            sum = sum * correction + weight;
+            for (o, v) in o.iter_mut().zip(&v_cache[at..at + hd]) {
+                *o = *o * correction + weight * v;
+            }
+            max = new_max;
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|v| *v *= inv);
+    });
+    debug_assert_eq!(out.len(), rows.len() * qw);
+    Ok(out)
+}
+
+/// Checks the batch against the buffers and returns each query row's sequence and key
+/// count, so the kernel itself cannot index out of bounds.
+fn validate(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    batch: &PagedBatch<'_, CpuBackend>,
+    shape: &AttentionShape,
+) -> Result<Vec<Row>> {
+    const OP: &str = "paged_attention";
+    if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+        return Err(KernelError::shape(OP, format!("{} heads over {} KV heads", shape.num_heads, shape.num_kv_heads)));
+    }
+    expect_len(OP, "query_start", batch.query_start.len(), batch.num_seqs + 1)?;
+    expect_len(OP, "context_lens", batch.context_lens.len(), batch.num_seqs)?;
+    expect_len(OP, "block_tables", batch.block_tables.len(), batch.num_seqs * batch.max_blocks_per_seq)?;
+    expect_len(OP, "value cache", v_cache.len(), k_cache.len())?;
+    let blocks_in_cache = k_cache.len() / shape.block_floats();
+    let tokens = *batch.query_start.last().unwrap_or(&0) as usize;
+    expect_len(OP, "query", q.len(), tokens * shape.q_width())?;
+    let mut rows = Vec::with_capacity(tokens);
+    for seq in 0..batch.num_seqs {
+        let (start, end) = (batch.query_start[seq] as usize, batch.query_start[seq + 1] as usize);
+        let context = batch.context_lens[seq] as usize;
+        if start != rows.len() {
+            return Err(KernelError::shape(OP, format!("sequence {seq} starts at row {start}, expected {}", rows.len())));
+        }
+        if end < start || end - start > context {
+            return Err(KernelError::shape(OP, format!("sequence {seq}: {} queries for a context of {context}", end.wrapping_sub(start))));
+        }
+        let blocks = context.div_ceil(shape.block_size);
+        if blocks > batch.max_blocks_per_seq {
+            return Err(KernelError::shape(OP, format!("sequence {seq}: context {context} needs {blocks} blocks, table has {}", batch.max_blocks_per_seq)));
+        }
+        let table = &batch.block_tables[seq * batch.max_blocks_per_seq..][..blocks];
+        if let Some(b) = table.iter().find(|&&b| b as usize >= blocks_in_cache) {
+            return Err(KernelError::shape(OP, format!("sequence {seq}: block {b} outside a cache of {blocks_in_cache}")));
+        }
+        let first_pos = context - (end - start);
+        rows.extend((0..end - start).map(|i| Row { seq, keys: first_pos + i + 1 }));
+    }
+    expect_len(OP, "query rows", rows.len(), tokens)?;
+    Ok(rows)
+}

@@ -1,0 +1,117 @@
+//! Row-wise and elementwise ops: embedding, RMSNorm, RoPE, SiLU·up, softmax, gather.
+
+use super::CpuWeight;
+use crate::error::expect_len;
+use crate::{KernelError, Result, RopeStyle};
+use rayon::prelude::*;
+
+pub(super) fn embedding(ids: &[u32], table: &CpuWeight) -> Result<Vec<f32>> {
+    let d = table.cols;
+    let mut out = vec![0.0; ids.len() * d];
+    for (row, &id) in out.chunks_mut(d).zip(ids) {
+        let id = id as usize;
+        if id >= table.rows {
+            return Err(KernelError::shape("embedding", format!("token id {id} >= vocabulary size {}", table.rows)));
+        }
+        row.copy_from_slice(&table.data[id * d..(id + 1) * d]);
+    }
+    Ok(out)
+}
+
+pub(super) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
+    let d = weight.len();
+    if d == 0 || x.len() % d != 0 {
+        return Err(KernelError::shape("rms_norm", format!("input of {} floats is not rows of {d}", x.len())));
+    }
+    let mut out = vec![0.0; x.len()];
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, row)| {
+        let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
+            *o = v * inv * w;
+        }
+    });
+    Ok(out)
+}
+
+pub(super) fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    heads: usize,
+    head_dim: usize,
+    inv_freq: &[f32],
+    style: RopeStyle,
+) -> Result<()> {
+    expect_len("rope", "input", x.len(), positions.len() * heads * head_dim)?;
+    let half = inv_freq.len();
+    if 2 * half > head_dim {
+        return Err(KernelError::shape("rope", format!("{half} frequencies for head_dim {head_dim}")));
+    }
+    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(token, &pos)| {
+        let (sin, cos): (Vec<f32>, Vec<f32>) =
+            inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
+        for head in token.chunks_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[i] - x1 * sin[i];
+                head[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+    });
+    Ok(())
+}
+
+pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
+    if width == 0 || gate_up.len() % (2 * width) != 0 {
+        return Err(KernelError::shape("silu_mul", format!("input of {} floats is not rows of 2×{width}", gate_up.len())));
+    }
+    let rows = gate_up.len() / (2 * width);
+    let mut out = vec![0.0; rows * width];
+    out.par_chunks_mut(width).zip(gate_up.par_chunks(2 * width)).for_each(|(o, row)| {
+        let (gate, up) = row.split_at(width);
+        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    });
+    Ok(out)
+}
+
+pub(super) fn softmax(x: &mut [f32], cols: usize) -> Result<()> {
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(KernelError::shape("softmax", format!("input of {} floats is not rows of {cols}", x.len())));
+    }
+    x.par_chunks_mut(cols).for_each(softmax_row);
+    Ok(())
+}
+
+/// Numerically stable softmax of one row, in place.
+pub(crate) fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
+pub(super) fn gather_rows(x: &[f32], cols: usize, rows: &[u32]) -> Result<Vec<f32>> {
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(KernelError::shape("gather_rows", format!("input of {} floats is not rows of {cols}", x.len())));
+    }
+    let n = x.len() / cols;
+    let mut out = Vec::with_capacity(rows.len() * cols);
+    for &r in rows {
+        let r = r as usize;
+        if r >= n {
+            return Err(KernelError::shape("gather_rows", format!("row {r} of {n}")));
+        }
+        out.extend_from_slice(&x[r * cols..(r + 1) * cols]);
+    }
+    Ok(out)
+}

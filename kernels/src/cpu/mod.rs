@@ -1,0 +1,127 @@
+//! The CPU backend: f32 everywhere, rayon for threads, `gemm` for matrix products.
+//! It is the reference the CUDA backend is checked against, so clarity wins over
+//! cleverness except in `linear` and `paged_attention`, where the time goes.
+
+mod attention;
+mod elementwise;
+mod matmul;
+
+use crate::error::expect_len;
+use crate::{AttentionShape, Backend, PagedBatch, Result, RopeStyle};
+
+/// A row-major `[rows, cols]` f32 matrix.
+#[derive(Debug, Clone)]
+pub struct CpuWeight {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    type Buffer = Vec<f32>;
+    type Index = Vec<u32>;
+    type Weight = CpuWeight;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+
+    fn upload_index(&self, data: &[u32]) -> Result<Vec<u32>> {
+        Ok(data.to_vec())
+    }
+
+    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(buf.clone())
+    }
+
+    fn upload_weight(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuWeight> {
+        expect_len("upload_weight", "weight", data.len(), rows * cols)?;
+        Ok(CpuWeight { data, rows, cols })
+    }
+
+    fn embedding(&self, ids: &Vec<u32>, table: &CpuWeight) -> Result<Vec<f32>> {
+        elementwise::embedding(ids, table)
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        tokens: usize,
+        w: &CpuWeight,
+        bias: Option<&Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        expect_len("linear", "input", x.len(), tokens * w.cols)?;
+        if let Some(b) = bias {
+            expect_len("linear", "bias", b.len(), w.rows)?;
+        }
+        Ok(matmul::linear(x, tokens, w, bias.map(|b| b.as_slice())))
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32) -> Result<Vec<f32>> {
+        elementwise::rms_norm(x, weight, eps)
+    }
+
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
+        expect_len("add_assign", "y", y.len(), x.len())?;
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &Vec<u32>,
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &Vec<f32>,
+        style: RopeStyle,
+    ) -> Result<()> {
+        elementwise::rope(x, positions, heads, head_dim, inv_freq, style)
+    }
+
+    fn silu_mul(&self, gate_up: &Vec<f32>, width: usize) -> Result<Vec<f32>> {
+        elementwise::silu_mul(gate_up, width)
+    }
+
+    fn softmax(&self, x: &mut Vec<f32>, cols: usize) -> Result<()> {
+        elementwise::softmax(x, cols)
+    }
+
+    fn gather_rows(&self, x: &Vec<f32>, cols: usize, rows: &Vec<u32>) -> Result<Vec<f32>> {
+        elementwise::gather_rows(x, cols, rows)
+    }
+
+    fn write_kv(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &Vec<u32>,
+        shape: &AttentionShape,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> Result<()> {
+        attention::write_kv(k, v, slots, shape, k_cache, v_cache)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        batch: &PagedBatch<'_, Self>,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>> {
+        attention::paged_attention(q, k_cache, v_cache, batch, shape)
+    }
+}

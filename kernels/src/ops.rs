@@ -1,0 +1,140 @@
+//! The `Backend` trait: every op the model needs, and the shapes they share.
+
+use crate::Result;
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs (2i, 2i+1): GGUF llama-arch weights, whose Q/K rows llama.cpp permuted.
+    Interleaved,
+    /// Pairs (i, i + d/2), "rotate half": Hugging Face checkpoints and GGUF qwen2.
+    Neox,
+}
+
+/// Head layout shared by the attention ops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Tokens per KV-cache block.
+    pub block_size: usize,
+    /// Multiplier on q·k, usually 1/sqrt(head_dim).
+    pub scale: f32,
+}
+
+impl AttentionShape {
+    pub fn q_width(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+    /// Floats in one block of one layer's key (or value) cache.
+    pub fn block_floats(&self) -> usize {
+        self.block_size * self.kv_width()
+    }
+}
+
+/// A flattened batch of sequences for paged attention (varlen layout).
+///
+/// Sequence `s` owns query rows `query_start[s]..query_start[s+1]`; after this step it
+/// has `context_lens[s]` tokens in the cache, the new ones last, so query row `i` of it
+/// sits at position `context_lens[s] - q_len + i` and attends to positions `0..=that`.
+/// Block `b` of sequence `s` is `block_tables[s * max_blocks_per_seq + b]`.
+pub struct PagedBatch<'a, B: Backend + ?Sized> {
+    pub num_seqs: usize,
+    pub query_start: &'a B::Index,
+    pub context_lens: &'a B::Index,
+    pub block_tables: &'a B::Index,
+    pub max_blocks_per_seq: usize,
+}
+
+/// A device that runs the op set. Buffers are f32; weights may be stored in any format
+/// the device multiplies fast (the CPU keeps f32).
+///
+/// Every op checks the sizes it is given and fails with `KernelError::Shape` rather than
+/// reading out of bounds.
+pub trait Backend: Send + Sync {
+    /// A device buffer of f32.
+    type Buffer: Send + Sync;
+    /// A device buffer of u32 (token ids, positions, slots, block tables).
+    type Index: Send + Sync;
+    /// A weight matrix `[rows, cols]`, row-major, ready for `linear`.
+    type Weight: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    fn upload(&self, data: &[f32]) -> Result<Self::Buffer>;
+    fn upload_index(&self, data: &[u32]) -> Result<Self::Index>;
+    fn zeros(&self, len: usize) -> Result<Self::Buffer>;
+    fn download(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
+    /// Takes a row-major `[rows, cols]` f32 matrix.
+    fn upload_weight(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Weight>;
+
+    /// `out[t] = table[ids[t]]`, rows of `table.cols` floats.
+    fn embedding(&self, ids: &Self::Index, table: &Self::Weight) -> Result<Self::Buffer>;
+
+    /// `out[t] = x[t] · wᵀ (+ bias)`: x is `[tokens, w.cols]`, out `[tokens, w.rows]`.
+    fn linear(
+        &self,
+        x: &Self::Buffer,
+        tokens: usize,
+        w: &Self::Weight,
+        bias: Option<&Self::Buffer>,
+    ) -> Result<Self::Buffer>;
+
+    /// Row-wise RMSNorm of `[rows, weight.len()]`.
+    fn rms_norm(&self, x: &Self::Buffer, weight: &Self::Buffer, eps: f32) -> Result<Self::Buffer>;
+
+    /// `x += y`, elementwise (the residual stream).
+    fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer) -> Result<()>;
+
+    /// In-place rotary embedding of `x`: `[tokens, heads, head_dim]`, token `t` at
+    /// `positions[t]`, rotating the first `2 * inv_freq.len()` dimensions of each head.
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        positions: &Self::Index,
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &Self::Buffer,
+        style: RopeStyle,
+    ) -> Result<()>;
+
+    /// `out = silu(gate) * up`, elementwise; `gate_up` is `[rows, 2 * width]` with the
+    /// gate first in each row.
+    fn silu_mul(&self, gate_up: &Self::Buffer, width: usize) -> Result<Self::Buffer>;
+
+    /// In-place softmax of each row of `[rows, cols]`.
+    fn softmax(&self, x: &mut Self::Buffer, cols: usize) -> Result<()>;
+
+    /// Rows of `x` (`cols` wide) picked by `rows`, in order.
+    fn gather_rows(&self, x: &Self::Buffer, cols: usize, rows: &Self::Index) -> Result<Self::Buffer>;
+
+    /// Writes token `t`'s key and value (`[tokens, kv_width]`) into cache slot
+    /// `slots[t]` (block `slot / block_size`, offset `slot % block_size`). Caches are
+    /// `[blocks, block_size, num_kv_heads, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn write_kv(
+        &self,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        slots: &Self::Index,
+        shape: &AttentionShape,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Causal attention of the batch's query rows (`[tokens, num_heads, head_dim]`) over
+    /// keys and values read through each sequence's block table; grouped-query heads
+    /// share a KV head. Returns `[tokens, num_heads * head_dim]`.
+    fn paged_attention(
+        &self,
+        q: &Self::Buffer,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        batch: &PagedBatch<'_, Self>,
+        shape: &AttentionShape,
+    ) -> Result<Self::Buffer>;
+}
