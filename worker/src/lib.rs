@@ -1,1 +1,3 @@
+//! The Tessera worker: loads a model, runs its forward pass, generates text.
 
+pub mod loader;

@@ -1,0 +1,29 @@
+//! Reading model files: GGUF (quantised or not) and Hugging Face safetensors
+//! directories, each behind `TensorSource`, which hands out tensors as f32.
+
+pub mod dequant;
+mod error;
+pub mod ggml_type;
+pub mod gguf;
+pub mod gguf_writer;
+pub mod safetensors_dir;
+
+pub use error::LoadError;
+use std::path::Path;
+
+/// A tensor on the host in f32, row-major, outermost dimension first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Where weights come from, by the file format's own tensor names.
+pub trait TensorSource {
+    /// The file or directory, for error messages.
+    fn describe(&self) -> &Path;
+    /// A tensor's shape, without reading its data.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// A tensor, converted to f32.
+    fn load(&self, name: &str) -> Result<HostTensor, LoadError>;
+}
