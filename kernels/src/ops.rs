@@ -109,6 +109,10 @@ pub trait Backend: Send + Sync {
     /// In-place softmax of each row of `[rows, cols]`.
     fn softmax(&self, x: &mut Self::Buffer, cols: usize) -> Result<()>;
 
+    /// Splits each row of `[rows, sum(widths)]` into column groups: one buffer
+    /// `[rows, width]` per entry of `widths`, in order (Q, K, V out of a fused product).
+    fn split_columns(&self, x: &Self::Buffer, widths: &[usize]) -> Result<Vec<Self::Buffer>>;
+
     /// Rows of `x` (`cols` wide) picked by `rows`, in order.
     fn gather_rows(&self, x: &Self::Buffer, cols: usize, rows: &Self::Index) -> Result<Self::Buffer>;
 

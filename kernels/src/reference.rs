@@ -166,6 +166,14 @@ fn embedding_and_gather_pick_rows_and_reject_bad_ids() {
     assert!(CpuBackend.gather_rows(&got, 4, &vec![3]).is_err());
 }
 
+#[test]
+fn split_columns_cuts_each_row_into_groups() {
+    let x: Vec<f32> = (0..12).map(|v| v as f32).collect();
+    let parts = CpuBackend.split_columns(&x, &[3, 1, 2]).unwrap();
+    assert_eq!(parts, vec![vec![0.0, 1.0, 2.0, 6.0, 7.0, 8.0], vec![3.0, 9.0], vec![4.0, 5.0, 10.0, 11.0]]);
+    assert!(CpuBackend.split_columns(&x, &[5]).is_err());
+}
+
 /// Dense causal attention in f64 over each sequence's full K/V (no cache, no paging).
 fn attention_ref(q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>], q_lens: &[usize], s: &AttentionShape) -> Vec<f64> {
     let (hd, group) = (s.head_dim, s.num_heads / s.num_kv_heads);

@@ -1,3 +1,9 @@
 //! The Tessera worker: loads a model, runs its forward pass, generates text.
 
+pub mod chat_template;
+pub mod generate;
+pub mod load;
 pub mod loader;
+pub mod model;
+pub mod model_cache;
+pub mod tokenizer;

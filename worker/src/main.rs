@@ -1,1 +1,78 @@
-fn main(){}
+//! `tessera-worker`: generate text with a model, or fetch the test model.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use tessera_kernels::cpu::CpuBackend;
+use tessera_worker::chat_template::{ChatTemplate, Message};
+use tessera_worker::{generate, load, model_cache};
+
+#[derive(Parser)]
+#[command(name = "tessera-worker", version, about = "Tessera worker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Greedy completion of one prompt.
+    Generate(GenerateArgs),
+    /// Fetch a known model into the cache and print its path.
+    Fetch {
+        #[arg(default_value = model_cache::SMOLLM2_135M_INSTRUCT.name)]
+        name: String,
+    },
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A GGUF file, a Hugging Face model directory, or a known model name.
+    #[arg(long, env = "TESSERA_MODEL")]
+    model: String,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Print one JSON object: prompt_token_ids, output_token_ids, text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Generate(args) => run_generate(args),
+        Command::Fetch { name } => {
+            println!("{}", model_cache::resolve(&name)?.display());
+            Ok(())
+        }
+    }
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let path = model_cache::resolve(&args.model)?;
+    let loaded = load::load_model(CpuBackend, &path).with_context(|| format!("loading {}", path.display()))?;
+    let tok = &loaded.tokenizer;
+    let prompt = if args.chat {
+        let source = tok.chat_template.as_deref().context("the model has no chat template")?;
+        let text = |t: &Option<tessera_worker::tokenizer::TokenInfo>| t.as_ref().map(|t| t.text.clone()).unwrap_or_default();
+        let template = ChatTemplate::new(source, &text(&tok.bos), &text(&tok.eos.first().cloned()))?;
+        template.render(&[Message::new("user", &args.prompt)], true)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_ids = tok.encode(&prompt).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    anyhow::ensure!(!prompt_ids.is_empty(), "the prompt is empty");
+    let stop: Vec<u32> = tok.eos.iter().map(|t| t.id).collect();
+    let run = generate::greedy(&loaded.model, &prompt_ids, args.max_tokens, &stop)?;
+    let text = tok.decode(&run.output).map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+    if args.json {
+        let out = serde_json::json!({"prompt_token_ids": prompt_ids, "output_token_ids": run.output, "text": text});
+        println!("{out}");
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}

@@ -115,3 +115,20 @@ pub(super) fn gather_rows(x: &[f32], cols: usize, rows: &[u32]) -> Result<Vec<f3
     }
     Ok(out)
 }
+
+pub(super) fn split_columns(x: &[f32], widths: &[usize]) -> Result<Vec<Vec<f32>>> {
+    let total: usize = widths.iter().sum();
+    if total == 0 || x.len() % total != 0 {
+        return Err(KernelError::shape("split_columns", format!("input of {} floats is not rows of {total}", x.len())));
+    }
+    let rows = x.len() / total;
+    let mut outs: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(rows * w)).collect();
+    for row in x.chunks_exact(total) {
+        let mut at = 0;
+        for (out, &w) in outs.iter_mut().zip(widths) {
+            out.extend_from_slice(&row[at..at + w]);
+            at += w;
+        }
+    }
+    Ok(outs)
+}

@@ -98,6 +98,10 @@ impl Backend for CpuBackend {
         elementwise::softmax(x, cols)
     }
 
+    fn split_columns(&self, x: &Vec<f32>, widths: &[usize]) -> Result<Vec<Vec<f32>>> {
+        elementwise::split_columns(x, widths)
+    }
+
     fn gather_rows(&self, x: &Vec<f32>, cols: usize, rows: &Vec<u32>) -> Result<Vec<f32>> {
         elementwise::gather_rows(x, cols, rows)
     }

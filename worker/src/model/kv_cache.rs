@@ -1,0 +1,19 @@
+//! Device memory for keys and values: per layer, `[blocks, block_size, kv_heads,
+//! head_dim]` for K and the same for V. Which block belongs to which sequence is the
+//! caller's business (the engine's block pool); this only owns the memory.
+
+use tessera_kernels::Backend;
+
+pub struct KvCache<B: Backend> {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// (keys, values) per layer.
+    pub layers: Vec<(B::Buffer, B::Buffer)>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Bytes one block takes across all layers, K and V.
+    pub fn bytes_per_block(num_layers: usize, kv_width: usize, block_size: usize) -> usize {
+        2 * num_layers * block_size * kv_width * std::mem::size_of::<f32>()
+    }
+}

@@ -1,0 +1,99 @@
+//! Loading a decoder's weights onto a backend: each tensor checked against the shape
+//! the config implies, Q/K/V and gate/up fused so each takes one matrix product.
+
+use super::config::{LayerTensor, ModelConfig, Tensor};
+use super::ModelError;
+use crate::loader::{LoadError, TensorSource};
+use tessera_kernels::Backend;
+
+pub struct LayerWeights<B: Backend> {
+    pub attn_norm: B::Buffer,
+    /// Rows: Q, then K, then V.
+    pub qkv: B::Weight,
+    pub qkv_bias: Option<B::Buffer>,
+    pub o: B::Weight,
+    pub ffn_norm: B::Buffer,
+    /// Rows: gate, then up.
+    pub gate_up: B::Weight,
+    pub down: B::Weight,
+}
+
+pub struct Weights<B: Backend> {
+    pub embed: B::Weight,
+    /// None when tied to `embed`.
+    pub lm_head: Option<B::Weight>,
+    pub final_norm: B::Buffer,
+    pub layers: Vec<LayerWeights<B>>,
+    pub inv_freq: B::Buffer,
+}
+
+impl<B: Backend> Weights<B> {
+    pub fn lm_head(&self) -> &B::Weight {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// Reads tensors by role, checking names and shapes.
+struct Reader<'a> {
+    config: &'a ModelConfig,
+    source: &'a dyn TensorSource,
+}
+
+impl Reader<'_> {
+    fn has(&self, t: Tensor) -> bool {
+        self.source.shape(&self.config.tensor_name(t)).is_some()
+    }
+
+    fn read(&self, t: Tensor) -> Result<Vec<f32>, LoadError> {
+        let name = self.config.tensor_name(t);
+        let file = self.source.describe().to_path_buf();
+        let expected = self.config.tensor_shape(t);
+        let found = self.source.shape(&name).ok_or_else(|| LoadError::MissingTensor { file: file.clone(), tensor: name.clone() })?;
+        if found != expected {
+            return Err(LoadError::ShapeMismatch { file, tensor: name, expected, found });
+        }
+        Ok(self.source.load(&name)?.data)
+    }
+
+    /// Row-wise concatenation of several `[_, cols]` matrices.
+    fn concat(&self, parts: &[Tensor]) -> Result<Vec<f32>, LoadError> {
+        let mut out = Vec::new();
+        for &p in parts {
+            out.extend(self.read(p)?);
+        }
+        Ok(out)
+    }
+}
+
+pub fn load<B: Backend>(backend: &B, config: &ModelConfig, source: &dyn TensorSource) -> Result<Weights<B>, ModelError> {
+    let r = Reader { config, source };
+    let (d, q, kv, ffn) = (config.hidden_size, config.q_width(), config.kv_width(), config.intermediate_size);
+    let embed = backend.upload_weight(r.read(Tensor::Embed)?, config.vocab_size, d)?;
+    let lm_head = match (r.has(Tensor::LmHead), config.tie_word_embeddings) {
+        (_, Some(true)) | (false, None) => None,
+        // Present, or required by `tie_word_embeddings: false` (then read names it missing).
+        _ => Some(backend.upload_weight(r.read(Tensor::LmHead)?, config.vocab_size, d)?),
+    };
+    let divisors = if r.has(Tensor::RopeFreqs) { Some(r.read(Tensor::RopeFreqs)?) } else { None };
+    let inv_freq = backend.upload(&config.inv_freq(divisors.as_deref()))?;
+    let mut layers = Vec::with_capacity(config.num_layers);
+    for l in 0..config.num_layers {
+        let t = |p| Tensor::Layer(l, p);
+        use LayerTensor::*;
+        let qkv_bias = if config.attention_bias {
+            Some(backend.upload(&r.concat(&[t(QBias), t(KBias), t(VBias)])?)?)
+        } else {
+            None
+        };
+        layers.push(LayerWeights {
+            attn_norm: backend.upload(&r.read(t(AttnNorm))?)?,
+            qkv: backend.upload_weight(r.concat(&[t(Q), t(K), t(V)])?, q + 2 * kv, d)?,
+            qkv_bias,
+            o: backend.upload_weight(r.read(t(O))?, d, q)?,
+            ffn_norm: backend.upload(&r.read(t(FfnNorm))?)?,
+            gate_up: backend.upload_weight(r.concat(&[t(Gate), t(Up)])?, 2 * ffn, d)?,
+            down: backend.upload_weight(r.read(t(Down))?, d, ffn)?,
+        });
+    }
+    Ok(Weights { embed, lm_head, final_norm: backend.upload(&r.read(Tensor::FinalNorm)?)?, layers, inv_freq })
+}
