@@ -1,1 +1,25 @@
-fn main(){}
+//! `tessera-bench`: benchmarks that print one JSON line each.
+
+mod forward;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tessera-bench", about = "Tessera benchmarks (JSON out)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Prefill and single-sequence decode speed of the forward pass, beside llama.cpp's.
+    Forward(forward::Args),
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Forward(args) => forward::run(args),
+    }
+}
