@@ -68,7 +68,10 @@ pub fn run(args: Args) -> Result<()> {
     if !args.no_llama_cpp {
         match llama_cpp(&path, &prompt, args.decode_tokens, threads) {
             Ok(Some(theirs)) => {
-                let (p, d) = (theirs["prefill_tokens_per_s"].as_f64().unwrap_or(f64::NAN), theirs["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN));
+                let (p, d) = (
+                    theirs["prefill_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+                    theirs["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+                );
                 out["llama_cpp"] = json!({"version": theirs["version"], "prefill_tokens_per_s": round(p), "decode_tokens_per_s": round(d)});
                 out["prefill_ratio"] = json!(round(ours_prefill / p));
                 out["decode_ratio"] = json!(round(ours_decode / d));

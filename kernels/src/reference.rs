@@ -223,12 +223,15 @@ fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
     let mut free: Vec<u32> = (0..num_blocks as u32).rev().collect();
     free.swap(3, 17);
     let max_blocks = 8;
-    let (mut tables, mut ks, mut vs, mut q_lens, mut starts, mut ctx) = (vec![], vec![], vec![], vec![], vec![0u32], vec![]);
+    let (mut tables, mut ks, mut vs, mut q_lens, mut starts, mut ctx) =
+        (vec![], vec![], vec![], vec![], vec![0u32], vec![]);
     for &(context, q_len) in &seqs {
         let blocks: Vec<u32> = (0..context.div_ceil(shape.block_size)).map(|_| free.pop().unwrap()).collect();
         let k = randn(&mut rng, context * w);
         let v = randn(&mut rng, context * w);
-        let slots: Vec<u32> = (0..context).map(|p| blocks[p / shape.block_size] * shape.block_size as u32 + (p % shape.block_size) as u32).collect();
+        let slots: Vec<u32> = (0..context)
+            .map(|p| blocks[p / shape.block_size] * shape.block_size as u32 + (p % shape.block_size) as u32)
+            .collect();
         CpuBackend.write_kv(&k, &v, &slots, &shape, &mut k_cache, &mut v_cache).unwrap();
         let mut table = blocks.clone();
         table.resize(max_blocks, 0);
@@ -241,7 +244,13 @@ fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
     }
     let tokens = *starts.last().unwrap() as usize;
     let q = randn(&mut rng, tokens * shape.q_width());
-    let batch = PagedBatch { num_seqs: seqs.len(), query_start: &starts, context_lens: &ctx, block_tables: &tables, max_blocks_per_seq: max_blocks };
+    let batch = PagedBatch {
+        num_seqs: seqs.len(),
+        query_start: &starts,
+        context_lens: &ctx,
+        block_tables: &tables,
+        max_blocks_per_seq: max_blocks,
+    };
     let got = CpuBackend.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap();
     let err = max_abs_diff(&got, &attention_ref(&q, &ks, &vs, &q_lens, &shape));
     assert!(err < 1e-5, "error {err}");
@@ -253,7 +262,13 @@ fn paged_attention_rejects_tables_that_point_outside_the_cache() {
     let k_cache = vec![0.0; 2 * shape.block_floats()];
     let q = vec![0.0; shape.q_width()];
     let (starts, ctx, tables) = (vec![0, 1], vec![3], vec![0, 5]);
-    let batch = PagedBatch::<CpuBackend> { num_seqs: 1, query_start: &starts, context_lens: &ctx, block_tables: &tables, max_blocks_per_seq: 2 };
+    let batch = PagedBatch::<CpuBackend> {
+        num_seqs: 1,
+        query_start: &starts,
+        context_lens: &ctx,
+        block_tables: &tables,
+        max_blocks_per_seq: 2,
+    };
     let err = CpuBackend.paged_attention(&q, &k_cache, &k_cache, &batch, &shape).unwrap_err();
     assert!(err.to_string().contains("block 5"), "{err}");
     let too_long = vec![9];

@@ -7,7 +7,17 @@ use tessera_e2e::binary;
 #[test]
 fn generate_json_answers_a_chat_prompt_with_the_real_model() {
     let out = Command::new(binary("tessera-worker", "tessera-worker"))
-        .args(["generate", "--model", "smollm2-135m-instruct", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24", "--json"])
+        .args([
+            "generate",
+            "--model",
+            "smollm2-135m-instruct",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "24",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -34,7 +44,10 @@ fn generate_plain_text_respects_max_tokens() {
 
 #[test]
 fn a_bad_model_argument_fails_with_a_clear_message() {
-    let out = Command::new(binary("tessera-worker", "tessera-worker")).args(["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"]).output().unwrap();
+    let out = Command::new(binary("tessera-worker", "tessera-worker"))
+        .args(["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/no/such/model.gguf") && err.contains("smollm2-135m-instruct"), "{err}");

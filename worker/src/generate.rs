@@ -19,7 +19,11 @@ impl<B: Backend> SingleSequence<B> {
     /// Room for `capacity` tokens.
     pub fn new(model: &Model<B>, capacity: usize) -> Result<Self, ModelError> {
         let blocks = capacity.div_ceil(BLOCK_SIZE).max(1);
-        Ok(Self { kv: model.new_kv_cache(blocks, BLOCK_SIZE)?, block_table: (0..blocks as u32).collect(), tokens: Vec::new() })
+        Ok(Self {
+            kv: model.new_kv_cache(blocks, BLOCK_SIZE)?,
+            block_table: (0..blocks as u32).collect(),
+            tokens: Vec::new(),
+        })
     }
 
     /// Runs `tokens` after those already cached, in chunks; returns the last one's logits.
@@ -30,7 +34,8 @@ impl<B: Backend> SingleSequence<B> {
         let mut logits = Vec::new();
         for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
             let last = (i + 1) * PREFILL_CHUNK >= tokens.len();
-            let seq = SeqInput { tokens: chunk, cached: self.tokens.len(), block_table: &self.block_table, logits: last };
+            let seq =
+                SeqInput { tokens: chunk, cached: self.tokens.len(), block_table: &self.block_table, logits: last };
             logits = model.forward(&[seq], &mut self.kv)?;
             self.tokens.extend_from_slice(chunk);
         }
@@ -57,7 +62,12 @@ pub struct GreedyRun {
 
 /// Up to `max_tokens` greedy tokens after `prompt`, stopping after any of `stop_ids`
 /// (which is not included).
-pub fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32], max_tokens: usize, stop_ids: &[u32]) -> Result<GreedyRun, ModelError> {
+pub fn greedy<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_ids: &[u32],
+) -> Result<GreedyRun, ModelError> {
     let capacity = prompt.len() + max_tokens;
     if capacity > model.config.context_length {
         return Err(ModelError::Input(format!(

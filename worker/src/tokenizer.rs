@@ -3,9 +3,9 @@
 //! tokens) or read from a Hugging Face tokenizer.json, with the chat template and the
 //! BOS/EOS tokens beside it.
 
-use crate::loader::gguf::{GgufFile, MetaValue};
 use crate::loader::LoadError;
-use serde_json::{json, Value};
+use crate::loader::gguf::{GgufFile, MetaValue};
+use serde_json::{Value, json};
 use std::path::Path;
 use tokenizers::Tokenizer;
 
@@ -32,7 +32,11 @@ impl ModelTokenizer {
         let path = f.path();
         let model = f.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
-            return Err(LoadError::metadata(path, "tokenizer.ggml.model", format!("{model:?} tokenizers are not supported; use the model's Hugging Face directory")));
+            return Err(LoadError::metadata(
+                path,
+                "tokenizer.ggml.model",
+                format!("{model:?} tokenizers are not supported; use the model's Hugging Face directory"),
+            ));
         }
         let tokens = string_array(f, "tokenizer.ggml.tokens")?;
         let merges = string_array(f, "tokenizer.ggml.merges")?;
@@ -41,11 +45,17 @@ impl ModelTokenizer {
             None => vec![1; tokens.len()],
         };
         let pre = f.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-        let spec = bpe_tokenizer_json(&tokens, &merges, &types, pre_tokenizer(pre).ok_or_else(|| {
-            LoadError::metadata(path, "tokenizer.ggml.pre", format!("pre-tokenizer {pre:?} is not supported"))
-        })?);
+        let spec = bpe_tokenizer_json(
+            &tokens,
+            &merges,
+            &types,
+            pre_tokenizer(pre).ok_or_else(|| {
+                LoadError::metadata(path, "tokenizer.ggml.pre", format!("pre-tokenizer {pre:?} is not supported"))
+            })?,
+        );
         let json = spec.to_string();
-        let inner = Tokenizer::from_bytes(json.as_bytes()).map_err(|e| LoadError::format(path, format!("tokenizer: {e}")))?;
+        let inner =
+            Tokenizer::from_bytes(json.as_bytes()).map_err(|e| LoadError::format(path, format!("tokenizer: {e}")))?;
         let token = |key: &str| -> Option<TokenInfo> {
             let id = f.get(key)?.as_u64()? as u32;
             Some(TokenInfo { id, text: tokens.get(id as usize)?.clone() })
@@ -80,7 +90,9 @@ impl ModelTokenizer {
         let chat_template = match config.get("chat_template") {
             Some(Value::String(t)) => Some(t.clone()),
             // A list of named templates: the default one.
-            Some(Value::Array(list)) => list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string),
+            Some(Value::Array(list)) => {
+                list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string)
+            }
             _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
         };
         Ok(Self {
@@ -97,11 +109,10 @@ impl ModelTokenizer {
     /// prepended when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, tokenizers::Error> {
         let mut ids = self.inner.encode_fast(text, false)?.get_ids().to_vec();
-        if let (true, Some(bos)) = (self.add_bos, &self.bos) {
-            if ids.first() != Some(&bos.id) {
+        if let (true, Some(bos)) = (self.add_bos, &self.bos)
+            && ids.first() != Some(&bos.id) {
                 ids.insert(0, bos.id);
             }
-        }
         Ok(ids)
     }
 
@@ -120,7 +131,10 @@ impl ModelTokenizer {
 }
 
 fn string_array(f: &GgufFile, key: &str) -> Result<Vec<String>, LoadError> {
-    let items = f.get(key).and_then(|v| v.as_array()).ok_or_else(|| LoadError::metadata(f.path(), key, "missing or not an array"))?;
+    let items = f
+        .get(key)
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| LoadError::metadata(f.path(), key, "missing or not an array"))?;
     items
         .iter()
         .map(|v| v.as_str().map(str::to_string).ok_or_else(|| LoadError::metadata(f.path(), key, "holds a non-string")))
@@ -129,7 +143,8 @@ fn string_array(f: &GgufFile, key: &str) -> Result<Vec<String>, LoadError> {
 
 // The split patterns of the pre-tokenizers llama.cpp names, as Hugging Face writes them.
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The Hugging Face pre-tokenizer equivalent to llama.cpp's pre-tokenizer type `pre`.
 fn pre_tokenizer(pre: &str) -> Option<Value> {
@@ -140,7 +155,9 @@ fn pre_tokenizer(pre: &str) -> Option<Value> {
         // Starcoder-family vocabularies: every digit alone, then GPT-2's split.
         "smollm" | "starcoder" | "refact" => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-        "llama3" | "llama-bpe" => json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_PATTERN), byte_level(false)]}),
+        "llama3" | "llama-bpe" => {
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_PATTERN), byte_level(false)]})
+        }
         "qwen2" => json!({"type": "Sequence", "pretokenizers": [split(QWEN2_PATTERN), byte_level(false)]}),
         _ => return None,
     })

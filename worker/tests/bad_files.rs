@@ -6,9 +6,9 @@ mod common;
 use common::data_dir;
 use std::path::{Path, PathBuf};
 use tessera_kernels::cpu::CpuBackend;
+use tessera_worker::loader::LoadError;
 use tessera_worker::loader::gguf::{GgufFile, MetaValue};
 use tessera_worker::loader::gguf_writer::{GgufTensor, write_gguf};
-use tessera_worker::loader::LoadError;
 use tessera_worker::model::{Model, ModelConfig, ModelError};
 
 struct Scratch(PathBuf);
@@ -161,7 +161,13 @@ fn a_shape_mismatch_names_tensor_and_shapes() {
     let err = load(&s.write("shape.gguf", &bytes)).err().unwrap();
     let text = message(&err);
     assert!(matches!(err, ModelError::Load(LoadError::ShapeMismatch { .. })), "{text}");
-    assert!(text.contains("shape.gguf") && text.contains("blk.0.attn_k.weight") && text.contains("[8, 8]") && text.contains("[4, 8]"), "{text}");
+    assert!(
+        text.contains("shape.gguf")
+            && text.contains("blk.0.attn_k.weight")
+            && text.contains("[8, 8]")
+            && text.contains("[4, 8]"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -35,12 +35,32 @@ fn variants() -> Vec<Variant> {
         c
     };
     vec![
-        Variant { name: "llama2", config: with(json!({"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": false})) },
-        Variant { name: "llama3", config: with(json!({"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "rope_theta": 500000.0,
+        Variant {
+            name: "llama2",
+            config: with(
+                json!({"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": false}),
+            ),
+        },
+        Variant {
+            name: "llama3",
+            config: with(
+                json!({"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "rope_theta": 500000.0,
             "tie_word_embeddings": true,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})) },
-        Variant { name: "mistral", config: with(json!({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 1, "rope_theta": 1e6, "tie_word_embeddings": false})) },
-        Variant { name: "qwen2", config: with(json!({"architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "rope_theta": 1e6, "tie_word_embeddings": true})) },
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+            ),
+        },
+        Variant {
+            name: "mistral",
+            config: with(
+                json!({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 1, "rope_theta": 1e6, "tie_word_embeddings": false}),
+            ),
+        },
+        Variant {
+            name: "qwen2",
+            config: with(
+                json!({"architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "rope_theta": 1e6, "tie_word_embeddings": true}),
+            ),
+        },
     ]
 }
 
@@ -109,8 +129,12 @@ fn inv_freq(c: &Value, hd: usize) -> Vec<f64> {
         .map(|i| {
             let f = theta.powf(-((2 * i) as f64) / hd as f64);
             let Some(s) = c.get("rope_scaling") else { return f };
-            let (factor, lo, hi, orig) = (s["factor"].as_f64().unwrap(), s["low_freq_factor"].as_f64().unwrap(),
-                s["high_freq_factor"].as_f64().unwrap(), s["original_max_position_embeddings"].as_f64().unwrap());
+            let (factor, lo, hi, orig) = (
+                s["factor"].as_f64().unwrap(),
+                s["low_freq_factor"].as_f64().unwrap(),
+                s["high_freq_factor"].as_f64().unwrap(),
+                s["original_max_position_embeddings"].as_f64().unwrap(),
+            );
             let wavelen = 2.0 * std::f64::consts::PI / f;
             if wavelen < orig / hi {
                 f
@@ -144,7 +168,8 @@ fn reference_forward(c: &Value, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let eps = c["rms_norm_eps"].as_f64().unwrap();
     let freqs = inv_freq(c, hd);
     let embed = &w["model.embed_tokens.weight"];
-    let mut h: Vec<Vec<f64>> = tokens.iter().map(|&t| embed.1[t as usize * d..][..d].iter().map(|v| *v as f64).collect()).collect();
+    let mut h: Vec<Vec<f64>> =
+        tokens.iter().map(|&t| embed.1[t as usize * d..][..d].iter().map(|v| *v as f64).collect()).collect();
     for l in 0..u("num_hidden_layers") {
         let p = |n: &str| format!("model.layers.{l}.{n}");
         let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
@@ -164,7 +189,9 @@ fn reference_forward(c: &Value, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
                 let kvh = head / (heads / kv_heads);
                 let q = &qs[pos][head * hd..][..hd];
                 let scores: Vec<f64> = (0..=pos)
-                    .map(|j| q.iter().zip(&ks[j][kvh * hd..][..hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|j| {
+                        q.iter().zip(&ks[j][kvh * hd..][..hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                    })
                     .collect();
                 let max = scores.iter().copied().fold(f64::MIN, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
@@ -209,15 +236,24 @@ fn every_variant_matches_the_dense_f64_forward_in_prefill_and_decode() {
         // Whole prompt in one forward; blocks of 4 tokens handed out back to front.
         let mut kv = model.new_kv_cache(8, 4).unwrap();
         let table = [7, 6, 5, 4, 3, 2, 1, 0];
-        let got = model.forward(&[SeqInput { tokens: &PROMPT, cached: 0, block_table: &table, logits: true }], &mut kv).unwrap();
+        let got = model
+            .forward(&[SeqInput { tokens: &PROMPT, cached: 0, block_table: &table, logits: true }], &mut kv)
+            .unwrap();
         let err = max_diff(&got, want.last().unwrap());
         assert!(err < 1e-4, "{}: prefill logits differ by {err}", v.name);
 
         // Prefill 8, then decode the rest one token at a time from the cache.
         let mut kv = model.new_kv_cache(8, 4).unwrap();
-        model.forward(&[SeqInput { tokens: &PROMPT[..8], cached: 0, block_table: &table, logits: false }], &mut kv).unwrap();
+        model
+            .forward(&[SeqInput { tokens: &PROMPT[..8], cached: 0, block_table: &table, logits: false }], &mut kv)
+            .unwrap();
         for pos in 8..PROMPT.len() {
-            let got = model.forward(&[SeqInput { tokens: &PROMPT[pos..=pos], cached: pos, block_table: &table, logits: true }], &mut kv).unwrap();
+            let got = model
+                .forward(
+                    &[SeqInput { tokens: &PROMPT[pos..=pos], cached: pos, block_table: &table, logits: true }],
+                    &mut kv,
+                )
+                .unwrap();
             let err = max_diff(&got, &want[pos]);
             assert!(err < 1e-4, "{}: decode at {pos} differs by {err}", v.name);
         }

@@ -10,13 +10,16 @@ use safetensors::tensor::TensorView;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tessera_kernels::cpu::CpuBackend;
+use tessera_worker::generate::SingleSequence;
 use tessera_worker::load::load_model;
+use tessera_worker::loader::TensorSource;
 use tessera_worker::loader::gguf::GgufFile;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
-use tessera_worker::loader::TensorSource;
-use tessera_worker::model::config::{LayerTensor, Tensor, TensorNaming};
 use tessera_worker::model::ModelConfig;
-use tessera_worker::generate::SingleSequence;
+use tessera_worker::model::config::{LayerTensor, Tensor, TensorNaming};
+
+/// A tensor under its name: shape and f32 values.
+type Named<'a> = (&'a String, &'a (Vec<usize>, Vec<f32>));
 
 /// llama.cpp's converter interleaves each head's rotary halves in Q/K rows; undo it:
 /// GGUF row `2i + half` of a head is Hugging Face row `half·d/2 + i`.
@@ -48,8 +51,12 @@ fn hf_tensors(gguf: &GgufFile, config: &ModelConfig) -> BTreeMap<String, (Vec<us
             let mut tensor = gguf.load(&config.tensor_name(t)).unwrap();
             let cols = config.hidden_size;
             match t {
-                Tensor::Layer(_, LayerTensor::Q) => tensor.data = unpermute(&tensor.data, config.num_heads, config.head_dim, cols),
-                Tensor::Layer(_, LayerTensor::K) => tensor.data = unpermute(&tensor.data, config.num_kv_heads, config.head_dim, cols),
+                Tensor::Layer(_, LayerTensor::Q) => {
+                    tensor.data = unpermute(&tensor.data, config.num_heads, config.head_dim, cols)
+                }
+                Tensor::Layer(_, LayerTensor::K) => {
+                    tensor.data = unpermute(&tensor.data, config.num_kv_heads, config.head_dim, cols)
+                }
                 _ => {}
             }
             (hf.tensor_name(t), (tensor.shape, tensor.data))
@@ -66,13 +73,20 @@ fn encode(dtype: Dtype, data: &[f32]) -> Vec<u8> {
     }
 }
 
-fn write_shard(path: &Path, tensors: &[(&String, &(Vec<usize>, Vec<f32>))], dtype: Dtype) {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.iter().map(|(n, (s, d))| (n.to_string(), s.clone(), encode(dtype, d))).collect();
+fn write_shard(path: &Path, tensors: &[Named<'_>], dtype: Dtype) {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, (s, d))| (n.to_string(), s.clone(), encode(dtype, d))).collect();
     let views = bytes.iter().map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()));
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
-fn write_dir(dir: &Path, config: &ModelConfig, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>, dtype: Dtype, shards: usize) {
+fn write_dir(
+    dir: &Path,
+    config: &ModelConfig,
+    tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    dtype: Dtype,
+    shards: usize,
+) {
     std::fs::create_dir_all(dir).unwrap();
     let all: Vec<_> = tensors.iter().collect();
     if shards == 1 {
@@ -100,7 +114,8 @@ fn write_dir(dir: &Path, config: &ModelConfig, tensors: &BTreeMap<String, (Vec<u
     std::fs::write(dir.join("config.json"), hf_config.to_string()).unwrap();
     let tok = &smollm2().tokenizer;
     std::fs::write(dir.join("tokenizer.json"), &tok.json).unwrap();
-    let tok_config = serde_json::json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tok.chat_template});
+    let tok_config =
+        serde_json::json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tok.chat_template});
     std::fs::write(dir.join("tokenizer_config.json"), tok_config.to_string()).unwrap();
 }
 
@@ -156,7 +171,8 @@ fn a_directory_without_weights_or_with_a_broken_index_is_an_error() {
     std::fs::write(dir.join("model.safetensors.index.json"), "{\"weight_map\": 3}").unwrap();
     let err = SafetensorsDir::open(&dir).err().unwrap();
     assert!(err.to_string().contains("weight_map"), "{err}");
-    std::fs::write(dir.join("model.safetensors.index.json"), "{\"weight_map\": {\"a\": \"gone.safetensors\"}}").unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), "{\"weight_map\": {\"a\": \"gone.safetensors\"}}")
+        .unwrap();
     let err = SafetensorsDir::open(&dir).err().unwrap();
     assert!(err.to_string().contains("gone.safetensors"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();

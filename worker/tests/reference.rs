@@ -41,7 +41,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn matches_llama_cpp_logits_and_greedy_tokens() {
     let loaded = smollm2();
-    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(data_dir().join("reference.json")).unwrap()).unwrap();
+    let fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string(data_dir().join("reference.json")).unwrap()).unwrap();
     let vocab = fixture["vocab"].as_u64().unwrap() as usize;
     assert_eq!(vocab, loaded.model.config.vocab_size);
     let (f32_logits, q4_logits) = (logits("reference_logits_f32.bin"), logits("reference_logits_q4_1.bin"));
@@ -68,7 +69,10 @@ fn matches_llama_cpp_logits_and_greedy_tokens() {
         assert_eq!(want_tokens.len(), 32);
         let run = greedy(&loaded.model, &ids, want_tokens.len(), &[]).unwrap();
         let row = i * vocab..(i + 1) * vocab;
-        let (d_f32, d_q4) = (max_abs_diff(&run.first_logits, &f32_logits[row.clone()]), max_abs_diff(&run.first_logits, &q4_logits[row.clone()]));
+        let (d_f32, d_q4) = (
+            max_abs_diff(&run.first_logits, &f32_logits[row.clone()]),
+            max_abs_diff(&run.first_logits, &q4_logits[row.clone()]),
+        );
         eprintln!("prompt {i}: max |Δlogit| {d_f32:.5} against F32, {d_q4:.3} against Q4_1");
         (worst_f32, worst_q4) = (worst_f32.max(d_f32), worst_q4.max(d_q4));
         assert!(d_f32 <= F32_LOGIT_BOUND, "prompt {i}: logits differ from llama.cpp F32 by {d_f32}");

@@ -10,7 +10,8 @@ use tessera_worker::loader::gguf::GgufFile;
 use tessera_worker::tokenizer::ModelTokenizer;
 
 fn cases() -> Vec<(String, Vec<u32>)> {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(data_dir().join("tokenizer_cases.json")).unwrap()).unwrap();
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(data_dir().join("tokenizer_cases.json")).unwrap()).unwrap();
     v.as_array()
         .unwrap()
         .iter()

@@ -4,10 +4,10 @@
 //! computes each (query row, head) with an online softmax over the sequence's keys, so
 //! no `[q, k]` score matrix is ever materialised.
 
-use super::matmul::dot;
 use super::CpuBackend;
-use crate::{AttentionShape, KernelError, PagedBatch, Result};
+use super::matmul::dot;
 use crate::error::expect_len;
+use crate::{AttentionShape, KernelError, PagedBatch, Result};
 use rayon::prelude::*;
 
 pub(super) fn write_kv(
@@ -89,7 +89,7 @@ fn validate(
     shape: &AttentionShape,
 ) -> Result<Vec<Row>> {
     const OP: &str = "paged_attention";
-    if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+    if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
         return Err(KernelError::shape(OP, format!("{} heads over {} KV heads", shape.num_heads, shape.num_kv_heads)));
     }
     expect_len(OP, "query_start", batch.query_start.len(), batch.num_seqs + 1)?;
@@ -104,18 +104,33 @@ fn validate(
         let (start, end) = (batch.query_start[seq] as usize, batch.query_start[seq + 1] as usize);
         let context = batch.context_lens[seq] as usize;
         if start != rows.len() {
-            return Err(KernelError::shape(OP, format!("sequence {seq} starts at row {start}, expected {}", rows.len())));
+            return Err(KernelError::shape(
+                OP,
+                format!("sequence {seq} starts at row {start}, expected {}", rows.len()),
+            ));
         }
         if end < start || end - start > context {
-            return Err(KernelError::shape(OP, format!("sequence {seq}: {} queries for a context of {context}", end.wrapping_sub(start))));
+            return Err(KernelError::shape(
+                OP,
+                format!("sequence {seq}: {} queries for a context of {context}", end.wrapping_sub(start)),
+            ));
         }
         let blocks = context.div_ceil(shape.block_size);
         if blocks > batch.max_blocks_per_seq {
-            return Err(KernelError::shape(OP, format!("sequence {seq}: context {context} needs {blocks} blocks, table has {}", batch.max_blocks_per_seq)));
+            return Err(KernelError::shape(
+                OP,
+                format!(
+                    "sequence {seq}: context {context} needs {blocks} blocks, table has {}",
+                    batch.max_blocks_per_seq
+                ),
+            ));
         }
         let table = &batch.block_tables[seq * batch.max_blocks_per_seq..][..blocks];
         if let Some(b) = table.iter().find(|&&b| b as usize >= blocks_in_cache) {
-            return Err(KernelError::shape(OP, format!("sequence {seq}: block {b} outside a cache of {blocks_in_cache}")));
+            return Err(KernelError::shape(
+                OP,
+                format!("sequence {seq}: block {b} outside a cache of {blocks_in_cache}"),
+            ));
         }
         let first_pos = context - (end - start);
         rows.extend((0..end - start).map(|i| Row { seq, keys: first_pos + i + 1 }));

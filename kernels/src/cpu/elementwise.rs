@@ -20,7 +20,7 @@ pub(super) fn embedding(ids: &[u32], table: &CpuWeight) -> Result<Vec<f32>> {
 
 pub(super) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
     let d = weight.len();
-    if d == 0 || x.len() % d != 0 {
+    if d == 0 || !x.len().is_multiple_of(d) {
         return Err(KernelError::shape("rms_norm", format!("input of {} floats is not rows of {d}", x.len())));
     }
     let mut out = vec![0.0; x.len()];
@@ -48,8 +48,7 @@ pub(super) fn rope(
         return Err(KernelError::shape("rope", format!("{half} frequencies for head_dim {head_dim}")));
     }
     x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(token, &pos)| {
-        let (sin, cos): (Vec<f32>, Vec<f32>) =
-            inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
+        let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
         for head in token.chunks_mut(head_dim) {
             for i in 0..half {
                 let (a, b) = match style {
@@ -66,8 +65,11 @@ pub(super) fn rope(
 }
 
 pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
-    if width == 0 || gate_up.len() % (2 * width) != 0 {
-        return Err(KernelError::shape("silu_mul", format!("input of {} floats is not rows of 2×{width}", gate_up.len())));
+    if width == 0 || !gate_up.len().is_multiple_of(2 * width) {
+        return Err(KernelError::shape(
+            "silu_mul",
+            format!("input of {} floats is not rows of 2×{width}", gate_up.len()),
+        ));
     }
     let rows = gate_up.len() / (2 * width);
     let mut out = vec![0.0; rows * width];
@@ -81,7 +83,7 @@ pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
 }
 
 pub(super) fn softmax(x: &mut [f32], cols: usize) -> Result<()> {
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::shape("softmax", format!("input of {} floats is not rows of {cols}", x.len())));
     }
     x.par_chunks_mut(cols).for_each(softmax_row);
@@ -101,7 +103,7 @@ pub(crate) fn softmax_row(row: &mut [f32]) {
 }
 
 pub(super) fn gather_rows(x: &[f32], cols: usize, rows: &[u32]) -> Result<Vec<f32>> {
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::shape("gather_rows", format!("input of {} floats is not rows of {cols}", x.len())));
     }
     let n = x.len() / cols;
@@ -118,7 +120,7 @@ pub(super) fn gather_rows(x: &[f32], cols: usize, rows: &[u32]) -> Result<Vec<f3
 
 pub(super) fn split_columns(x: &[f32], widths: &[usize]) -> Result<Vec<Vec<f32>>> {
     let total: usize = widths.iter().sum();
-    if total == 0 || x.len() % total != 0 {
+    if total == 0 || !x.len().is_multiple_of(total) {
         return Err(KernelError::shape("split_columns", format!("input of {} floats is not rows of {total}", x.len())));
     }
     let rows = x.len() / total;

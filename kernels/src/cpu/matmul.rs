@@ -9,11 +9,7 @@ use rayon::prelude::*;
 const DOT_ROWS: usize = 4;
 
 pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>) -> Vec<f32> {
-    let mut out = if tokens <= DOT_ROWS {
-        small_batch(x, tokens, w)
-    } else {
-        gemm_batch(x, tokens, w)
-    };
+    let mut out = if tokens <= DOT_ROWS { small_batch(x, tokens, w) } else { gemm_batch(x, tokens, w) };
     if let Some(b) = bias {
         out.par_chunks_mut(w.rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
     }

@@ -54,13 +54,7 @@ impl Backend for CpuBackend {
         elementwise::embedding(ids, table)
     }
 
-    fn linear(
-        &self,
-        x: &Vec<f32>,
-        tokens: usize,
-        w: &CpuWeight,
-        bias: Option<&Vec<f32>>,
-    ) -> Result<Vec<f32>> {
+    fn linear(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, bias: Option<&Vec<f32>>) -> Result<Vec<f32>> {
         expect_len("linear", "input", x.len(), tokens * w.cols)?;
         if let Some(b) = bias {
             expect_len("linear", "bias", b.len(), w.rows)?;

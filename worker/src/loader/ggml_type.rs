@@ -69,16 +69,16 @@ impl GgmlType {
 
     /// Bytes for `elems` elements, or None when they do not fill whole blocks.
     pub fn bytes_for(self, elems: usize) -> Option<usize> {
-        (elems % self.block_elems() == 0).then(|| elems / self.block_elems() * self.block_bytes())
+        elems.is_multiple_of(self.block_elems()).then(|| elems / self.block_elems() * self.block_bytes())
     }
 }
 
 /// A name for a type id, known to us or not, for error messages.
 pub fn type_name(id: u32) -> String {
     const NAMES: [&str; 31] = [
-        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
-        "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
-        "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16",
+        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+        "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16",
+        "I32", "I64", "F64", "IQ1_M", "BF16",
     ];
     match NAMES.get(id as usize) {
         Some(n) => format!("{n} (id {id})"),

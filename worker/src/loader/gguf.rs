@@ -129,7 +129,11 @@ impl GgufFile {
             let name = r.string(&format!("the name of tensor {i}"))?;
             let n_dims = r.u32(&format!("tensor {name}"))?;
             if n_dims > 8 {
-                return Err(LoadError::BadTensor { file: path.into(), tensor: name, detail: format!("{n_dims} dimensions") });
+                return Err(LoadError::BadTensor {
+                    file: path.into(),
+                    tensor: name,
+                    detail: format!("{n_dims} dimensions"),
+                });
             }
             let mut dims = (0..n_dims).map(|_| r.u64(&format!("tensor {name}"))).collect::<Result<Vec<_>, _>>()?;
             dims.reverse();
@@ -139,9 +143,10 @@ impl GgufFile {
         }
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).ok_or_else(|| {
-                LoadError::metadata(path, "general.alignment", "must be a power of two")
-            })?,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two())
+                .ok_or_else(|| LoadError::metadata(path, "general.alignment", "must be a power of two"))?,
         };
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
         let tensors = raw
@@ -195,7 +200,8 @@ impl TensorSource for GgufFile {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, LoadError> {
-        let info = self.info(name).ok_or_else(|| LoadError::MissingTensor { file: self.path.clone(), tensor: name.into() })?;
+        let info =
+            self.info(name).ok_or_else(|| LoadError::MissingTensor { file: self.path.clone(), tensor: name.into() })?;
         Ok(HostTensor { shape: info.shape.clone(), data: dequantize(info.ty, self.raw(info)) })
     }
 }
@@ -213,14 +219,20 @@ fn tensor_info(
     let Some(kind) = GgmlType::from_id(ty) else {
         return Err(LoadError::UnsupportedTensorType { file: path.into(), tensor: name, ty: type_name(ty) });
     };
-    let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+    let elems = shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
     let elems = usize::try_from(elems).map_err(|_| bad(format!("shape {shape:?} too large")))?;
     let inner = *shape.last().unwrap_or(&1) as usize;
-    if inner % kind.block_elems() != 0 {
+    if !inner.is_multiple_of(kind.block_elems()) {
         return Err(bad(format!("row of {inner} elements is not whole {kind:?} blocks of {}", kind.block_elems())));
     }
     let len = kind.bytes_for(elems).ok_or_else(|| bad(format!("{elems} elements are not whole blocks")))?;
-    let start = data_start.checked_add(offset).and_then(|s| usize::try_from(s).ok()).filter(|s| s.checked_add(len).is_some_and(|e| e <= file_len));
+    let start = data_start
+        .checked_add(offset)
+        .and_then(|s| usize::try_from(s).ok())
+        .filter(|s| s.checked_add(len).is_some_and(|e| e <= file_len));
     let Some(start) = start else {
         return Err(LoadError::Truncated { file: path.into(), what: format!("the data of tensor {name}") });
     };

@@ -16,7 +16,12 @@ pub struct GgufTensor {
 
 impl GgufTensor {
     pub fn f32(name: &str, shape: &[usize], values: &[f32]) -> Self {
-        Self { name: name.into(), shape: shape.to_vec(), ty: 0, data: values.iter().flat_map(|v| v.to_le_bytes()).collect() }
+        Self {
+            name: name.into(),
+            shape: shape.to_vec(),
+            ty: 0,
+            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
     }
 }
 

@@ -33,10 +33,17 @@ impl SafetensorsDir {
     }
 
     fn view(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>), LoadError> {
-        let &i = self.index.get(name).ok_or_else(|| LoadError::MissingTensor { file: self.dir.clone(), tensor: name.into() })?;
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| LoadError::MissingTensor { file: self.dir.clone(), tensor: name.into() })?;
         let (path, map) = &self.shards[i];
         let st = SafeTensors::deserialize(map).map_err(|e| LoadError::format(path, e.to_string()))?;
-        let view = st.tensor(name).map_err(|e| LoadError::BadTensor { file: path.clone(), tensor: name.into(), detail: e.to_string() })?;
+        let view = st.tensor(name).map_err(|e| LoadError::BadTensor {
+            file: path.clone(),
+            tensor: name.into(),
+            detail: e.to_string(),
+        })?;
         Ok((path, view))
     }
 }
@@ -46,14 +53,17 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     let index_path = dir.join("model.safetensors.index.json");
     if index_path.exists() {
         let text = std::fs::read_to_string(&index_path).map_err(|e| LoadError::io(&index_path, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::format(&index_path, e.to_string()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| LoadError::format(&index_path, e.to_string()))?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| LoadError::metadata(&index_path, "weight_map", "missing or not an object"))?;
         let mut files: Vec<PathBuf> = Vec::new();
         for shard in map.values() {
-            let name = shard.as_str().ok_or_else(|| LoadError::metadata(&index_path, "weight_map", "a shard name is not a string"))?;
+            let name = shard
+                .as_str()
+                .ok_or_else(|| LoadError::metadata(&index_path, "weight_map", "a shard name is not a string"))?;
             let path = dir.join(name);
             if !files.contains(&path) {
                 files.push(path);
@@ -86,7 +96,11 @@ impl TensorSource for SafetensorsDir {
             Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             other => {
-                return Err(LoadError::UnsupportedTensorType { file: path.into(), tensor: name.into(), ty: format!("{other:?}") });
+                return Err(LoadError::UnsupportedTensorType {
+                    file: path.into(),
+                    tensor: name.into(),
+                    ty: format!("{other:?}"),
+                });
             }
         };
         Ok(HostTensor { shape: view.shape().to_vec(), data })

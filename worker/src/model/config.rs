@@ -1,8 +1,8 @@
 //! The decoder's hyper-parameters, read from GGUF metadata or a Hugging Face
 //! config.json, and the one place that knows how each format names its tensors.
 
-use crate::loader::gguf::GgufFile;
 use crate::loader::LoadError;
+use crate::loader::gguf::GgufFile;
 use serde::Deserialize;
 use std::path::Path;
 use tessera_kernels::RopeStyle;
@@ -88,7 +88,8 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             vocab_size,
-            rms_norm_eps: f.get(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
+            rms_norm_eps: f.get(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-5)
+                as f32,
             rope_theta: f.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10_000.0),
             // llama.cpp permutes Q/K rows of llama-arch models for interleaved RoPE;
             // qwen2 keeps the Hugging Face layout.
@@ -121,7 +122,11 @@ impl ModelConfig {
             Some(s) => {
                 let kind = s.rope_type.clone().or(s.kind.clone()).unwrap_or_default();
                 if kind != "default" {
-                    return Err(LoadError::metadata(path, "rope_scaling", format!("rope type {kind:?} is not supported")));
+                    return Err(LoadError::metadata(
+                        path,
+                        "rope_scaling",
+                        format!("rope type {kind:?} is not supported"),
+                    ));
                 }
                 None
             }
@@ -151,10 +156,13 @@ impl ModelConfig {
 
     fn validate(self, file: &Path) -> Result<Self, LoadError> {
         let bad = |key: &str, detail: String| Err(LoadError::metadata(file, key, detail));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad("head_count_kv", format!("{} heads cannot share {} KV heads", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return bad(
+                "head_count_kv",
+                format!("{} heads cannot share {} KV heads", self.num_heads, self.num_kv_heads),
+            );
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad("head_dim", format!("{} is not a positive even number", self.head_dim));
         }
         if self.hidden_size == 0 || self.num_layers == 0 || self.vocab_size == 0 || self.intermediate_size == 0 {
@@ -198,40 +206,46 @@ impl ModelConfig {
                 FinalNorm => "output_norm.weight".into(),
                 LmHead => "output.weight".into(),
                 RopeFreqs => "rope_freqs.weight".into(),
-                Layer(l, p) => format!("blk.{l}.{}", match p {
-                    LayerTensor::AttnNorm => "attn_norm.weight",
-                    LayerTensor::Q => "attn_q.weight",
-                    LayerTensor::K => "attn_k.weight",
-                    LayerTensor::V => "attn_v.weight",
-                    LayerTensor::QBias => "attn_q.bias",
-                    LayerTensor::KBias => "attn_k.bias",
-                    LayerTensor::VBias => "attn_v.bias",
-                    LayerTensor::O => "attn_output.weight",
-                    LayerTensor::FfnNorm => "ffn_norm.weight",
-                    LayerTensor::Gate => "ffn_gate.weight",
-                    LayerTensor::Up => "ffn_up.weight",
-                    LayerTensor::Down => "ffn_down.weight",
-                }),
+                Layer(l, p) => format!(
+                    "blk.{l}.{}",
+                    match p {
+                        LayerTensor::AttnNorm => "attn_norm.weight",
+                        LayerTensor::Q => "attn_q.weight",
+                        LayerTensor::K => "attn_k.weight",
+                        LayerTensor::V => "attn_v.weight",
+                        LayerTensor::QBias => "attn_q.bias",
+                        LayerTensor::KBias => "attn_k.bias",
+                        LayerTensor::VBias => "attn_v.bias",
+                        LayerTensor::O => "attn_output.weight",
+                        LayerTensor::FfnNorm => "ffn_norm.weight",
+                        LayerTensor::Gate => "ffn_gate.weight",
+                        LayerTensor::Up => "ffn_up.weight",
+                        LayerTensor::Down => "ffn_down.weight",
+                    }
+                ),
             },
             TensorNaming::HuggingFace => match t {
                 Embed => "model.embed_tokens.weight".into(),
                 FinalNorm => "model.norm.weight".into(),
                 LmHead => "lm_head.weight".into(),
                 RopeFreqs => "rope_freqs.weight".into(),
-                Layer(l, p) => format!("model.layers.{l}.{}", match p {
-                    LayerTensor::AttnNorm => "input_layernorm.weight",
-                    LayerTensor::Q => "self_attn.q_proj.weight",
-                    LayerTensor::K => "self_attn.k_proj.weight",
-                    LayerTensor::V => "self_attn.v_proj.weight",
-                    LayerTensor::QBias => "self_attn.q_proj.bias",
-                    LayerTensor::KBias => "self_attn.k_proj.bias",
-                    LayerTensor::VBias => "self_attn.v_proj.bias",
-                    LayerTensor::O => "self_attn.o_proj.weight",
-                    LayerTensor::FfnNorm => "post_attention_layernorm.weight",
-                    LayerTensor::Gate => "mlp.gate_proj.weight",
-                    LayerTensor::Up => "mlp.up_proj.weight",
-                    LayerTensor::Down => "mlp.down_proj.weight",
-                }),
+                Layer(l, p) => format!(
+                    "model.layers.{l}.{}",
+                    match p {
+                        LayerTensor::AttnNorm => "input_layernorm.weight",
+                        LayerTensor::Q => "self_attn.q_proj.weight",
+                        LayerTensor::K => "self_attn.k_proj.weight",
+                        LayerTensor::V => "self_attn.v_proj.weight",
+                        LayerTensor::QBias => "self_attn.q_proj.bias",
+                        LayerTensor::KBias => "self_attn.k_proj.bias",
+                        LayerTensor::VBias => "self_attn.v_proj.bias",
+                        LayerTensor::O => "self_attn.o_proj.weight",
+                        LayerTensor::FfnNorm => "post_attention_layernorm.weight",
+                        LayerTensor::Gate => "mlp.gate_proj.weight",
+                        LayerTensor::Up => "mlp.up_proj.weight",
+                        LayerTensor::Down => "mlp.down_proj.weight",
+                    }
+                ),
             },
         }
     }
@@ -340,7 +354,8 @@ mod tests {
 
     #[test]
     fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
-        let s = Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192.0 };
+        let s =
+            Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192.0 };
         // Wavelength 2π < 2048: unchanged.
         assert_eq!(llama3_scale(1.0, &s), 1.0);
         // Wavelength 2π·10⁴ > 8192: divided by the factor.
@@ -355,18 +370,30 @@ mod tests {
     fn hf_config_reads_qwen2_and_llama3() {
         let dir = std::env::temp_dir().join(format!("tessera-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let qwen = write(&dir, r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"rope_theta":1000000.0}"#);
+        let qwen = write(
+            &dir,
+            r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"rope_theta":1000000.0}"#,
+        );
         let c = ModelConfig::from_hf_config(&qwen).unwrap();
-        assert_eq!((c.architecture, c.attention_bias, c.head_dim, c.rope_style), (Architecture::Qwen2, true, 16, RopeStyle::Neox));
-        let llama = write(&dir, r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+        assert_eq!(
+            (c.architecture, c.attention_bias, c.head_dim, c.rope_style),
+            (Architecture::Qwen2, true, 16, RopeStyle::Neox)
+        );
+        let llama = write(
+            &dir,
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,
-            "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#);
+            "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        );
         let c = ModelConfig::from_hf_config(&llama).unwrap();
         assert_eq!(c.llama3_scaling.unwrap().factor, 32.0);
         assert_eq!(c.num_kv_heads, 4);
-        let gpt2 = write(&dir, r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#);
+        let gpt2 = write(
+            &dir,
+            r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#,
+        );
         let err = ModelConfig::from_hf_config(&gpt2).unwrap_err();
         assert!(matches!(err, LoadError::UnsupportedArchitecture { .. }), "{err}");
         assert!(err.to_string().contains("config.json") && err.to_string().contains("GPT2LMHeadModel"));

@@ -1,10 +1,10 @@
 //! One forward pass over a flattened batch of sequences (prefill chunks and decodes
 //! mixed), reading and writing K/V through each sequence's block table.
 
+use super::ModelError;
 use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::weights::{self, Weights};
-use super::ModelError;
 use crate::loader::TensorSource;
 use tessera_kernels::{AttentionShape, Backend, PagedBatch};
 
@@ -134,11 +134,17 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Input(format!("sequence {i} has no tokens to run")));
             }
             if context > self.config.context_length {
-                return Err(ModelError::Input(format!("sequence {i}: {context} tokens exceed the context of {}", self.config.context_length)));
+                return Err(ModelError::Input(format!(
+                    "sequence {i}: {context} tokens exceed the context of {}",
+                    self.config.context_length
+                )));
             }
             let blocks = context.div_ceil(bs);
             if s.block_table.len() < blocks {
-                return Err(ModelError::Input(format!("sequence {i}: {blocks} blocks needed, {} given", s.block_table.len())));
+                return Err(ModelError::Input(format!(
+                    "sequence {i}: {blocks} blocks needed, {} given",
+                    s.block_table.len()
+                )));
             }
             if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
                 return Err(ModelError::Input(format!("sequence {i}: token id {t} is outside the vocabulary")));

@@ -1,8 +1,8 @@
 //! Loading a decoder's weights onto a backend: each tensor checked against the shape
 //! the config implies, Q/K/V and gate/up fused so each takes one matrix product.
 
-use super::config::{LayerTensor, ModelConfig, Tensor};
 use super::ModelError;
+use super::config::{LayerTensor, ModelConfig, Tensor};
 use crate::loader::{LoadError, TensorSource};
 use tessera_kernels::Backend;
 
@@ -48,7 +48,10 @@ impl Reader<'_> {
         let name = self.config.tensor_name(t);
         let file = self.source.describe().to_path_buf();
         let expected = self.config.tensor_shape(t);
-        let found = self.source.shape(&name).ok_or_else(|| LoadError::MissingTensor { file: file.clone(), tensor: name.clone() })?;
+        let found = self
+            .source
+            .shape(&name)
+            .ok_or_else(|| LoadError::MissingTensor { file: file.clone(), tensor: name.clone() })?;
         if found != expected {
             return Err(LoadError::ShapeMismatch { file, tensor: name, expected, found });
         }
@@ -65,7 +68,11 @@ impl Reader<'_> {
     }
 }
 
-pub fn load<B: Backend>(backend: &B, config: &ModelConfig, source: &dyn TensorSource) -> Result<Weights<B>, ModelError> {
+pub fn load<B: Backend>(
+    backend: &B,
+    config: &ModelConfig,
+    source: &dyn TensorSource,
+) -> Result<Weights<B>, ModelError> {
     let r = Reader { config, source };
     let (d, q, kv, ffn) = (config.hidden_size, config.q_width(), config.kv_width(), config.intermediate_size);
     let embed = backend.upload_weight(r.read(Tensor::Embed)?, config.vocab_size, d)?;

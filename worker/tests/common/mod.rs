@@ -7,6 +7,7 @@ use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::load::{LoadedModel, load_model};
 use tessera_worker::model_cache;
 
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
 pub fn data_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data")
 }
