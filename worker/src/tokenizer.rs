@@ -110,9 +110,10 @@ impl ModelTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, tokenizers::Error> {
         let mut ids = self.inner.encode_fast(text, false)?.get_ids().to_vec();
         if let (true, Some(bos)) = (self.add_bos, &self.bos)
-            && ids.first() != Some(&bos.id) {
-                ids.insert(0, bos.id);
-            }
+            && ids.first() != Some(&bos.id)
+        {
+            ids.insert(0, bos.id);
+        }
         Ok(ids)
     }
 
