@@ -8,9 +8,10 @@
 pub mod cpu;
 mod error;
 mod ops;
+pub mod quant;
 
 pub use error::KernelError;
-pub use ops::{AttentionShape, Backend, PagedBatch, RopeStyle};
+pub use ops::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
 
 pub type Result<T> = std::result::Result<T, KernelError>;
 

@@ -1,6 +1,7 @@
 //! The `Backend` trait: every op the model needs, and the shapes they share.
 
 use crate::Result;
+use crate::quant::GgmlType;
 
 /// How RoPE pairs the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +37,22 @@ impl AttentionShape {
     }
 }
 
+/// A weight matrix `[rows, cols]` as a model file holds it.
+#[derive(Debug, Clone)]
+pub struct HostWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+#[derive(Debug, Clone)]
+pub enum WeightData {
+    /// Row-major f32.
+    F32(Vec<f32>),
+    /// Rows of whole ggml blocks, row after row.
+    Blocks { ty: GgmlType, bytes: Vec<u8> },
+}
+
 /// A flattened batch of sequences for paged attention (varlen layout).
 ///
 /// Sequence `s` owns query rows `query_start[s]..query_start[s+1]`; after this step it
@@ -69,8 +86,8 @@ pub trait Backend: Send + Sync {
     fn upload_index(&self, data: &[u32]) -> Result<Self::Index>;
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn download(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
-    /// Takes a row-major `[rows, cols]` f32 matrix.
-    fn upload_weight(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Weight>;
+    /// Places a weight on the device, in whatever format it multiplies best.
+    fn upload_weight(&self, weight: HostWeight) -> Result<Self::Weight>;
 
     /// `out[t] = table[ids[t]]`, rows of `table.cols` floats.
     fn embedding(&self, ids: &Self::Index, table: &Self::Weight) -> Result<Self::Buffer>;

@@ -42,7 +42,7 @@ fn linear_matches_reference_for_decode_and_batched_shapes() {
     let mut rng = rng();
     for tokens in [1, 3, 4, 5, 17, 64] {
         let (rows, cols) = (rng.random_range(1..300), rng.random_range(1..300));
-        let w = CpuWeight { data: randn(&mut rng, rows * cols), rows, cols };
+        let w = CpuWeight::f32(randn(&mut rng, rows * cols), rows, cols);
         let x = randn(&mut rng, tokens * cols);
         let bias = randn(&mut rng, rows);
         let got = CpuBackend.linear(&x, tokens, &w, Some(&bias)).unwrap();
@@ -54,7 +54,7 @@ fn linear_matches_reference_for_decode_and_batched_shapes() {
 
 #[test]
 fn linear_rejects_wrong_input_size() {
-    let w = CpuWeight { data: vec![0.0; 6], rows: 2, cols: 3 };
+    let w = CpuWeight::f32(vec![0.0; 6], 2, 3);
     assert!(CpuBackend.linear(&vec![0.0; 5], 2, &w, None).is_err());
 }
 
@@ -154,7 +154,7 @@ fn softmax_matches_reference_even_with_large_logits() {
 #[test]
 fn embedding_and_gather_pick_rows_and_reject_bad_ids() {
     let mut rng = rng();
-    let table = CpuWeight { data: randn(&mut rng, 10 * 4), rows: 10, cols: 4 };
+    let table = CpuWeight::f32(randn(&mut rng, 10 * 4), 10, 4);
     let got = CpuBackend.embedding(&vec![3, 0, 9], &table).unwrap();
     assert_eq!(&got[0..4], &table.data[12..16]);
     assert_eq!(&got[4..8], &table.data[0..4]);

@@ -1,11 +1,12 @@
 //! Paged KV cache writes and causal attention read through block tables.
 //!
 //! Cache layout, per layer: `[blocks, block_size, num_kv_heads, head_dim]`. The kernel
-//! computes each (query row, head) with an online softmax over the sequence's keys, so
-//! no `[q, k]` score matrix is ever materialised.
+//! computes each (query row, head) on its own: the scores against the sequence's keys,
+//! their softmax, the weighted sum of values.
 
 use super::CpuBackend;
 use super::matmul::dot;
+use super::simd::fast;
 use crate::error::expect_len;
 use crate::{AttentionShape, KernelError, PagedBatch, Result};
 use rayon::prelude::*;
@@ -52,29 +53,38 @@ pub(super) fn paged_attention(
     let (hd, qw) = (shape.head_dim, shape.q_width());
     let group = shape.num_heads / shape.num_kv_heads;
     let mut out = vec![0.0f32; q.len()];
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+    let head = |i: usize, o: &mut [f32]| {
         let (row, head) = (&rows[i / shape.num_heads], i % shape.num_heads);
         let kv_head = head / group;
         let query = &q[i * hd..(i + 1) * hd];
         let table = &batch.block_tables[row.seq * batch.max_blocks_per_seq..];
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
-        for pos in 0..row.keys {
+        let at = |pos: usize| {
             let block = table[pos / shape.block_size] as usize;
-            let at = ((block * shape.block_size + pos % shape.block_size) * shape.num_kv_heads + kv_head) * hd;
-            let score = dot(query, &k_cache[at..at + hd]) * shape.scale;
-            // Online softmax: rescale what was accumulated when the max grows.
-            let new_max = max.max(score);
-            let correction = (max - new_max).exp();
-            let weight = (score - new_max).exp();
-            sum = sum * correction + weight;
-            for (o, v) in o.iter_mut().zip(&v_cache[at..at + hd]) {
-                *o = *o * correction + weight * v;
+            ((block * shape.block_size + pos % shape.block_size) * shape.num_kv_heads + kv_head) * hd
+        };
+        // Two passes: scores and their maximum, then the weighted sum of values.
+        let mut scores: Vec<f32> =
+            (0..row.keys).map(|pos| dot(query, &k_cache[at(pos)..at(pos) + hd]) * shape.scale).collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for (pos, s) in scores.iter_mut().enumerate() {
+            *s = (*s - max).exp();
+            sum += *s;
+            let v = &v_cache[at(pos)..at(pos) + hd];
+            for (o, v) in o.iter_mut().zip(v) {
+                *o += *s * v;
             }
-            max = new_max;
         }
         let inv = 1.0 / sum;
         o.iter_mut().for_each(|v| *v *= inv);
-    });
+    };
+    // Work is keys × head_dim per (row, head); small batches stay on this thread.
+    let work: usize = rows.iter().map(|r| r.keys).sum::<usize>() * shape.num_heads * hd;
+    if work >= 1 << 16 {
+        out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| fast(|| head(i, o)));
+    } else {
+        out.chunks_mut(hd).enumerate().for_each(|(i, o)| fast(|| head(i, o)));
+    }
     debug_assert_eq!(out.len(), rows.len() * qw);
     Ok(out)
 }

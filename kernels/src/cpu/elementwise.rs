@@ -5,6 +5,26 @@ use crate::error::expect_len;
 use crate::{KernelError, Result, RopeStyle};
 use rayon::prelude::*;
 
+/// Below this many output floats an op runs on the calling thread: handing a single
+/// decode row to the thread pool costs more than the work.
+const PAR_MIN: usize = 1 << 14;
+
+/// Calls `f` on each output row of `ow` floats with its input row of `iw` items, on the
+/// thread pool only when there is enough work.
+pub(super) fn zip_rows<T: Sync>(
+    out: &mut [f32],
+    ow: usize,
+    input: &[T],
+    iw: usize,
+    f: impl Fn(&mut [f32], &[T]) + Sync + Send,
+) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(ow).zip(input.par_chunks(iw)).for_each(|(o, i)| f(o, i));
+    } else {
+        out.chunks_mut(ow).zip(input.chunks(iw)).for_each(|(o, i)| f(o, i));
+    }
+}
+
 pub(super) fn embedding(ids: &[u32], table: &CpuWeight) -> Result<Vec<f32>> {
     let d = table.cols;
     let mut out = vec![0.0; ids.len() * d];
@@ -24,7 +44,7 @@ pub(super) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> 
         return Err(KernelError::shape("rms_norm", format!("input of {} floats is not rows of {d}", x.len())));
     }
     let mut out = vec![0.0; x.len()];
-    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, row)| {
+    zip_rows(&mut out, d, x, d, |o, row| {
         let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
         let inv = 1.0 / (mean_sq + eps).sqrt();
         for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
@@ -47,7 +67,8 @@ pub(super) fn rope(
     if 2 * half > head_dim {
         return Err(KernelError::shape("rope", format!("{half} frequencies for head_dim {head_dim}")));
     }
-    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(token, &pos)| {
+    zip_rows(x, heads * head_dim, positions, 1, |token, pos| {
+        let pos = pos[0];
         let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
         for head in token.chunks_mut(head_dim) {
             for i in 0..half {
@@ -73,7 +94,7 @@ pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
     }
     let rows = gate_up.len() / (2 * width);
     let mut out = vec![0.0; rows * width];
-    out.par_chunks_mut(width).zip(gate_up.par_chunks(2 * width)).for_each(|(o, row)| {
+    zip_rows(&mut out, width, gate_up, 2 * width, |o, row| {
         let (gate, up) = row.split_at(width);
         for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
             *o = g / (1.0 + (-g).exp()) * u;
@@ -86,7 +107,11 @@ pub(super) fn softmax(x: &mut [f32], cols: usize) -> Result<()> {
     if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::shape("softmax", format!("input of {} floats is not rows of {cols}", x.len())));
     }
-    x.par_chunks_mut(cols).for_each(softmax_row);
+    if x.len() >= PAR_MIN {
+        x.par_chunks_mut(cols).for_each(softmax_row);
+    } else {
+        x.chunks_mut(cols).for_each(softmax_row);
+    }
     Ok(())
 }
 

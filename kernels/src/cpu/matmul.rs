@@ -11,13 +11,24 @@ const DOT_ROWS: usize = 4;
 pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>) -> Vec<f32> {
     let mut out = if tokens <= DOT_ROWS { small_batch(x, tokens, w) } else { gemm_batch(x, tokens, w) };
     if let Some(b) = bias {
-        out.par_chunks_mut(w.rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+        out.chunks_mut(w.rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
     }
     out
 }
 
 fn small_batch(x: &[f32], tokens: usize, w: &CpuWeight) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
+    let sums: Vec<Vec<f32>> = match &w.quantized {
+        Some(q) => x.chunks_exact(k).map(|row| q.block_sums(row)).collect(),
+        None => Vec::new(),
+    };
+    let row_dot = |r: usize, tok: usize| {
+        let x = &x[tok * k..(tok + 1) * k];
+        match &w.quantized {
+            Some(q) => q.dot(r, x, &sums[tok]),
+            None => dot(&w.data[r * k..(r + 1) * k], x),
+        }
+    };
     // Each task owns a slice of output columns for every token: compute it transposed
     // ([n, tokens]) so tasks write disjoint memory, then transpose back.
     let mut t = vec![0.0f32; n * tokens];
@@ -25,9 +36,8 @@ fn small_batch(x: &[f32], tokens: usize, w: &CpuWeight) -> Vec<f32> {
     t.par_chunks_mut(ROWS_PER_TASK * tokens).enumerate().for_each(|(chunk, out)| {
         let first = chunk * ROWS_PER_TASK;
         for (r, out_row) in out.chunks_mut(tokens).enumerate() {
-            let wrow = &w.data[(first + r) * k..(first + r + 1) * k];
             for (tok, o) in out_row.iter_mut().enumerate() {
-                *o = dot(wrow, &x[tok * k..(tok + 1) * k]);
+                *o = row_dot(first + r, tok);
             }
         }
     });

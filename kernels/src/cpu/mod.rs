@@ -5,16 +5,30 @@
 mod attention;
 mod elementwise;
 mod matmul;
+mod quant_rows;
+mod simd;
+
+pub use quant_rows::QuantRows;
 
 use crate::error::expect_len;
-use crate::{AttentionShape, Backend, PagedBatch, Result, RopeStyle};
+use crate::quant;
+use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
 
-/// A row-major `[rows, cols]` f32 matrix.
+/// A row-major `[rows, cols]` f32 matrix, and its quantised rows where the file had
+/// them in a format `QuantRows` reads: products of many rows use the f32 copy (through
+/// `gemm`), the few rows of a decode step read the quantised rows.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
     pub data: Vec<f32>,
     pub rows: usize,
     pub cols: usize,
+    pub quantized: Option<QuantRows>,
+}
+
+impl CpuWeight {
+    pub fn f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        Self { data, rows, cols, quantized: None }
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -45,9 +59,23 @@ impl Backend for CpuBackend {
         Ok(buf.clone())
     }
 
-    fn upload_weight(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuWeight> {
-        expect_len("upload_weight", "weight", data.len(), rows * cols)?;
-        Ok(CpuWeight { data, rows, cols })
+    fn upload_weight(&self, w: HostWeight) -> Result<CpuWeight> {
+        let (rows, cols) = (w.rows, w.cols);
+        match w.data {
+            WeightData::F32(data) => {
+                expect_len("upload_weight", "weight", data.len(), rows * cols)?;
+                Ok(CpuWeight::f32(data, rows, cols))
+            }
+            WeightData::Blocks { ty, bytes } => {
+                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
+                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
+                })?;
+                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
+                let data = quant::dequantize(ty, &bytes);
+                let quantized = QuantRows::from_blocks(ty, &bytes, cols);
+                Ok(CpuWeight { data, rows, cols, quantized })
+            }
+        }
     }
 
     fn embedding(&self, ids: &Vec<u32>, table: &CpuWeight) -> Result<Vec<f32>> {
@@ -68,7 +96,7 @@ impl Backend for CpuBackend {
 
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
         expect_len("add_assign", "y", y.len(), x.len())?;
-        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        x.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
         Ok(())
     }
 

@@ -4,12 +4,11 @@
 //! checks that every tensor's type is one we read and its bytes lie inside the file, so
 //! a truncated download fails at open, naming the tensor it cuts.
 
-use super::dequant::dequantize;
-use super::ggml_type::{GgmlType, type_name};
 use super::{HostTensor, LoadError, TensorSource};
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use tessera_kernels::quant::{GgmlType, dequantize, type_name};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -203,6 +202,10 @@ impl TensorSource for GgufFile {
         let info =
             self.info(name).ok_or_else(|| LoadError::MissingTensor { file: self.path.clone(), tensor: name.into() })?;
         Ok(HostTensor { shape: info.shape.clone(), data: dequantize(info.ty, self.raw(info)) })
+    }
+
+    fn blocks(&self, name: &str) -> Option<(GgmlType, &[u8])> {
+        self.info(name).map(|info| (info.ty, self.raw(info)))
     }
 }
 

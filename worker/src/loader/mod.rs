@@ -1,15 +1,14 @@
 //! Reading model files: GGUF (quantised or not) and Hugging Face safetensors
 //! directories, each behind `TensorSource`, which hands out tensors as f32.
 
-pub mod dequant;
 mod error;
-pub mod ggml_type;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod safetensors_dir;
 
 pub use error::LoadError;
 use std::path::Path;
+use tessera_kernels::quant::GgmlType;
 
 /// A tensor on the host in f32, row-major, outermost dimension first.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,4 +25,8 @@ pub trait TensorSource {
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     /// A tensor, converted to f32.
     fn load(&self, name: &str) -> Result<HostTensor, LoadError>;
+    /// A tensor's raw ggml blocks, for formats that store them (GGUF).
+    fn blocks(&self, _name: &str) -> Option<(GgmlType, &[u8])> {
+        None
+    }
 }

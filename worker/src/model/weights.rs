@@ -4,7 +4,7 @@
 use super::ModelError;
 use super::config::{LayerTensor, ModelConfig, Tensor};
 use crate::loader::{LoadError, TensorSource};
-use tessera_kernels::Backend;
+use tessera_kernels::{Backend, HostWeight, WeightData};
 
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Buffer,
@@ -44,7 +44,8 @@ impl Reader<'_> {
         self.source.shape(&self.config.tensor_name(t)).is_some()
     }
 
-    fn read(&self, t: Tensor) -> Result<Vec<f32>, LoadError> {
+    /// The tensor's name, once it is known to exist with the shape the config implies.
+    fn checked_name(&self, t: Tensor) -> Result<String, LoadError> {
         let name = self.config.tensor_name(t);
         let file = self.source.describe().to_path_buf();
         let expected = self.config.tensor_shape(t);
@@ -55,16 +56,36 @@ impl Reader<'_> {
         if found != expected {
             return Err(LoadError::ShapeMismatch { file, tensor: name, expected, found });
         }
-        Ok(self.source.load(&name)?.data)
+        Ok(name)
     }
 
-    /// Row-wise concatenation of several `[_, cols]` matrices.
+    fn read(&self, t: Tensor) -> Result<Vec<f32>, LoadError> {
+        Ok(self.source.load(&self.checked_name(t)?)?.data)
+    }
+
+    /// Row-wise concatenation of several `[_, cols]` vectors or matrices, in f32.
     fn concat(&self, parts: &[Tensor]) -> Result<Vec<f32>, LoadError> {
         let mut out = Vec::new();
         for &p in parts {
             out.extend(self.read(p)?);
         }
         Ok(out)
+    }
+
+    /// The row-wise concatenation of `parts` as one `[rows, cols]` matrix: their raw
+    /// blocks when the file stores all of them in one block format (the backend then
+    /// chooses how to hold them), else f32. Rows are whole blocks, so block rows
+    /// concatenate like f32 rows.
+    fn matrix(&self, parts: &[Tensor], rows: usize, cols: usize) -> Result<HostWeight, LoadError> {
+        let names = parts.iter().map(|&p| self.checked_name(p)).collect::<Result<Vec<_>, _>>()?;
+        let blocks: Vec<_> = names.iter().filter_map(|n| self.source.blocks(n)).collect();
+        let one_format = blocks.len() == names.len() && blocks.windows(2).all(|w| w[0].0 == w[1].0);
+        let data = if one_format {
+            WeightData::Blocks { ty: blocks[0].0, bytes: blocks.iter().flat_map(|(_, b)| b.iter().copied()).collect() }
+        } else {
+            WeightData::F32(self.concat(parts)?)
+        };
+        Ok(HostWeight { rows, cols, data })
     }
 }
 
@@ -75,11 +96,11 @@ pub fn load<B: Backend>(
 ) -> Result<Weights<B>, ModelError> {
     let r = Reader { config, source };
     let (d, q, kv, ffn) = (config.hidden_size, config.q_width(), config.kv_width(), config.intermediate_size);
-    let embed = backend.upload_weight(r.read(Tensor::Embed)?, config.vocab_size, d)?;
+    let embed = backend.upload_weight(r.matrix(&[Tensor::Embed], config.vocab_size, d)?)?;
     let lm_head = match (r.has(Tensor::LmHead), config.tie_word_embeddings) {
         (_, Some(true)) | (false, None) => None,
         // Present, or required by `tie_word_embeddings: false` (then read names it missing).
-        _ => Some(backend.upload_weight(r.read(Tensor::LmHead)?, config.vocab_size, d)?),
+        _ => Some(backend.upload_weight(r.matrix(&[Tensor::LmHead], config.vocab_size, d)?)?),
     };
     let divisors = if r.has(Tensor::RopeFreqs) { Some(r.read(Tensor::RopeFreqs)?) } else { None };
     let inv_freq = backend.upload(&config.inv_freq(divisors.as_deref()))?;
@@ -94,12 +115,12 @@ pub fn load<B: Backend>(
         };
         layers.push(LayerWeights {
             attn_norm: backend.upload(&r.read(t(AttnNorm))?)?,
-            qkv: backend.upload_weight(r.concat(&[t(Q), t(K), t(V)])?, q + 2 * kv, d)?,
+            qkv: backend.upload_weight(r.matrix(&[t(Q), t(K), t(V)], q + 2 * kv, d)?)?,
             qkv_bias,
-            o: backend.upload_weight(r.read(t(O))?, d, q)?,
+            o: backend.upload_weight(r.matrix(&[t(O)], d, q)?)?,
             ffn_norm: backend.upload(&r.read(t(FfnNorm))?)?,
-            gate_up: backend.upload_weight(r.concat(&[t(Gate), t(Up)])?, 2 * ffn, d)?,
-            down: backend.upload_weight(r.read(t(Down))?, d, ffn)?,
+            gate_up: backend.upload_weight(r.matrix(&[t(Gate), t(Up)], 2 * ffn, d)?)?,
+            down: backend.upload_weight(r.matrix(&[t(Down)], d, ffn)?)?,
         });
     }
     Ok(Weights { embed, lm_head, final_norm: backend.upload(&r.read(Tensor::FinalNorm)?)?, layers, inv_freq })

@@ -1,4 +1,9 @@
-//! ggml's tensor element types: their ids in GGUF files and their block layouts.
+//! ggml's block formats: their ids in GGUF files, their layouts, and decoding them.
+
+mod dequant;
+
+pub use dequant::dequantize;
+pub(crate) use dequant::f16_at;
 
 /// The element types we can read. Other ids in a file are reported by number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,9 @@
 //! Dequantisation of ggml block formats to f32, following ggml's reference layouts.
 //! Inputs are whole blocks; the caller checked the byte count with `GgmlType::bytes_for`.
+//! The full formats are checked against the `gguf` Python package's decoder in the
+//! worker's tests/dequant.rs.
 
-use super::ggml_type::GgmlType;
+use super::GgmlType;
 use half::{bf16, f16};
 
 /// Decodes `data` (whole blocks of `ty`) into f32 values.
@@ -23,7 +25,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8]) -> Vec<f32> {
     out
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
@@ -125,8 +127,7 @@ mod tests {
         f16::from_f32(v).to_le_bytes()
     }
 
-    // Hand-computed blocks; the full formats are checked against the `gguf` Python
-    // package's decoder in tests/dequant.rs.
+    // Hand-computed blocks.
     #[test]
     fn q4_0_by_hand() {
         let mut b = vec![0u8; 18];
