@@ -6,7 +6,7 @@
 
 use super::CpuBackend;
 use super::matmul::dot;
-use super::simd::fast;
+use super::simd::multiversion;
 use crate::error::expect_len;
 use crate::{AttentionShape, KernelError, PagedBatch, Result};
 use rayon::prelude::*;
@@ -51,42 +51,56 @@ pub(super) fn paged_attention(
 ) -> Result<Vec<f32>> {
     let rows = validate(q, k_cache, v_cache, batch, shape)?;
     let (hd, qw) = (shape.head_dim, shape.q_width());
-    let group = shape.num_heads / shape.num_kv_heads;
     let mut out = vec![0.0f32; q.len()];
-    let head = |i: usize, o: &mut [f32]| {
-        let (row, head) = (&rows[i / shape.num_heads], i % shape.num_heads);
-        let kv_head = head / group;
-        let query = &q[i * hd..(i + 1) * hd];
-        let table = &batch.block_tables[row.seq * batch.max_blocks_per_seq..];
+    let task = Attend { q, k_cache, v_cache, rows: &rows, batch, shape };
+    // Work is keys × head_dim per (row, head); small batches stay on this thread.
+    let work: usize = rows.iter().map(|r| r.keys).sum::<usize>() * shape.num_heads * hd;
+    if work >= 1 << 16 {
+        out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| attend_head(&task, i, o));
+    } else {
+        out.chunks_mut(hd).enumerate().for_each(|(i, o)| attend_head(&task, i, o));
+    }
+    debug_assert_eq!(out.len(), rows.len() * qw);
+    Ok(out)
+}
+
+/// Everything one (query row, head) reads.
+struct Attend<'a> {
+    q: &'a [f32],
+    k_cache: &'a [f32],
+    v_cache: &'a [f32],
+    rows: &'a [Row],
+    batch: &'a PagedBatch<'a, CpuBackend>,
+    shape: &'a AttentionShape,
+}
+
+multiversion! {
+    /// Attention of flattened (query row, head) `i` into `o`, in two passes: the scores
+    /// and their maximum, then the softmax-weighted sum of values.
+    fn attend_head(t: &Attend<'_>, i: usize, o: &mut [f32]) -> () {
+        let (shape, hd) = (t.shape, t.shape.head_dim);
+        let (row, head) = (&t.rows[i / shape.num_heads], i % shape.num_heads);
+        let kv_head = head / (shape.num_heads / shape.num_kv_heads);
+        let query = &t.q[i * hd..(i + 1) * hd];
+        let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
         let at = |pos: usize| {
             let block = table[pos / shape.block_size] as usize;
             ((block * shape.block_size + pos % shape.block_size) * shape.num_kv_heads + kv_head) * hd
         };
-        // Two passes: scores and their maximum, then the weighted sum of values.
         let mut scores: Vec<f32> =
-            (0..row.keys).map(|pos| dot(query, &k_cache[at(pos)..at(pos) + hd]) * shape.scale).collect();
+            (0..row.keys).map(|pos| dot(query, &t.k_cache[at(pos)..at(pos) + hd]) * shape.scale).collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
         for (pos, s) in scores.iter_mut().enumerate() {
             *s = (*s - max).exp();
             sum += *s;
-            let v = &v_cache[at(pos)..at(pos) + hd];
-            for (o, v) in o.iter_mut().zip(v) {
+            for (o, v) in o.iter_mut().zip(&t.v_cache[at(pos)..at(pos) + hd]) {
                 *o += *s * v;
             }
         }
         let inv = 1.0 / sum;
         o.iter_mut().for_each(|v| *v *= inv);
-    };
-    // Work is keys × head_dim per (row, head); small batches stay on this thread.
-    let work: usize = rows.iter().map(|r| r.keys).sum::<usize>() * shape.num_heads * hd;
-    if work >= 1 << 16 {
-        out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| fast(|| head(i, o)));
-    } else {
-        out.chunks_mut(hd).enumerate().for_each(|(i, o)| fast(|| head(i, o)));
     }
-    debug_assert_eq!(out.len(), rows.len() * qw);
-    Ok(out)
 }
 
 /// Checks the batch against the buffers and returns each query row's sequence and key

@@ -7,6 +7,7 @@
 //! becomes Q4_1's form d·q + m with m = −8d. A block's contribution to a dot product is
 //! then d·Σq·x + m·Σx, with Σx per block computed once per input row.
 
+use super::simd::multiversion;
 use crate::quant::{GgmlType, f16_at};
 
 #[derive(Debug, Clone)]
@@ -60,26 +61,27 @@ impl QuantRows {
 
     /// `Σ w[row]·x`, given `sums = block_sums(x)`.
     pub fn dot(&self, row: usize, x: &[f32], sums: &[f32]) -> f32 {
-        super::simd::fast(|| self.dot_portable(row, x, sums))
+        dot_row(self, row, x, sums)
     }
+}
 
+multiversion! {
     /// Eight lanes of partial sums, scaled per block without a horizontal reduction,
     /// so the compiler keeps them in one vector register.
-    #[inline(always)]
-    fn dot_portable(&self, row: usize, x: &[f32], sums: &[f32]) -> f32 {
-        let first = row * self.blocks_per_row;
+    fn dot_row(rows: &QuantRows, row: usize, x: &[f32], sums: &[f32]) -> f32 {
+        let first = row * rows.blocks_per_row;
         let mut lanes = [0.0f32; 8];
         let mut offsets = 0.0f32;
-        let q_len = if self.nibbles { 16 } else { 32 };
-        let qs = &self.qs[first * q_len..(first + self.blocks_per_row) * q_len];
+        let q_len = if rows.nibbles { 16 } else { 32 };
+        let qs = &rows.qs[first * q_len..(first + rows.blocks_per_row) * q_len];
         for (b, (q, xs)) in qs.chunks_exact(q_len).zip(x.chunks_exact(BLOCK)).enumerate() {
             let mut w = [0.0f32; BLOCK];
-            if self.nibbles {
+            if rows.nibbles {
                 for j in 0..16 {
                     w[j] = (q[j] & 0xF) as f32;
                     w[j + 16] = (q[j] >> 4) as f32;
                 }
-                offsets += self.m[first + b] * sums[b];
+                offsets += rows.m[first + b] * sums[b];
             } else {
                 for j in 0..BLOCK {
                     w[j] = q[j] as i8 as f32;
@@ -89,7 +91,7 @@ impl QuantRows {
             for j in 0..BLOCK {
                 inner[j % 8] += w[j] * xs[j];
             }
-            let d = self.d[first + b];
+            let d = rows.d[first + b];
             for l in 0..8 {
                 lanes[l] += d * inner[l];
             }
