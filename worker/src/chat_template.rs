@@ -35,7 +35,7 @@ impl ChatTemplate {
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
         self.env.get_template("chat")?.render(minijinja::context! {
-            messages => messages,
+            messages => Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
