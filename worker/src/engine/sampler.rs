@@ -1,0 +1,334 @@
+//! Turning logits into tokens: penalties, logit bias, temperature, top-k, top-p, min-p,
+//! seeded sampling, and log-probabilities. Rows of a batch are independent; each
+//! sequence carries its own random generator, so a seeded request draws the same tokens
+//! whatever else shares its batch.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use std::collections::HashMap;
+
+/// How one sequence samples. Defaults are "off" for every filter and penalty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 1 is off.
+    pub top_p: f32,
+    /// -1 (or 0) is off.
+    pub top_k: i32,
+    /// 0 is off.
+    pub min_p: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// 1 is off; applies to prompt and output tokens.
+    pub repetition_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub seed: Option<u64>,
+    /// How many top alternatives to return with each token's log-probability (0..=20);
+    /// None returns no log-probabilities.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            min_p: 0.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            seed: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, ..Self::default() }
+    }
+}
+
+/// A sequence's sampling state across steps.
+#[derive(Debug, Clone)]
+pub struct SamplerState {
+    pub params: SamplingParams,
+    rng: StdRng,
+    /// Output token counts (frequency and presence penalties).
+    output_counts: HashMap<u32, u32>,
+    /// Tokens seen in prompt or output (repetition penalty).
+    seen: HashMap<u32, ()>,
+}
+
+impl SamplerState {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let rng = match params.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        let seen =
+            if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
+        Self { params, rng, output_counts: HashMap::new(), seen }
+    }
+
+    /// Records a token the sequence produced.
+    pub fn push(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_default() += 1;
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token, ());
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// log P(token) under the model's raw distribution, when asked.
+    pub logprob: Option<f32>,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Samples one token per row of `logits` (`[states.len(), vocab]`), in parallel.
+pub fn sample_batch(logits: &mut [f32], vocab: usize, states: &mut [&mut SamplerState]) -> Vec<Sampled> {
+    assert_eq!(logits.len(), states.len() * vocab, "one row of logits per sequence");
+    logits.par_chunks_mut(vocab).zip(states.par_iter_mut()).map(|(row, state)| sample(row, state)).collect()
+}
+
+/// Samples one token from one row, which it overwrites.
+pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
+    // Log-probabilities describe the model, before any penalty or filter.
+    let (logprob_of, top_logprobs) = match state.params.logprobs {
+        Some(k) => {
+            let lp = log_softmax(logits);
+            (Some(lp.clone()), top_k_indices(&lp, k as usize).into_iter().map(|i| (i as u32, lp[i])).collect())
+        }
+        None => (None, Vec::new()),
+    };
+    let p = &state.params;
+    apply_penalties(logits, p, &state.output_counts, &state.seen);
+    for &(token, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
+    let token = if p.temperature <= 0.0 { argmax(logits) } else { draw(logits, p, &mut state.rng) };
+    Sampled { token: token as u32, logprob: logprob_of.map(|lp| lp[token]), top_logprobs }
+}
+
+fn apply_penalties(logits: &mut [f32], p: &SamplingParams, counts: &HashMap<u32, u32>, seen: &HashMap<u32, ()>) {
+    if p.repetition_penalty != 1.0 {
+        for &t in seen.keys() {
+            let l = &mut logits[t as usize];
+            *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+        }
+    }
+    if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+        for (&t, &c) in counts {
+            logits[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
+        }
+    }
+}
+
+/// Temperature, then top-k, top-p and min-p over the survivors, then a draw.
+fn draw(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> usize {
+    let k = if p.top_k > 0 { (p.top_k as usize).min(logits.len()) } else { logits.len() };
+    // Candidates by descending logit; a full sort only when no top-k narrows it.
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    if k < logits.len() {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(k);
+    }
+    order.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let max = logits[order[0]];
+    let mut probs: Vec<f32> = order.iter().map(|&i| ((logits[i] - max) / p.temperature).exp()).collect();
+    let total: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|q| *q /= total);
+    // top-p: the smallest prefix whose mass reaches top_p (at least one token).
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut mass = 0.0;
+        for (i, q) in probs.iter().enumerate() {
+            mass += q;
+            if mass >= p.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    // min-p: drop tokens less likely than min_p times the most likely one.
+    if p.min_p > 0.0 {
+        let floor = p.min_p * probs[0];
+        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+    }
+    let mass: f32 = probs[..keep].iter().sum();
+    let mut u = rng.random::<f32>() * mass;
+    for (i, q) in probs[..keep].iter().enumerate() {
+        u -= q;
+        if u <= 0.0 {
+            return order[i];
+        }
+    }
+    order[keep - 1]
+}
+
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    logits.iter().map(|l| l - max - log_sum).collect()
+}
+
+/// Indices of the `k` largest values, largest first.
+fn top_k_indices(v: &[f32], k: usize) -> Vec<usize> {
+    let k = k.min(v.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.select_nth_unstable_by(k - 1, |&a, &b| v[b].total_cmp(&v[a]));
+    idx.truncate(k);
+    idx.sort_unstable_by(|&a, &b| v[b].total_cmp(&v[a]));
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Logits whose softmax is exactly `probs`.
+    fn logits_of(probs: &[f32]) -> Vec<f32> {
+        probs.iter().map(|p| p.ln()).collect()
+    }
+
+    fn counts(params: SamplingParams, logits: &[f32], draws: usize) -> Vec<usize> {
+        let mut state = SamplerState::new(SamplingParams { seed: Some(1), ..params }, &[]);
+        let mut c = vec![0; logits.len()];
+        for _ in 0..draws {
+            c[sample(&mut logits.to_vec(), &mut state).token as usize] += 1;
+        }
+        c
+    }
+
+    const PROBS: [f32; 5] = [0.4, 0.3, 0.15, 0.1, 0.05];
+
+    #[test]
+    fn greedy_takes_the_maximum() {
+        let mut state = SamplerState::new(SamplingParams::greedy(), &[]);
+        assert_eq!(sample(&mut [0.1, 3.0, -1.0, 2.9], &mut state).token, 1);
+    }
+
+    #[test]
+    fn temperature_one_follows_the_distribution() {
+        let c = counts(SamplingParams::default(), &logits_of(&PROBS), 20_000);
+        for (i, p) in PROBS.iter().enumerate() {
+            let f = c[i] as f32 / 20_000.0;
+            assert!((f - p).abs() < 0.02, "token {i}: {f} vs {p}");
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_only_the_k_most_likely() {
+        let c = counts(SamplingParams { top_k: 2, ..Default::default() }, &logits_of(&PROBS), 5_000);
+        assert!(c[0] > 0 && c[1] > 0);
+        assert_eq!(c[2..].iter().sum::<usize>(), 0);
+        // Renormalised: 0.4 / 0.7 of draws go to token 0.
+        assert!((c[0] as f32 / 5_000.0 - 0.4 / 0.7).abs() < 0.03);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_prefix_reaching_the_mass() {
+        // 0.4 + 0.3 = 0.7 < 0.8, + 0.15 = 0.85 ≥ 0.8: three tokens.
+        let c = counts(SamplingParams { top_p: 0.8, ..Default::default() }, &logits_of(&PROBS), 5_000);
+        assert!(c[..3].iter().all(|&n| n > 0));
+        assert_eq!(c[3] + c[4], 0);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_fraction_of_the_top() {
+        // Floor 0.3 · 0.4 = 0.12: tokens 0, 1, 2 stay.
+        let c = counts(SamplingParams { min_p: 0.3, ..Default::default() }, &logits_of(&PROBS), 5_000);
+        assert!(c[..3].iter().all(|&n| n > 0));
+        assert_eq!(c[3] + c[4], 0);
+    }
+
+    #[test]
+    fn penalties_and_bias_shift_logits_as_specified() {
+        let params = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            repetition_penalty: 2.0,
+            logit_bias: vec![(3, -100.0)],
+            ..SamplingParams::greedy()
+        };
+        let mut state = SamplerState::new(params, &[0]);
+        state.push(1);
+        state.push(1);
+        let mut logits = vec![4.0, 3.0, -1.0, 10.0];
+        let s = sample(&mut logits, &mut state);
+        // Token 0 (prompt): 4 / 2 = 2. Token 1 (output twice): 3 / 2 - 2·0.5 - 0.25 = 0.25.
+        // Token 3: 10 - 100. Token 2 untouched.
+        assert_eq!(logits, vec![2.0, 0.25, -1.0, -90.0]);
+        assert_eq!(s.token, 0);
+        // Negative logits are multiplied by the repetition penalty.
+        let mut state = SamplerState::new(SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() }, &[0]);
+        let mut logits = vec![-1.0, -1.5];
+        assert_eq!(sample(&mut logits, &mut state).token, 1);
+        assert_eq!(logits[0], -2.0);
+    }
+
+    #[test]
+    fn logit_bias_can_force_a_token() {
+        let c = counts(SamplingParams { logit_bias: vec![(4, 100.0)], ..Default::default() }, &logits_of(&PROBS), 200);
+        assert_eq!(c[4], 200);
+    }
+
+    #[test]
+    fn logprobs_are_the_raw_log_softmax_with_top_alternatives() {
+        let params = SamplingParams { logprobs: Some(2), logit_bias: vec![(4, 100.0)], ..SamplingParams::greedy() };
+        let mut state = SamplerState::new(params, &[]);
+        let s = sample(&mut logits_of(&PROBS), &mut state);
+        assert_eq!(s.token, 4);
+        assert!((s.logprob.unwrap() - 0.05f32.ln()).abs() < 1e-5, "the bias does not change the reported logprob");
+        assert_eq!(s.top_logprobs.len(), 2);
+        assert_eq!(s.top_logprobs[0].0, 0);
+        assert!((s.top_logprobs[0].1 - 0.4f32.ln()).abs() < 1e-5);
+        assert_eq!(s.top_logprobs[1].0, 1);
+        let mut none = SamplerState::new(SamplingParams::greedy(), &[]);
+        assert_eq!(sample(&mut logits_of(&PROBS), &mut none).logprob, None);
+    }
+
+    #[test]
+    fn seeded_rows_draw_the_same_tokens_whatever_shares_the_batch() {
+        let vocab = PROBS.len();
+        let row = logits_of(&PROBS);
+        let seeded = || SamplerState::new(SamplingParams { seed: Some(42), ..Default::default() }, &[]);
+        let alone: Vec<u32> = {
+            let mut s = seeded();
+            (0..50).map(|_| sample(&mut row.clone(), &mut s).token).collect()
+        };
+        let mut mine = seeded();
+        let mut other =
+            SamplerState::new(SamplingParams { seed: Some(7), temperature: 2.0, ..Default::default() }, &[]);
+        let mut batched = Vec::new();
+        for _ in 0..50 {
+            let mut logits: Vec<f32> = [row.clone(), row.clone()].concat();
+            let out = sample_batch(&mut logits, vocab, &mut [&mut other, &mut mine]);
+            batched.push(out[1].token);
+        }
+        assert_eq!(alone, batched);
+    }
+}
