@@ -1,0 +1,47 @@
+//! One sequence's tokens and its place in the KV cache, as the scheduler sees them.
+
+use super::block_pool::BlockId;
+use tessera_proto::block_hash::BlockHash;
+
+pub type SeqId = u64;
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Prompt, then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose keys and values are in the cache.
+    pub num_computed: usize,
+    /// Prompt tokens found in the prefix cache at admission.
+    pub num_cached_prompt: usize,
+    pub block_table: Vec<BlockId>,
+    /// Hashes of the sequence's full blocks, computed as they fill.
+    pub block_hashes: Vec<BlockHash>,
+    /// Blocks of `block_table` already registered in the prefix cache.
+    pub num_cached_blocks: usize,
+}
+
+impl Sequence {
+    pub fn new(id: SeqId, prompt: Vec<u32>) -> Self {
+        Self {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            num_computed: 0,
+            num_cached_prompt: 0,
+            block_table: Vec::new(),
+            block_hashes: Vec::new(),
+            num_cached_blocks: 0,
+        }
+    }
+
+    pub fn num_output(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn num_pending(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}
