@@ -1,44 +1,45 @@
-//! `x · wᵀ` for row-major weights. Batched shapes go to `gemm`; a handful of rows
-//! (decode) is bound by reading the weight once, so it runs as parallel dot products
-//! over weight rows instead.
+//! `x · wᵀ` for row-major weights, batch-invariant: a sequence gets bit-identical
+//! logits alone or in any batch, so batching never changes a greedy completion.
+//!
+//! Quantised weights (Q4_0, Q4_1, Q8_0) go through `QuantRows::dot_rows` for every
+//! batch size. f32 weights go through `gemm`, which computes each output row with the
+//! same operations whatever the other rows are (checked below) for two rows or more; a
+//! single row is padded to two.
 
 use super::CpuWeight;
 use rayon::prelude::*;
 
-/// Below this many input rows, stream the weight once with dot products.
-const DOT_ROWS: usize = 4;
-
 pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>) -> Vec<f32> {
-    let mut out = if tokens <= DOT_ROWS { small_batch(x, tokens, w) } else { gemm_batch(x, tokens, w) };
+    let mut out = if w.quantized.is_some() {
+        quantized(x, tokens, w)
+    } else if tokens == 1 {
+        // gemm takes a different path for one row; two identical rows take the common one.
+        let mut padded = x.to_vec();
+        padded.extend_from_slice(x);
+        let mut two = gemm_batch(&padded, 2, w);
+        two.truncate(w.rows);
+        two
+    } else {
+        gemm_batch(x, tokens, w)
+    };
     if let Some(b) = bias {
         out.chunks_mut(w.rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
     }
     out
 }
 
-fn small_batch(x: &[f32], tokens: usize, w: &CpuWeight) -> Vec<f32> {
-    let (n, k) = (w.rows, w.cols);
-    let sums: Vec<Vec<f32>> = match &w.quantized {
-        Some(q) => x.chunks_exact(k).map(|row| q.block_sums(row)).collect(),
-        None => Vec::new(),
-    };
-    let row_dot = |r: usize, tok: usize| {
-        let x = &x[tok * k..(tok + 1) * k];
-        match &w.quantized {
-            Some(q) => q.dot(r, x, &sums[tok]),
-            None => dot(&w.data[r * k..(r + 1) * k], x),
-        }
-    };
+/// Tasks over blocks of weight rows, each reading its rows once for all input rows.
+fn quantized(x: &[f32], tokens: usize, w: &CpuWeight) -> Vec<f32> {
+    let q = w.quantized.as_ref().expect("quantised weight");
+    let n = w.rows;
+    let sums = q.block_sums(x);
     // Each task owns a slice of output columns for every token: compute it transposed
     // ([n, tokens]) so tasks write disjoint memory, then transpose back.
     let mut t = vec![0.0f32; n * tokens];
-    const ROWS_PER_TASK: usize = 64;
+    const ROWS_PER_TASK: usize = 32;
     t.par_chunks_mut(ROWS_PER_TASK * tokens).enumerate().for_each(|(chunk, out)| {
-        let first = chunk * ROWS_PER_TASK;
         for (r, out_row) in out.chunks_mut(tokens).enumerate() {
-            for (tok, o) in out_row.iter_mut().enumerate() {
-                *o = row_dot(first + r, tok);
-            }
+            q.dot_rows(chunk * ROWS_PER_TASK + r, x, &sums, out_row);
         }
     });
     if tokens == 1 {
@@ -102,4 +103,27 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         sum += x * y;
     }
     sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_gets_the_same_bits_in_any_batch() {
+        let (rows, cols) = (576, 576);
+        let mut v = 0.37f32;
+        let mut next = move || {
+            v = (v * 3.7 + 0.11).fract();
+            v - 0.5
+        };
+        let w = CpuWeight::f32((0..rows * cols).map(|_| next()).collect(), rows, cols);
+        let x: Vec<f32> = (0..80 * cols).map(|_| next()).collect();
+        let alone = linear(&x[..cols], 1, &w, None);
+        for m in [2, 3, 4, 5, 8, 13, 33, 64, 80] {
+            let batch = linear(&x[..m * cols], m, &w, None);
+            let same = batch[..rows].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "row 0 differs at m = {m}");
+        }
+    }
 }
