@@ -31,15 +31,22 @@ pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32
 /// Tasks over blocks of weight rows, each reading its rows once for all input rows.
 fn quantized(x: &[f32], tokens: usize, w: &CpuWeight) -> Vec<f32> {
     let q = w.quantized.as_ref().expect("quantised weight");
-    let n = w.rows;
+    let (n, k) = (w.rows, w.cols);
     let sums = q.block_sums(x);
     // Each task owns a slice of output columns for every token: compute it transposed
     // ([n, tokens]) so tasks write disjoint memory, then transpose back.
     let mut t = vec![0.0f32; n * tokens];
     const ROWS_PER_TASK: usize = 32;
+    // Input rows in tiles that stay in L2 while a task's weight rows pass over them.
+    const TOKENS_PER_TILE: usize = 32;
+    let bpr = k / 32;
     t.par_chunks_mut(ROWS_PER_TASK * tokens).enumerate().for_each(|(chunk, out)| {
-        for (r, out_row) in out.chunks_mut(tokens).enumerate() {
-            q.dot_rows(chunk * ROWS_PER_TASK + r, x, &sums, out_row);
+        for tile in (0..tokens).step_by(TOKENS_PER_TILE) {
+            let end = (tile + TOKENS_PER_TILE).min(tokens);
+            let (x, sums) = (&x[tile * k..end * k], sums.get(tile * bpr..end * bpr).unwrap_or(&[]));
+            for (r, out_row) in out.chunks_mut(tokens).enumerate() {
+                q.dot_rows(chunk * ROWS_PER_TASK + r, x, sums, &mut out_row[tile..end]);
+            }
         }
     });
     if tokens == 1 {

@@ -8,9 +8,11 @@
 //!
 //! Batch invariance: every input row is computed with the same operations in the same
 //! order whatever the other rows are — the block's 32 products summed into 8 lanes in
-//! a fixed order, the lanes scaled and accumulated per block, reduced at the end — so a
-//! sequence gets bit-identical results alone or in any batch. Rows are taken four at a
-//! time to unpack each block once for four; the four are independent.
+//! a fixed order with fused multiply-adds, the lanes scaled and accumulated per block,
+//! reduced at the end — so a sequence gets bit-identical results alone or in any batch.
+//! Rows are taken four at a time to unpack each block once for four; the four are
+//! independent. The portable path computes the same fused operations (slowly, where
+//! the CPU has no FMA) so both paths agree bit for bit.
 
 use crate::quant::{GgmlType, f16_at};
 
@@ -69,8 +71,8 @@ impl QuantRows {
     /// `block_sums(x)`.
     pub fn dot_rows(&self, row: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA.
             unsafe { avx2::dot_rows(self, row, x, sums, out) };
             return;
         }
@@ -114,11 +116,14 @@ impl QuantRows {
                 let xs = &x[t * cols + b * BLOCK..t * cols + (b + 1) * BLOCK];
                 // Lane l sums j = l, l+8, l+16, l+24 in that order, as the AVX2 path does.
                 let mut inner = [0.0f32; 8];
-                for j in 0..BLOCK {
-                    inner[j % 8] += w[j] * xs[j];
+                for l in 0..8 {
+                    inner[l] = w[l] * xs[l];
+                }
+                for j in 8..BLOCK {
+                    inner[j % 8] = w[j].mul_add(xs[j], inner[j % 8]);
                 }
                 for l in 0..8 {
-                    lanes[g][l] += d * inner[l];
+                    lanes[g][l] = d.mul_add(inner[l], lanes[g][l]);
                 }
                 if self.nibbles {
                     offsets[g] += self.m[first + b] * sums[t * bpr + b];
@@ -142,7 +147,7 @@ mod avx2 {
     use super::{BLOCK, QuantRows};
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) fn dot_rows(r: &QuantRows, row: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
         let m = out.len();
         let cols = r.blocks_per_row * BLOCK;
@@ -187,7 +192,7 @@ mod avx2 {
         let cols = bpr * BLOCK;
         let q_len = if r.nibbles { 16 } else { 32 };
         let qs = &r.qs[first * q_len..(first + bpr) * q_len];
-        // SAFETY: AVX2 is enabled by the caller; every load reads 8 floats inside
+        // SAFETY: AVX2 and FMA are enabled by the caller; every load reads 8 floats inside
         // `x[t*cols + b*32 .. + 32]` for t < first_x + G ≤ rows of x, b < bpr (asserted
         // by the caller).
         unsafe {
@@ -200,10 +205,10 @@ mod avx2 {
                     let t = first_x + g;
                     let p = x.as_ptr().add(t * cols + b * BLOCK);
                     let mut inner = _mm256_mul_ps(w[0], _mm256_loadu_ps(p));
-                    inner = _mm256_add_ps(inner, _mm256_mul_ps(w[1], _mm256_loadu_ps(p.add(8))));
-                    inner = _mm256_add_ps(inner, _mm256_mul_ps(w[2], _mm256_loadu_ps(p.add(16))));
-                    inner = _mm256_add_ps(inner, _mm256_mul_ps(w[3], _mm256_loadu_ps(p.add(24))));
-                    lanes[g] = _mm256_add_ps(lanes[g], _mm256_mul_ps(d, inner));
+                    inner = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p.add(8)), inner);
+                    inner = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p.add(16)), inner);
+                    inner = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p.add(24)), inner);
+                    lanes[g] = _mm256_fmadd_ps(d, inner, lanes[g]);
                     if r.nibbles {
                         offsets[g] += r.m[first + b] * sums[t * bpr + b];
                     }

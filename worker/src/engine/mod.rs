@@ -1,8 +1,10 @@
-//! The engine: many sequences served at once, vLLM-style. Built so far: the KV block
-//! pool, the scheduler, the sampler and the incremental detokenizer; the loop that ties
-//! them to the model follows.
+//! The engine: many sequences served at once, vLLM-style — continuous batching with
+//! chunked prefill (`scheduler`), a paged KV cache with prefix caching (`block_pool`),
+//! sampling (`sampler`), incremental detokenization with stop strings
+//! (`detokenizer`), tied together one step at a time by `core::EngineCore`.
 
 pub mod block_pool;
+pub mod core;
 pub mod detokenizer;
 pub mod sampler;
 pub mod scheduler;

@@ -1,0 +1,326 @@
+//! The engine loop's body, synchronous: admit requests, run one step (schedule →
+//! forward → sample → detokenize → finish), report what each sequence produced.
+//! A thread that owns an `EngineCore` and talks to the async world through channels
+//! is all a server needs around it.
+
+use super::detokenizer::Detokenizer;
+use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
+use super::scheduler::{Scheduler, SchedulerConfig};
+use super::sequence::{SeqId, Sequence};
+use crate::model::{KvCache, Model, ModelError, SeqInput};
+use crate::tokenizer::ModelTokenizer;
+use std::collections::HashMap;
+use tessera_kernels::Backend;
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
+
+/// Most alternatives a token's log-probabilities may list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// KV-cache blocks of `BLOCK_TOKENS` tokens.
+    pub num_blocks: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { max_num_batched_tokens: 2048, max_num_seqs: 256, num_blocks: 2048 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub id: SeqId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub stop: Vec<String>,
+    /// Keep going past the model's end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    pub fn greedy(id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            id,
+            prompt,
+            params: SamplingParams::greedy(),
+            max_tokens,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End of sequence, a stop token or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+    Abort,
+}
+
+/// What one step produced for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub id: SeqId,
+    /// The token sampled this step (none for an abort).
+    pub token: Option<Sampled>,
+    /// Text completed this step.
+    pub text: String,
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("request {0} already exists")]
+    DuplicateId(SeqId),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Detokenize(#[from] super::detokenizer::DetokenizeError),
+}
+
+struct RequestState {
+    sampler: SamplerState,
+    detok: Detokenizer,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+}
+
+/// Counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub preemptions: u64,
+    pub prompt_tokens_computed: u64,
+    pub output_tokens: u64,
+}
+
+pub struct EngineCore<B: Backend> {
+    model: Model<B>,
+    kv: KvCache<B>,
+    tokenizer: ModelTokenizer,
+    scheduler: Scheduler,
+    requests: HashMap<SeqId, RequestState>,
+    eos: Vec<u32>,
+    stats: EngineStats,
+}
+
+impl<B: Backend> EngineCore<B> {
+    pub fn new(
+        model: Model<B>,
+        tokenizer: ModelTokenizer,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Self, EngineError> {
+        let kv = model.new_kv_cache(config.num_blocks, BLOCK_TOKENS)?;
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                max_num_seqs: config.max_num_seqs,
+                num_blocks: config.num_blocks,
+            },
+            BlockHasher::new(model_name),
+        );
+        let eos = tokenizer.eos.iter().map(|t| t.id).collect();
+        Ok(Self { model, kv, tokenizer, scheduler, requests: HashMap::new(), eos, stats: EngineStats::default() })
+    }
+
+    pub fn model(&self) -> &Model<B> {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &ModelTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Checks a request and queues it.
+    pub fn add_request(&mut self, req: Request) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        if self.requests.contains_key(&req.id) || self.scheduler.get(req.id).is_some() {
+            return Err(EngineError::DuplicateId(req.id));
+        }
+        let state = RequestState {
+            sampler: SamplerState::new(req.params, &req.prompt),
+            detok: Detokenizer::new(&req.prompt, req.stop),
+            max_tokens: req.max_tokens,
+            stop_token_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+        };
+        self.requests.insert(req.id, state);
+        self.scheduler.add(Sequence::new(req.id, req.prompt));
+        Ok(())
+    }
+
+    fn validate(&self, req: &Request) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let (context, vocab) = (self.model.config.context_length, self.model.config.vocab_size);
+        if req.prompt.is_empty() {
+            return bad("the prompt is empty".into());
+        }
+        if req.prompt.len() >= context {
+            return bad(format!("the prompt has {} tokens; the model's context is {context}", req.prompt.len()));
+        }
+        if req.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if req.prompt.len() + req.max_tokens > context {
+            return bad(format!(
+                "max_tokens {} plus the prompt's {} tokens exceed the model's context of {context}",
+                req.max_tokens,
+                req.prompt.len()
+            ));
+        }
+        if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
+        }
+        if let Some((t, _)) = req.params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return bad(format!("logit_bias token id {t} is outside the vocabulary of {vocab}"));
+        }
+        if let Some((t, b)) = req.params.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad(format!("logit_bias for token {t} is {b}; it must be between -100 and 100"));
+        }
+        if let Some(k) = req.params.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!("top_logprobs is {k}; at most {MAX_TOP_LOGPROBS}"));
+        }
+        if req.stop.len() > MAX_STOP_STRINGS {
+            return bad(format!("{} stop strings; at most {MAX_STOP_STRINGS}", req.stop.len()));
+        }
+        let p = &req.params;
+        if !(p.temperature >= 0.0 && p.temperature.is_finite()) {
+            return bad(format!("temperature {} must be 0 or more", p.temperature));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return bad(format!("top_p {} must be in (0, 1]", p.top_p));
+        }
+        if !(0.0..=1.0).contains(&p.min_p) {
+            return bad(format!("min_p {} must be in [0, 1]", p.min_p));
+        }
+        if !(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite()) {
+            return bad(format!("repetition_penalty {} must be positive", p.repetition_penalty));
+        }
+        Ok(())
+    }
+
+    /// Ends a request now; its blocks return to the pool at once.
+    pub fn abort(&mut self, id: SeqId) -> Option<Output> {
+        let state = self.requests.remove(&id);
+        let seq = self.scheduler.remove(id)?;
+        drop(state);
+        Some(Output {
+            id,
+            token: None,
+            text: String::new(),
+            finish: Some(FinishReason::Abort),
+            prompt_tokens: seq.prompt_len,
+            cached_prompt_tokens: seq.num_cached_prompt,
+        })
+    }
+
+    /// Runs one forward over the scheduled batch and returns each sampled sequence's
+    /// output. Returns nothing when there is no work.
+    pub fn step(&mut self) -> Result<Vec<Output>, EngineError> {
+        let step = self.scheduler.schedule();
+        self.stats.preemptions += step.preempted.len() as u64;
+        if step.scheduled.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.stats.steps += 1;
+        let mut logits = {
+            let inputs: Vec<SeqInput<'_>> = step
+                .scheduled
+                .iter()
+                .map(|s| {
+                    let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
+                    SeqInput {
+                        tokens: &seq.tokens[s.start..s.start + s.len],
+                        cached: s.start,
+                        block_table: &seq.block_table,
+                        logits: s.sample,
+                    }
+                })
+                .collect();
+            self.model.forward(&inputs, &mut self.kv)?
+        };
+        for s in &step.scheduled {
+            let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
+            self.stats.prompt_tokens_computed += (s.start + s.len).min(seq.prompt_len).saturating_sub(s.start) as u64;
+        }
+        self.scheduler.complete(&step);
+
+        let ids: Vec<SeqId> = step.scheduled.iter().filter(|s| s.sample).map(|s| s.id).collect();
+        let mut taken: Vec<(SeqId, RequestState)> =
+            ids.iter().map(|id| (*id, self.requests.remove(id).expect("scheduled requests exist"))).collect();
+        let sampled = {
+            let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
+            sample_batch(&mut logits, self.model.config.vocab_size, &mut states)
+        };
+        let mut outputs = Vec::with_capacity(taken.len());
+        for ((id, mut state), s) in taken.into_iter().zip(sampled) {
+            let output = self.advance(id, &mut state, s)?;
+            if output.finish.is_none() {
+                self.requests.insert(id, state);
+            } else {
+                self.scheduler.remove(id);
+            }
+            outputs.push(output);
+        }
+        Ok(outputs)
+    }
+
+    /// Appends a sampled token to its sequence and decides whether it ends there.
+    fn advance(&mut self, id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
+        let token = s.token;
+        state.sampler.push(token);
+        self.scheduler.append(id, token);
+        self.stats.output_tokens += 1;
+        let seq = self.scheduler.get(id).expect("sampled sequences exist");
+        let (num_output, total) = (seq.num_output(), seq.tokens.len());
+        let (prompt_tokens, cached_prompt_tokens) = (seq.prompt_len, seq.num_cached_prompt);
+
+        let mut finish = None;
+        let mut text = String::new();
+        if (!state.ignore_eos && self.eos.contains(&token)) || state.stop_token_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let delta = state.detok.push(self.tokenizer.inner(), token)?;
+            text = delta.text;
+            if delta.stopped_on.is_some() {
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if finish.is_none() && (num_output >= state.max_tokens || total >= self.model.config.context_length) {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() {
+            text.push_str(&state.detok.finish());
+        }
+        Ok(Output { id, token: Some(s), text, finish, prompt_tokens, cached_prompt_tokens })
+    }
+}
