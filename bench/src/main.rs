@@ -1,5 +1,6 @@
 //! `tessera-bench`: benchmarks that print one JSON line each.
 
+mod engine;
 mod forward;
 
 use anyhow::Result;
@@ -16,10 +17,13 @@ struct Cli {
 enum Command {
     /// Prefill and single-sequence decode speed of the forward pass, beside llama.cpp's.
     Forward(forward::Args),
+    /// Continuous batching throughput against one request at a time, offline.
+    Engine(engine::Args),
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),
+        Command::Engine(args) => engine::run(args),
     }
 }
