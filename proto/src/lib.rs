@@ -1,5 +1,11 @@
-//! Contracts between Tessera processes. Today: the prefix-block hash that the worker's
-//! KV cache and the control plane's router must compute identically. The gRPC schema
-//! (worker.proto) and the etcd key layout join it as those processes land.
+//! Contracts between Tessera processes: the worker's gRPC service (`worker.proto`) and
+//! the prefix-block hash that the worker's KV cache and the control plane's router must
+//! compute identically. The etcd key layout joins them with the cluster.
 
 pub mod block_hash;
+
+/// Generated from proto/worker.proto.
+pub mod worker {
+    #![allow(clippy::all, clippy::pedantic)]
+    tonic::include_proto!("tessera.worker.v1");
+}

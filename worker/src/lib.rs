@@ -1,10 +1,13 @@
-//! The Tessera worker: loads a model, runs its forward pass, generates text.
+//! The Tessera worker: loads a model, runs its forward pass, and serves many requests
+//! at once through its engine, over gRPC.
 
 pub mod chat_template;
 pub mod engine;
 pub mod generate;
+pub mod grpc;
 pub mod load;
 pub mod loader;
 pub mod model;
 pub mod model_cache;
+pub mod serve;
 pub mod tokenizer;

@@ -1,4 +1,4 @@
-//! `tessera-worker`: generate text with a model, or fetch the test model.
+//! `tessera-worker`: serve a model over gRPC, generate text once, or fetch the test model.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -17,6 +17,8 @@ struct Cli {
 enum Command {
     /// Greedy completion of one prompt.
     Generate(GenerateArgs),
+    /// Serve the model over gRPC (worker.proto) with the batching engine.
+    Serve(tessera_worker::serve::ServeConfig),
     /// Fetch a known model into the cache and print its path.
     Fetch {
         #[arg(default_value = model_cache::SMOLLM2_135M_INSTRUCT.name)]
@@ -44,11 +46,27 @@ struct GenerateArgs {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => run_generate(args),
+        Command::Serve(config) => run_serve(config),
         Command::Fetch { name } => {
             println!("{}", model_cache::resolve(&name)?.display());
             Ok(())
         }
     }
+}
+
+fn run_serve(config: tessera_worker::serve::ServeConfig) -> Result<()> {
+    let service = tessera_worker::serve::build_service(&config)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        eprintln!("tessera-worker serving {} on {}", config.model, listener.local_addr()?);
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        tessera_worker::serve::serve(service, listener, shutdown).await
+    })
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {

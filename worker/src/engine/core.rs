@@ -91,6 +91,8 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Detokenize(#[from] super::detokenizer::DetokenizeError),
+    #[error("the engine has stopped")]
+    Stopped,
 }
 
 struct RequestState {
@@ -158,6 +160,11 @@ impl<B: Backend> EngineCore<B> {
 
     pub fn has_work(&self) -> bool {
         self.scheduler.has_work()
+    }
+
+    /// Prefix-cache changes since the last call.
+    pub fn take_kv_events(&mut self) -> super::block_pool::KvEvents {
+        self.scheduler.take_kv_events()
     }
 
     /// Checks a request and queues it.

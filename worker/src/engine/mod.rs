@@ -1,11 +1,13 @@
 //! The engine: many sequences served at once, vLLM-style — continuous batching with
 //! chunked prefill (`scheduler`), a paged KV cache with prefix caching (`block_pool`),
 //! sampling (`sampler`), incremental detokenization with stop strings
-//! (`detokenizer`), tied together one step at a time by `core::EngineCore`.
+//! (`detokenizer`), tied together one step at a time by `core::EngineCore`, which
+//! `runner::EngineHandle` runs on its own thread for the async world.
 
 pub mod block_pool;
 pub mod core;
 pub mod detokenizer;
+pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;

@@ -1,0 +1,191 @@
+//! The engine on its own thread. The async side talks to it through a command
+//! channel and gets each request's outputs on a channel of its own; it never blocks the
+//! loop, and the loop never waits on it. A request whose output channel is gone (the
+//! client hung up) is aborted at its next output, its blocks freed at once.
+
+use super::block_pool::KvEvents;
+use super::core::{EngineCore, EngineError, Output, Request};
+use super::sequence::SeqId;
+use std::collections::HashMap;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+use tessera_kernels::Backend;
+use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
+
+/// How often the loop publishes a load report.
+pub const REPORT_INTERVAL: Duration = Duration::from_millis(250);
+
+/// What a request's stream receives: outputs, or the engine's failure.
+pub type OutputEvent = Result<Output, String>;
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadReport {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub tokens_per_s: f64,
+    pub kv_events: KvEvents,
+    pub prefix_queried_blocks: u64,
+    pub prefix_hit_blocks: u64,
+}
+
+enum Command {
+    Add {
+        request: Request,
+        outputs: tmpsc::UnboundedSender<OutputEvent>,
+        accepted: oneshot::Sender<Result<(), EngineError>>,
+    },
+    Abort {
+        id: SeqId,
+        found: oneshot::Sender<bool>,
+    },
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    reports: broadcast::Sender<LoadReport>,
+}
+
+impl EngineHandle {
+    /// Starts the engine loop on a new thread; it ends when every handle is dropped.
+    pub fn spawn<B: Backend + 'static>(core: EngineCore<B>) -> Self {
+        let (commands, rx) = mpsc::channel();
+        let (reports, _) = broadcast::channel(64);
+        let publisher = reports.clone();
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || Loop { core, streams: HashMap::new(), reports: publisher, tokens: 0 }.run(rx))
+            .expect("spawning the engine thread");
+        Self { commands, reports }
+    }
+
+    /// Queues a request; its outputs arrive on the returned channel, the last one with
+    /// a finish reason. Fails at once for an invalid request.
+    pub async fn generate(&self, request: Request) -> Result<tmpsc::UnboundedReceiver<OutputEvent>, EngineError> {
+        let (outputs, rx) = tmpsc::unbounded_channel();
+        let (accepted, answer) = oneshot::channel();
+        self.send(Command::Add { request, outputs, accepted })?;
+        answer.await.map_err(|_| EngineError::Stopped)??;
+        Ok(rx)
+    }
+
+    /// Aborts a request; false if it is not running (finished, or never was).
+    pub async fn abort(&self, id: SeqId) -> Result<bool, EngineError> {
+        let (found, answer) = oneshot::channel();
+        self.send(Command::Abort { id, found })?;
+        answer.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Load reports, one every `REPORT_INTERVAL`.
+    pub fn watch_load(&self) -> broadcast::Receiver<LoadReport> {
+        self.reports.subscribe()
+    }
+
+    fn send(&self, c: Command) -> Result<(), EngineError> {
+        self.commands.send(c).map_err(|_| EngineError::Stopped)
+    }
+}
+
+struct Loop<B: Backend> {
+    core: EngineCore<B>,
+    streams: HashMap<SeqId, tmpsc::UnboundedSender<OutputEvent>>,
+    reports: broadcast::Sender<LoadReport>,
+    /// Output tokens since the last report.
+    tokens: u64,
+}
+
+impl<B: Backend> Loop<B> {
+    fn run(mut self, commands: mpsc::Receiver<Command>) {
+        let mut last_report = Instant::now();
+        loop {
+            // Idle: sleep until a command or the next report. Busy: take what is queued.
+            if !self.core.has_work() {
+                match commands.recv_timeout(REPORT_INTERVAL.saturating_sub(last_report.elapsed())) {
+                    Ok(c) => self.handle(c),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(c) = commands.try_recv() {
+                self.handle(c);
+            }
+            if self.core.has_work() {
+                self.step();
+            }
+            if last_report.elapsed() >= REPORT_INTERVAL {
+                self.report(last_report.elapsed());
+                last_report = Instant::now();
+            }
+        }
+    }
+
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Add { request, outputs, accepted } => {
+                let id = request.id;
+                let result = self.core.add_request(request);
+                if result.is_ok() {
+                    self.streams.insert(id, outputs);
+                }
+                let _ = accepted.send(result);
+            }
+            Command::Abort { id, found } => {
+                let out = self.core.abort(id);
+                if let (Some(out), Some(stream)) = (&out, self.streams.remove(&id)) {
+                    let _ = stream.send(Ok(out.clone()));
+                }
+                let _ = found.send(out.is_some());
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        match self.core.step() {
+            Ok(outputs) => {
+                for out in outputs {
+                    self.tokens += out.token.is_some() as u64;
+                    let (id, finished) = (out.id, out.finish.is_some());
+                    let delivered = self.streams.get(&id).is_some_and(|s| s.send(Ok(out)).is_ok());
+                    if finished {
+                        self.streams.remove(&id);
+                    } else if !delivered {
+                        // The client is gone: stop computing for it.
+                        self.core.abort(id);
+                        self.streams.remove(&id);
+                    }
+                }
+            }
+            Err(e) => {
+                // A failed forward leaves no request in a known state: end them all.
+                let message = e.to_string();
+                for (id, stream) in self.streams.drain() {
+                    let _ = stream.send(Err(message.clone()));
+                    self.core.abort(id);
+                }
+            }
+        }
+    }
+
+    fn report(&mut self, elapsed: Duration) {
+        let s = self.core.scheduler();
+        let pool = s.pool();
+        let stats = pool.stats();
+        let report = LoadReport {
+            running: s.num_running(),
+            waiting: s.num_waiting(),
+            kv_blocks_used: pool.num_used(),
+            kv_blocks_total: pool.num_blocks(),
+            tokens_per_s: self.tokens as f64 / elapsed.as_secs_f64(),
+            kv_events: KvEvents::default(),
+            prefix_queried_blocks: stats.queried_blocks,
+            prefix_hit_blocks: stats.hit_blocks,
+        };
+        let report = LoadReport { kv_events: self.core.take_kv_events(), ..report };
+        self.tokens = 0;
+        // No subscriber is fine: the events are dropped, as no router is listening.
+        let _ = self.reports.send(report);
+    }
+}

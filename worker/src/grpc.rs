@@ -1,0 +1,213 @@
+//! The worker's gRPC service over the engine: requests and outputs converted between
+//! proto and engine types, engine errors mapped once to gRPC status codes.
+
+use crate::engine::core::{EngineError, FinishReason, Output, Request as EngineRequest};
+use crate::engine::runner::{EngineHandle, OutputEvent};
+use crate::engine::sampler::SamplingParams;
+use crate::engine::sequence::SeqId;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use tessera_proto::worker as pb;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+pub use pb::worker_server::WorkerServer;
+
+impl From<EngineError> for Status {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::InvalidRequest(m) => Status::invalid_argument(m),
+            EngineError::DuplicateId(_) => Status::already_exists(e.to_string()),
+            EngineError::Stopped => Status::unavailable(e.to_string()),
+            EngineError::Model(_) | EngineError::Detokenize(_) => Status::internal(e.to_string()),
+        }
+    }
+}
+
+/// Client request ids of live requests → engine ids.
+type LiveIds = Arc<Mutex<HashMap<String, SeqId>>>;
+
+pub struct WorkerService {
+    engine: EngineHandle,
+    card: pb::ModelCard,
+    live: LiveIds,
+    next_id: AtomicU64,
+}
+
+impl WorkerService {
+    pub fn new(engine: EngineHandle, card: pb::ModelCard) -> Self {
+        Self { engine, card, live: LiveIds::default(), next_id: AtomicU64::new(1) }
+    }
+}
+
+fn to_engine(id: SeqId, r: pb::GenerateRequest) -> Result<EngineRequest, Status> {
+    let s = r.sampling.unwrap_or_default();
+    let params = SamplingParams {
+        temperature: s.temperature,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        top_k: s.top_k,
+        min_p: s.min_p,
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
+        logit_bias: s.logit_bias.into_iter().collect(),
+        seed: s.seed,
+        logprobs: s.logprobs,
+    };
+    Ok(EngineRequest {
+        id,
+        prompt: r.prompt_token_ids,
+        params,
+        max_tokens: r.max_tokens as usize,
+        stop_token_ids: r.stop_token_ids,
+        stop: r.stop,
+        ignore_eos: r.ignore_eos,
+    })
+}
+
+fn to_proto(o: Output) -> pb::GenerateResponse {
+    let tokens = o
+        .token
+        .into_iter()
+        .map(|t| pb::GeneratedToken {
+            token_id: t.token,
+            logprob: t.logprob,
+            top_logprobs: t
+                .top_logprobs
+                .into_iter()
+                .map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob })
+                .collect(),
+        })
+        .collect();
+    let finish = match o.finish {
+        None => pb::FinishReason::Unspecified,
+        Some(FinishReason::Stop) => pb::FinishReason::Stop,
+        Some(FinishReason::Length) => pb::FinishReason::Length,
+        Some(FinishReason::Abort) => pb::FinishReason::Abort,
+    };
+    pb::GenerateResponse {
+        tokens,
+        text: o.text,
+        finish_reason: finish as i32,
+        prompt_tokens: o.prompt_tokens as u32,
+        cached_prompt_tokens: o.cached_prompt_tokens as u32,
+    }
+}
+
+/// A request's response stream. Dropping it (the client went away) closes the output
+/// channel, which makes the engine abort the request; the client id is freed here.
+pub struct OutputStream {
+    rx: UnboundedReceiver<OutputEvent>,
+    live: LiveIds,
+    client_id: String,
+}
+
+impl Stream for OutputStream {
+    type Item = Result<pb::GenerateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|ev| ev.map(|ev| ev.map(to_proto).map_err(Status::internal)))
+    }
+}
+
+impl Drop for OutputStream {
+    fn drop(&mut self) {
+        self.live.lock().expect("live ids lock").remove(&self.client_id);
+    }
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = OutputStream;
+    type WatchLoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadReport, Status>> + Send>>;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<OutputStream>, Status> {
+        let r = req.into_inner();
+        if r.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is empty"));
+        }
+        let client_id = r.request_id.clone();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut live = self.live.lock().expect("live ids lock");
+            if live.contains_key(&client_id) {
+                return Err(Status::already_exists(format!("request {client_id} is already running")));
+            }
+            live.insert(client_id.clone(), id);
+        }
+        let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone() };
+        match self.engine.generate(to_engine(id, r)?).await {
+            Ok(rx) => Ok(Response::new(stream(rx))),
+            Err(e) => {
+                self.live.lock().expect("live ids lock").remove(&client_id);
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        let id = self.live.lock().expect("live ids lock").get(&req.get_ref().request_id).copied();
+        let found = match id {
+            Some(id) => self.engine.abort(id).await?,
+            None => false,
+        };
+        Ok(Response::new(pb::AbortResponse { found }))
+    }
+
+    async fn get_model_card(&self, _: Request<pb::ModelCardRequest>) -> Result<Response<pb::ModelCard>, Status> {
+        Ok(Response::new(self.card.clone()))
+    }
+
+    async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse { ready: true }))
+    }
+
+    async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let mut rx = self.engine.watch_load();
+        let stream = async_stream(move |tx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(r) => {
+                        let report = pb::LoadReport {
+                            running: r.running as u32,
+                            waiting: r.waiting as u32,
+                            kv_blocks_used: r.kv_blocks_used as u32,
+                            kv_blocks_total: r.kv_blocks_total as u32,
+                            tokens_per_s: r.tokens_per_s,
+                            stored_block_hashes: r.kv_events.stored,
+                            removed_block_hashes: r.kv_events.removed,
+                            prefix_queried_blocks: r.prefix_queried_blocks,
+                            prefix_hit_blocks: r.prefix_hit_blocks,
+                        };
+                        if tx.send(Ok(report)).await.is_err() {
+                            return;
+                        }
+                    }
+                    // A slow watcher missed reports: tell it, so it resynchronises.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx.send(Err(Status::data_loss(format!("missed {n} load reports")))).await;
+                        return;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(stream))
+    }
+}
+
+/// A stream fed by a task through a small channel.
+fn async_stream<T, F, Fut>(f: F) -> Pin<Box<dyn Stream<Item = T> + Send>>
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}

@@ -1,0 +1,87 @@
+//! `tessera-worker serve`: load a model, start the engine thread, serve gRPC.
+
+use crate::engine::core::{EngineConfig, EngineCore};
+use crate::engine::runner::EngineHandle;
+use crate::grpc::{WorkerServer, WorkerService};
+use crate::load::load_model;
+use crate::model::KvCache;
+use crate::model_cache;
+use anyhow::Context;
+use std::future::Future;
+use tessera_kernels::cpu::CpuBackend;
+use tessera_proto::block_hash::BLOCK_TOKENS;
+use tessera_proto::worker as pb;
+use tokio::net::TcpListener;
+
+/// Everything `serve` needs, from the command line or a test.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeConfig {
+    /// A GGUF file, a Hugging Face model directory, or a known model name.
+    #[arg(long, env = "TESSERA_MODEL")]
+    pub model: String,
+    #[arg(long, env = "TESSERA_WORKER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    /// KV-cache size in bytes; default: `--kv-cache-fraction` of available memory.
+    #[arg(long)]
+    pub kv_cache_bytes: Option<u64>,
+    #[arg(long, default_value_t = 0.2)]
+    pub kv_cache_fraction: f64,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+}
+
+/// Loads the model and starts the engine; returns the service ready to serve.
+pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
+    let path = model_cache::resolve(&config.model)?;
+    let loaded = load_model(CpuBackend, &path).with_context(|| format!("loading {}", path.display()))?;
+    let c = &loaded.model.config;
+    let block_bytes = KvCache::<CpuBackend>::bytes_per_block(c.num_layers, c.kv_width(), BLOCK_TOKENS) as u64;
+    let budget = match config.kv_cache_bytes {
+        Some(b) => b,
+        None => (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64,
+    };
+    let num_blocks = (budget / block_bytes) as usize;
+    anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");
+    let tok = &loaded.tokenizer;
+    let card = pb::ModelCard {
+        model: config.model.clone(),
+        tokenizer_json: tok.json.clone(),
+        chat_template: tok.chat_template.clone().unwrap_or_default(),
+        bos_token_id: tok.bos.as_ref().map(|t| t.id),
+        bos_token: tok.bos.as_ref().map(|t| t.text.clone()).unwrap_or_default(),
+        eos_token_ids: tok.eos.iter().map(|t| t.id).collect(),
+        eos_token: tok.eos.first().map(|t| t.text.clone()).unwrap_or_default(),
+        context_length: c.context_length as u32,
+        kv_block_size: BLOCK_TOKENS as u32,
+        vocab_size: c.vocab_size as u32,
+    };
+    let engine_config = EngineConfig {
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_num_seqs: config.max_num_seqs,
+        num_blocks,
+    };
+    let core = EngineCore::new(loaded.model, loaded.tokenizer, engine_config, &config.model)?;
+    Ok(WorkerService::new(EngineHandle::spawn(core), card))
+}
+
+/// Serves on `listener` until `shutdown` resolves.
+pub async fn serve(
+    service: WorkerService,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    tonic::transport::Server::builder()
+        .add_service(WorkerServer::new(service))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = info.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,0 +1,178 @@
+//! The worker over gRPC, in-process on a loopback port with the real model: the
+//! model card, concurrent streams equal to solo ones, aborts and dropped streams
+//! returning every block, bad requests refused with INVALID_ARGUMENT.
+
+mod common;
+
+use common::smollm2_path;
+use std::time::Duration;
+use tessera_proto::worker::worker_client::WorkerClient;
+use tessera_proto::worker::{self as pb};
+use tessera_worker::serve::{ServeConfig, build_service, serve};
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+
+/// A worker on a loopback port; the server stops when the runtime ends.
+async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
+    let config = ServeConfig {
+        model: smollm2_path().display().to_string(),
+        listen: "127.0.0.1:0".into(),
+        kv_cache_bytes: Some(kv_cache_bytes),
+        kv_cache_fraction: 0.2,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 2048,
+    };
+    let service = tokio::task::spawn_blocking(move || build_service(&config)).await.unwrap().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve(service, listener, std::future::pending()));
+    WorkerClient::connect(format!("http://{addr}")).await.unwrap()
+}
+
+fn request(id: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: id.into(),
+        prompt_token_ids: prompt,
+        sampling: Some(pb::SamplingParams::default()),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Runs a request to its end; returns its tokens, text and finish reason.
+async fn collect(mut client: WorkerClient<Channel>, req: pb::GenerateRequest) -> (Vec<u32>, String, i32) {
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let (mut tokens, mut text, mut finish) = (Vec::new(), String::new(), 0);
+    while let Some(r) = stream.message().await.unwrap() {
+        tokens.extend(r.tokens.iter().map(|t| t.token_id));
+        text.push_str(&r.text);
+        finish = r.finish_reason;
+    }
+    (tokens, text, finish)
+}
+
+/// Waits (on load reports, no sleeping) until nothing runs and no block is held.
+async fn wait_until_idle(client: &mut WorkerClient<Channel>) -> pb::LoadReport {
+    let mut reports = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let r =
+            tokio::time::timeout_at(deadline, reports.message()).await.expect("idle within a minute").unwrap().unwrap();
+        if r.running == 0 && r.waiting == 0 && r.kv_blocks_used == 0 {
+            return r;
+        }
+    }
+}
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    // Token ids of short distinct texts, straight from the vocabulary.
+    (0..n).map(|i| vec![504, 3575 + i as u32 % 50, 282, 4649 + i as u32, 314]).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_card_describes_the_model() {
+    let mut client = start(64 << 20).await;
+    let card = client.get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner();
+    assert_eq!((card.bos_token_id, card.eos_token_ids.as_slice()), (Some(1), &[2][..]));
+    assert_eq!((card.bos_token.as_str(), card.eos_token.as_str()), ("<|im_start|>", "<|im_end|>"));
+    assert_eq!((card.context_length, card.kv_block_size, card.vocab_size), (8192, 16, 49152));
+    assert!(card.chat_template.contains("<|im_start|>"));
+    let tokenizer = tokenizers::Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).unwrap();
+    assert_eq!(tokenizer.encode("Hello", false).unwrap().get_ids(), &[19556]);
+    assert!(client.health(pb::HealthRequest {}).await.unwrap().into_inner().ready);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_streams_match_their_solo_runs() {
+    let client = start(256 << 20).await;
+    let prompts = prompts(64);
+    let mut solo = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        solo.push(collect(client.clone(), request(&format!("solo-{i}"), p.clone(), 6)).await);
+    }
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| tokio::spawn(collect(client.clone(), request(&format!("batch-{i}"), p.clone(), 6))))
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let got = h.await.unwrap();
+        assert_eq!(got, solo[i], "request {i}");
+        assert_eq!(got.2, pb::FinishReason::Length as i32);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_stream_and_an_abort_return_every_block() {
+    let mut client = start(64 << 20).await;
+    // Dropped after its first response: the engine aborts it.
+    let mut stream = client.generate(request("dropped", prompts(1)[0].clone(), 2000)).await.unwrap().into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    drop(stream);
+    let report = wait_until_idle(&mut client).await;
+    assert!(report.kv_blocks_total > 0);
+    // Aborted by id: its stream ends with ABORT.
+    let mut stream = client.generate(request("aborted", prompts(2)[1].clone(), 2000)).await.unwrap().into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    let found = client.abort(pb::AbortRequest { request_id: "aborted".into() }).await.unwrap().into_inner().found;
+    assert!(found);
+    let mut last = None;
+    while let Some(r) = stream.message().await.unwrap() {
+        last = Some(r.finish_reason);
+    }
+    assert_eq!(last, Some(pb::FinishReason::Abort as i32));
+    wait_until_idle(&mut client).await;
+    let again = client.abort(pb::AbortRequest { request_id: "aborted".into() }).await.unwrap().into_inner().found;
+    assert!(!again);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_invalid_argument_with_a_reason() {
+    let mut client = start(64 << 20).await;
+    let cases = [
+        (request("empty", vec![], 4), "prompt is empty"),
+        (request("long", vec![5; 8192], 4), "context"),
+        (request("max", vec![5; 10], 8190), "max_tokens"),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams { logit_bias: [(60000, 1.0)].into(), ..Default::default() }),
+                ..request("bias", vec![5], 4)
+            },
+            "logit_bias token id 60000",
+        ),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams { logprobs: Some(21), ..Default::default() }),
+                ..request("lp", vec![5], 4)
+            },
+            "top_logprobs",
+        ),
+        (request("", vec![5], 4), "request_id"),
+    ];
+    for (req, want) in cases {
+        let Err(status) = client.generate(req).await else { panic!("refused") };
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(want), "{} should mention {want:?}", status.message());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_and_cached_prompt_tokens_are_reported() {
+    let client = start(64 << 20).await;
+    let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
+    let mut req = request("first", prompt.clone(), 2);
+    req.sampling = Some(pb::SamplingParams { logprobs: Some(3), ..Default::default() });
+    let mut c = client.clone();
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    let token = &first.tokens[0];
+    assert!(token.logprob.unwrap() <= 0.0);
+    assert_eq!(token.top_logprobs.len(), 3);
+    assert_eq!(token.top_logprobs[0].token_id, token.token_id, "greedy picks the most likely");
+    assert_eq!((first.prompt_tokens, first.cached_prompt_tokens), (40, 0));
+    while stream.message().await.unwrap().is_some() {}
+    let mut stream = c.generate(request("second", prompt, 1)).await.unwrap().into_inner();
+    let second = stream.message().await.unwrap().unwrap();
+    assert_eq!(second.cached_prompt_tokens, 32, "two full blocks came from the cache");
+}
