@@ -66,6 +66,7 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest) -> Result<EngineRequest, Status>
         stop_token_ids: r.stop_token_ids,
         stop: r.stop,
         ignore_eos: r.ignore_eos,
+        n: r.n.max(1) as usize,
     })
 }
 
@@ -90,6 +91,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         Some(FinishReason::Abort) => pb::FinishReason::Abort,
     };
     pb::GenerateResponse {
+        index: o.index as u32,
         tokens,
         text: o.text,
         finish_reason: finish as i32,

@@ -139,12 +139,13 @@ fn abort_returns_every_block_at_once() {
     e.step().unwrap();
     assert!(e.scheduler().pool().num_free() < 64);
     for i in 0..6 {
-        let out = e.abort(i).unwrap();
-        assert_eq!(out.finish, Some(FinishReason::Abort));
+        let outs = e.abort(i);
+        assert_eq!(outs.len(), 1);
+        assert_eq!((outs[0].finish, outs[0].last), (Some(FinishReason::Abort), true));
     }
     assert_eq!(e.scheduler().pool().num_free(), 64);
     assert!(!e.has_work());
-    assert!(e.abort(0).is_none(), "aborting twice is a no-op");
+    assert!(e.abort(0).is_empty(), "aborting twice is a no-op");
 }
 
 #[test]
@@ -217,4 +218,35 @@ fn bad_requests_are_refused_with_a_reason() {
         assert!(err.to_string().contains(want), "{err} should mention {want:?}");
     }
     assert!(!e.has_work());
+}
+
+#[test]
+fn n_completions_share_the_prompt_blocks() {
+    let mut e = engine(EngineConfig::default());
+    let prompt: Vec<u32> = e.tokenizer().encode(&"Tell me about the ocean and its tides. ".repeat(6)).unwrap();
+    let full_blocks = (prompt.len() - 1) / 16;
+    assert!(full_blocks >= 3, "the test needs a prompt of several blocks");
+    let seeded = SamplingParams { temperature: 1.0, seed: Some(9), ..SamplingParams::default() };
+    let request = Request { n: 3, params: seeded, ignore_eos: true, ..Request::greedy(1, prompt.clone(), 10) };
+    e.add_request(request).unwrap();
+    let mut by_index: HashMap<usize, (Vec<u32>, usize)> = HashMap::new();
+    let mut lasts = 0;
+    while e.has_work() {
+        for o in e.step().unwrap() {
+            let entry = by_index.entry(o.index).or_default();
+            entry.0.extend(o.token.map(|t| t.token));
+            entry.1 = o.cached_prompt_tokens;
+            lasts += o.last as usize;
+        }
+    }
+    assert_eq!(lasts, 1, "exactly one output closes the request");
+    assert_eq!(by_index.len(), 3);
+    // The first computes the prompt; the others start from its cached blocks.
+    assert_eq!(by_index[&0].1, 0);
+    assert_eq!(by_index[&1].1, full_blocks * 16);
+    assert_eq!(by_index[&2].1, full_blocks * 16);
+    assert!(by_index.values().all(|(t, _)| t.len() == 10));
+    // Seeded: each completion draws its own numbers from the request's seed.
+    assert_ne!(by_index[&0].0, by_index[&1].0);
+    assert_eq!(e.scheduler().pool().num_free(), EngineConfig::default().num_blocks);
 }

@@ -176,3 +176,19 @@ async fn logprobs_and_cached_prompt_tokens_are_reported() {
     let second = stream.message().await.unwrap().unwrap();
     assert_eq!(second.cached_prompt_tokens, 32, "two full blocks came from the cache");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_completions_stream_with_their_index_until_all_finish() {
+    let mut client = start(64 << 20).await;
+    let req = pb::GenerateRequest { n: 2, ..request("two", prompts(1)[0].clone(), 3) };
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let mut tokens = [0, 0];
+    let mut finished = [false, false];
+    while let Some(r) = stream.message().await.unwrap() {
+        let i = r.index as usize;
+        tokens[i] += r.tokens.len();
+        finished[i] |= r.finish_reason == pb::FinishReason::Length as i32;
+    }
+    assert_eq!(tokens, [3, 3]);
+    assert_eq!(finished, [true, true]);
+}

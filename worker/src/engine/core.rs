@@ -17,6 +17,8 @@ use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
+/// Most completions one request may ask for (OpenAI's limit).
+pub const MAX_N: usize = 128;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -42,6 +44,8 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Keep going past the model's end-of-sequence token.
     pub ignore_eos: bool,
+    /// Completions of the same prompt; they share the prompt's KV blocks.
+    pub n: usize,
 }
 
 impl Request {
@@ -54,6 +58,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             ignore_eos: false,
+            n: 1,
         }
     }
 }
@@ -67,10 +72,15 @@ pub enum FinishReason {
     Abort,
 }
 
-/// What one step produced for one sequence.
+/// What one step produced for one completion of a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Output {
+    /// The request's id.
     pub id: SeqId,
+    /// Which of the request's `n` completions.
+    pub index: usize,
+    /// The request's last output: every completion has finished.
+    pub last: bool,
     /// The token sampled this step (none for an abort).
     pub token: Option<Sampled>,
     /// Text completed this step.
@@ -95,7 +105,10 @@ pub enum EngineError {
     Stopped,
 }
 
+/// One completion's state; the scheduler knows it by its own sequence id.
 struct RequestState {
+    request: SeqId,
+    index: usize,
     sampler: SamplerState,
     detok: Detokenizer,
     max_tokens: usize,
@@ -117,7 +130,11 @@ pub struct EngineCore<B: Backend> {
     kv: KvCache<B>,
     tokenizer: ModelTokenizer,
     scheduler: Scheduler,
+    /// By sequence id.
     requests: HashMap<SeqId, RequestState>,
+    /// Request id → its live sequences.
+    families: HashMap<SeqId, Vec<SeqId>>,
+    next_seq: SeqId,
     eos: Vec<u32>,
     stats: EngineStats,
 }
@@ -139,7 +156,17 @@ impl<B: Backend> EngineCore<B> {
             BlockHasher::new(model_name),
         );
         let eos = tokenizer.eos.iter().map(|t| t.id).collect();
-        Ok(Self { model, kv, tokenizer, scheduler, requests: HashMap::new(), eos, stats: EngineStats::default() })
+        Ok(Self {
+            model,
+            kv,
+            tokenizer,
+            scheduler,
+            requests: HashMap::new(),
+            families: HashMap::new(),
+            next_seq: 0,
+            eos,
+            stats: EngineStats::default(),
+        })
     }
 
     pub fn model(&self) -> &Model<B> {
@@ -167,21 +194,37 @@ impl<B: Backend> EngineCore<B> {
         self.scheduler.take_kv_events()
     }
 
-    /// Checks a request and queues it.
+    /// Checks a request and queues its `n` sequences; the second and later wait until
+    /// the first has computed the prompt, then start from its cached blocks.
     pub fn add_request(&mut self, req: Request) -> Result<(), EngineError> {
         self.validate(&req)?;
-        if self.requests.contains_key(&req.id) || self.scheduler.get(req.id).is_some() {
+        if self.families.contains_key(&req.id) {
             return Err(EngineError::DuplicateId(req.id));
         }
-        let state = RequestState {
-            sampler: SamplerState::new(req.params, &req.prompt),
-            detok: Detokenizer::new(&req.prompt, req.stop),
-            max_tokens: req.max_tokens,
-            stop_token_ids: req.stop_token_ids,
-            ignore_eos: req.ignore_eos,
-        };
-        self.requests.insert(req.id, state);
-        self.scheduler.add(Sequence::new(req.id, req.prompt));
+        let mut members = Vec::with_capacity(req.n);
+        for index in 0..req.n {
+            let seq_id = self.next_seq;
+            self.next_seq += 1;
+            // Each completion draws its own numbers from the request's seed.
+            let params =
+                SamplingParams { seed: req.params.seed.map(|s| s.wrapping_add(index as u64)), ..req.params.clone() };
+            self.requests.insert(
+                seq_id,
+                RequestState {
+                    request: req.id,
+                    index,
+                    sampler: SamplerState::new(params, &req.prompt),
+                    detok: Detokenizer::new(&req.prompt, req.stop.clone()),
+                    max_tokens: req.max_tokens,
+                    stop_token_ids: req.stop_token_ids.clone(),
+                    ignore_eos: req.ignore_eos,
+                },
+            );
+            let after = members.first().copied();
+            self.scheduler.add(Sequence { after, ..Sequence::new(seq_id, req.prompt.clone()) });
+            members.push(seq_id);
+        }
+        self.families.insert(req.id, members);
         Ok(())
     }
 
@@ -193,6 +236,9 @@ impl<B: Backend> EngineCore<B> {
         }
         if req.prompt.len() >= context {
             return bad(format!("the prompt has {} tokens; the model's context is {context}", req.prompt.len()));
+        }
+        if req.n == 0 || req.n > MAX_N {
+            return bad(format!("n is {}; it must be between 1 and {MAX_N}", req.n));
         }
         if req.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
@@ -235,19 +281,29 @@ impl<B: Backend> EngineCore<B> {
         Ok(())
     }
 
-    /// Ends a request now; its blocks return to the pool at once.
-    pub fn abort(&mut self, id: SeqId) -> Option<Output> {
-        let state = self.requests.remove(&id);
-        let seq = self.scheduler.remove(id)?;
-        drop(state);
-        Some(Output {
-            id,
-            token: None,
-            text: String::new(),
-            finish: Some(FinishReason::Abort),
-            prompt_tokens: seq.prompt_len,
-            cached_prompt_tokens: seq.num_cached_prompt,
-        })
+    /// Ends a request now, every completion of it; their blocks return to the pool at
+    /// once. Returns one output per completion still running (none if it was unknown).
+    pub fn abort(&mut self, id: SeqId) -> Vec<Output> {
+        let members = self.families.remove(&id).unwrap_or_default();
+        let count = members.len();
+        members
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, seq_id)| {
+                let state = self.requests.remove(&seq_id)?;
+                let seq = self.scheduler.remove(seq_id)?;
+                Some(Output {
+                    id,
+                    index: state.index,
+                    last: i + 1 == count,
+                    token: None,
+                    text: String::new(),
+                    finish: Some(FinishReason::Abort),
+                    prompt_tokens: seq.prompt_len,
+                    cached_prompt_tokens: seq.num_cached_prompt,
+                })
+            })
+            .collect()
     }
 
     /// Runs one forward over the scheduled batch and returns each sampled sequence's
@@ -289,12 +345,18 @@ impl<B: Backend> EngineCore<B> {
             sample_batch(&mut logits, self.model.config.vocab_size, &mut states)
         };
         let mut outputs = Vec::with_capacity(taken.len());
-        for ((id, mut state), s) in taken.into_iter().zip(sampled) {
-            let output = self.advance(id, &mut state, s)?;
+        for ((seq_id, mut state), s) in taken.into_iter().zip(sampled) {
+            let mut output = self.advance(seq_id, &mut state, s)?;
             if output.finish.is_none() {
-                self.requests.insert(id, state);
+                self.requests.insert(seq_id, state);
             } else {
-                self.scheduler.remove(id);
+                self.scheduler.remove(seq_id);
+                let members = self.families.get_mut(&output.id).expect("live requests have a family");
+                members.retain(|&m| m != seq_id);
+                if members.is_empty() {
+                    self.families.remove(&output.id);
+                    output.last = true;
+                }
             }
             outputs.push(output);
         }
@@ -302,12 +364,12 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Appends a sampled token to its sequence and decides whether it ends there.
-    fn advance(&mut self, id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
+    fn advance(&mut self, seq_id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
         let token = s.token;
         state.sampler.push(token);
-        self.scheduler.append(id, token);
+        self.scheduler.append(seq_id, token);
         self.stats.output_tokens += 1;
-        let seq = self.scheduler.get(id).expect("sampled sequences exist");
+        let seq = self.scheduler.get(seq_id).expect("sampled sequences exist");
         let (num_output, total) = (seq.num_output(), seq.tokens.len());
         let (prompt_tokens, cached_prompt_tokens) = (seq.prompt_len, seq.num_cached_prompt);
 
@@ -328,6 +390,7 @@ impl<B: Backend> EngineCore<B> {
         if finish.is_some() {
             text.push_str(&state.detok.finish());
         }
-        Ok(Output { id, token: Some(s), text, finish, prompt_tokens, cached_prompt_tokens })
+        let (id, index) = (state.request, state.index);
+        Ok(Output { id, index, last: false, token: Some(s), text, finish, prompt_tokens, cached_prompt_tokens })
     }
 }

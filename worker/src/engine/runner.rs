@@ -62,8 +62,9 @@ impl EngineHandle {
         Self { commands, reports }
     }
 
-    /// Queues a request; its outputs arrive on the returned channel, the last one with
-    /// a finish reason. Fails at once for an invalid request.
+    /// Queues a request; its outputs arrive on the returned channel, each completion's
+    /// last with a finish reason, the request's last marked `last`. Fails at once for an
+    /// invalid request.
     pub async fn generate(&self, request: Request) -> Result<tmpsc::UnboundedReceiver<OutputEvent>, EngineError> {
         let (outputs, rx) = tmpsc::unbounded_channel();
         let (accepted, answer) = oneshot::channel();
@@ -133,11 +134,13 @@ impl<B: Backend> Loop<B> {
                 let _ = accepted.send(result);
             }
             Command::Abort { id, found } => {
-                let out = self.core.abort(id);
-                if let (Some(out), Some(stream)) = (&out, self.streams.remove(&id)) {
-                    let _ = stream.send(Ok(out.clone()));
+                let outputs = self.core.abort(id);
+                if let Some(stream) = self.streams.remove(&id) {
+                    for out in &outputs {
+                        let _ = stream.send(Ok(out.clone()));
+                    }
                 }
-                let _ = found.send(out.is_some());
+                let _ = found.send(!outputs.is_empty());
             }
         }
     }
@@ -147,14 +150,13 @@ impl<B: Backend> Loop<B> {
             Ok(outputs) => {
                 for out in outputs {
                     self.tokens += out.token.is_some() as u64;
-                    let (id, finished) = (out.id, out.finish.is_some());
+                    let (id, last) = (out.id, out.last);
                     let delivered = self.streams.get(&id).is_some_and(|s| s.send(Ok(out)).is_ok());
-                    if finished {
+                    if last {
                         self.streams.remove(&id);
-                    } else if !delivered {
+                    } else if !delivered && self.streams.remove(&id).is_some() {
                         // The client is gone: stop computing for it.
                         self.core.abort(id);
-                        self.streams.remove(&id);
                     }
                 }
             }

@@ -131,6 +131,10 @@ impl Scheduler {
     fn admit(&mut self, budget: &mut usize, step: &mut Step) {
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
+            let parent = self.seqs[&id].after.and_then(|p| self.seqs.get(&p));
+            if parent.is_some_and(|p| p.num_computed < p.prompt_len) {
+                break;
+            }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
             // Reuse cached full blocks, but always leave at least one token to run: its
             // logits give the next token.
@@ -342,6 +346,19 @@ mod tests {
         s.remove(1);
         let step = run(&mut s);
         assert_eq!(step.scheduled, vec![Scheduled { id: 2, start: 16, len: 17, sample: true }]);
+    }
+
+    #[test]
+    fn a_sibling_waits_for_its_parents_prompt_and_then_shares_its_blocks() {
+        let mut s = sched(1000, 8, 100);
+        s.add(Sequence::new(1, prompt(40, 0)));
+        s.add(Sequence { after: Some(1), ..Sequence::new(2, prompt(40, 0)) });
+        let step = run(&mut s);
+        assert_eq!(step.scheduled.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
+        let step = run(&mut s);
+        let x = step.scheduled.iter().find(|x| x.id == 2).unwrap();
+        assert_eq!((x.start, x.len), (32, 8), "two full blocks shared");
+        assert_eq!(s.block_table(2)[..2], s.block_table(1)[..2]);
     }
 
     #[test]

@@ -20,6 +20,9 @@ pub struct Sequence {
     pub block_hashes: Vec<BlockHash>,
     /// Blocks of `block_table` already registered in the prefix cache.
     pub num_cached_blocks: usize,
+    /// Admit only once this sequence has computed its prompt (or is gone): the
+    /// siblings of an `n` > 1 request then find the prompt's blocks in the cache.
+    pub after: Option<SeqId>,
 }
 
 impl Sequence {
@@ -33,6 +36,7 @@ impl Sequence {
             block_table: Vec::new(),
             block_hashes: Vec::new(),
             num_cached_blocks: 0,
+            after: None,
         }
     }
 
