@@ -43,14 +43,9 @@ impl<B: Backend> SingleSequence<B> {
     }
 }
 
+/// The greedy token: the sampler's argmax, as a token id.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    crate::engine::sampler::argmax(logits) as u32
 }
 
 #[derive(Debug, Clone)]
