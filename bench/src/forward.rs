@@ -40,7 +40,7 @@ pub fn run(args: Args) -> Result<()> {
     prompt.truncate(args.prompt_tokens);
 
     // One untimed run warms caches and the thread pool.
-    SingleSequence::new(model, prompt.len())?.extend(model, &prompt[..16])?;
+    SingleSequence::new(model, prompt.len())?.extend(model, &prompt[..prompt.len().min(16)])?;
 
     let mut seq = SingleSequence::new(model, prompt.len() + args.decode_tokens)?;
     let start = Instant::now();

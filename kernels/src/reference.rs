@@ -3,7 +3,8 @@
 //! accumulation over `k` terms of O(1) values drifts by roughly `k · 2⁻²⁴` relative.
 
 use crate::cpu::{CpuBackend, CpuWeight};
-use crate::{AttentionShape, Backend, PagedBatch, RopeStyle};
+use crate::quant::GgmlType;
+use crate::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -24,12 +25,14 @@ fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
 }
 
 fn linear_ref(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>) -> Vec<f64> {
+    let mut scratch = Vec::new();
+    let data = w.rows_f32(0, w.rows, &mut scratch);
     let mut out = vec![0.0; tokens * w.rows];
     for t in 0..tokens {
         for r in 0..w.rows {
             let mut s = bias.map_or(0.0, |b| b[r] as f64);
             for c in 0..w.cols {
-                s += x[t * w.cols + c] as f64 * w.data[r * w.cols + c] as f64;
+                s += x[t * w.cols + c] as f64 * data[r * w.cols + c] as f64;
             }
             out[t * w.rows + r] = s;
         }
@@ -49,6 +52,25 @@ fn linear_matches_reference_for_decode_and_batched_shapes() {
         let want = linear_ref(&x, tokens, &w, Some(&bias));
         let err = max_abs_diff(&got, &want);
         assert!(err < 1e-4, "tokens {tokens} [{rows}x{cols}]: error {err}");
+    }
+}
+
+#[test]
+fn linear_over_quantised_rows_matches_the_dequantised_product() {
+    let mut rng = rng();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols, tokens) = (rng.random_range(1..80), 32 * rng.random_range(1..12), rng.random_range(1..40));
+        let mut bytes: Vec<u8> = (0..rows * cols / 32 * ty.block_bytes()).map(|_| rng.random()).collect();
+        for b in bytes.chunks_exact_mut(ty.block_bytes()) {
+            b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+            b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+        }
+        let dense = CpuWeight::f32(crate::quant::dequantize(ty, &bytes), rows, cols);
+        let w = CpuBackend.upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }).unwrap();
+        let x = randn(&mut rng, tokens * cols);
+        let got = CpuBackend.linear(&x, tokens, &w, None).unwrap();
+        let err = max_abs_diff(&got, &linear_ref(&x, tokens, &dense, None));
+        assert!(err < 1e-4, "{ty:?} {tokens} x [{rows}x{cols}]: error {err}");
     }
 }
 
@@ -154,11 +176,12 @@ fn softmax_matches_reference_even_with_large_logits() {
 #[test]
 fn embedding_and_gather_pick_rows_and_reject_bad_ids() {
     let mut rng = rng();
-    let table = CpuWeight::f32(randn(&mut rng, 10 * 4), 10, 4);
+    let data = randn(&mut rng, 10 * 4);
+    let table = CpuWeight::f32(data.clone(), 10, 4);
     let got = CpuBackend.embedding(&vec![3, 0, 9], &table).unwrap();
-    assert_eq!(&got[0..4], &table.data[12..16]);
-    assert_eq!(&got[4..8], &table.data[0..4]);
-    assert_eq!(&got[8..12], &table.data[36..40]);
+    assert_eq!(&got[0..4], &data[12..16]);
+    assert_eq!(&got[4..8], &data[0..4]);
+    assert_eq!(&got[8..12], &data[36..40]);
     assert!(CpuBackend.embedding(&vec![10], &table).is_err());
     let rows = CpuBackend.gather_rows(&got, 4, &vec![2, 0]).unwrap();
     assert_eq!(&rows[0..4], &got[8..12]);
@@ -211,7 +234,15 @@ fn attention_ref(q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>], q_lens: &[usize], 
 #[test]
 fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
     let mut rng = rng();
-    let shape = AttentionShape { num_heads: 6, num_kv_heads: 2, head_dim: 32, block_size: 4, scale: 32f32.powf(-0.5) };
+    // 64 and 128 take the kernel's compile-time head sizes, 32 the run-time one.
+    for head_dim in [32, 64, 128] {
+        paged_attention_case(&mut rng, head_dim);
+    }
+}
+
+fn paged_attention_case(rng: &mut StdRng, head_dim: usize) {
+    let scale = (head_dim as f32).powf(-0.5);
+    let shape = AttentionShape { num_heads: 6, num_kv_heads: 2, head_dim, block_size: 4, scale };
     // (context length, query rows): a decode, a whole prefill, a prefill chunk after a
     // cached prefix, and a one-token sequence.
     let seqs = [(13usize, 1usize), (9, 9), (21, 7), (1, 1)];
@@ -227,8 +258,8 @@ fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
         (vec![], vec![], vec![], vec![], vec![0u32], vec![]);
     for &(context, q_len) in &seqs {
         let blocks: Vec<u32> = (0..context.div_ceil(shape.block_size)).map(|_| free.pop().unwrap()).collect();
-        let k = randn(&mut rng, context * w);
-        let v = randn(&mut rng, context * w);
+        let k = randn(rng, context * w);
+        let v = randn(rng, context * w);
         let slots: Vec<u32> = (0..context)
             .map(|p| blocks[p / shape.block_size] * shape.block_size as u32 + (p % shape.block_size) as u32)
             .collect();
@@ -243,7 +274,7 @@ fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
         ctx.push(context as u32);
     }
     let tokens = *starts.last().unwrap() as usize;
-    let q = randn(&mut rng, tokens * shape.q_width());
+    let q = randn(rng, tokens * shape.q_width());
     let batch = PagedBatch {
         num_seqs: seqs.len(),
         query_start: &starts,
@@ -253,7 +284,7 @@ fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
     };
     let got = CpuBackend.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap();
     let err = max_abs_diff(&got, &attention_ref(&q, &ks, &vs, &q_lens, &shape));
-    assert!(err < 1e-5, "error {err}");
+    assert!(err < 1e-5, "head_dim {head_dim}: error {err}");
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Paged KV cache writes and causal attention read through block tables.
 //!
 //! Cache layout, per layer: `[blocks, block_size, num_kv_heads, head_dim]`. The kernel
-//! computes each (query row, head) on its own: the scores against the sequence's keys,
-//! their softmax, the weighted sum of values.
+//! computes each (query row, KV head) on its own — the query heads sharing that KV head
+//! together: the scores against the sequence's keys, their softmax, the weighted sum of
+//! values. A row's result does not depend on the other rows of the batch.
 
 use super::CpuBackend;
 use super::matmul::dot;
@@ -51,14 +52,15 @@ pub(super) fn paged_attention(
 ) -> Result<Vec<f32>> {
     let rows = validate(q, k_cache, v_cache, batch, shape)?;
     let (hd, qw) = (shape.head_dim, shape.q_width());
+    let group_width = shape.num_heads / shape.num_kv_heads * hd;
     let mut out = vec![0.0f32; q.len()];
     let task = Attend { q, k_cache, v_cache, rows: &rows, batch, shape };
     // Work is keys × head_dim per (row, head); small batches stay on this thread.
     let work: usize = rows.iter().map(|r| r.keys).sum::<usize>() * shape.num_heads * hd;
     if work >= 1 << 16 {
-        out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| attend_head(&task, i, o));
+        out.par_chunks_mut(group_width).enumerate().for_each(|(i, o)| attend_group(&task, i, o));
     } else {
-        out.chunks_mut(hd).enumerate().for_each(|(i, o)| attend_head(&task, i, o));
+        out.chunks_mut(group_width).enumerate().for_each(|(i, o)| attend_group(&task, i, o));
     }
     debug_assert_eq!(out.len(), rows.len() * qw);
     Ok(out)
@@ -75,31 +77,83 @@ struct Attend<'a> {
 }
 
 multiversion! {
-    /// Attention of flattened (query row, head) `i` into `o`, in two passes: the scores
-    /// and their maximum, then the softmax-weighted sum of values.
-    fn attend_head(t: &Attend<'_>, i: usize, o: &mut [f32]) -> () {
-        let (shape, hd) = (t.shape, t.shape.head_dim);
-        let (row, head) = (&t.rows[i / shape.num_heads], i % shape.num_heads);
-        let kv_head = head / (shape.num_heads / shape.num_kv_heads);
-        let query = &t.q[i * hd..(i + 1) * hd];
-        let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
-        let at = |pos: usize| {
-            let block = table[pos / shape.block_size] as usize;
-            ((block * shape.block_size + pos % shape.block_size) * shape.num_kv_heads + kv_head) * hd
-        };
-        let mut scores: Vec<f32> =
-            (0..row.keys).map(|pos| dot(query, &t.k_cache[at(pos)..at(pos) + hd]) * shape.scale).collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    /// Attention of flattened (query row, KV head) `i` into `o`: the query heads that
+    /// share that KV head, together, so each key is read once for all of them. The
+    /// common head sizes get a compile-time size, which keeps a head's running sum in
+    /// registers.
+    fn attend_group(t: &Attend<'_>, i: usize, o: &mut [f32]) -> () {
+        match t.shape.head_dim {
+            64 => attend::<64>(t, i, o),
+            128 => attend::<128>(t, i, o),
+            _ => attend::<0>(t, i, o),
+        }
+    }
+}
+
+/// `attend_group` for a head size of `HD` (0: the shape's, at run time). Two passes
+/// per head: the scores and their maximum, then the softmax-weighted sum of values.
+/// No closures here: they would be compiled without the AVX2 the caller gets.
+#[inline(always)]
+fn attend<const HD: usize>(t: &Attend<'_>, i: usize, o: &mut [f32]) {
+    let shape = t.shape;
+    let hd = if HD > 0 { HD } else { shape.head_dim };
+    let (group, kv_heads, bs) = (shape.num_heads / shape.num_kv_heads, shape.num_kv_heads, shape.block_size);
+    let (row, kv_head) = (&t.rows[i / kv_heads], i % kv_heads);
+    let queries = &t.q[i * group * hd..(i + 1) * group * hd];
+    let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
+    let keys = row.keys;
+    // Where each key position's vector for this KV head starts.
+    let mut offsets = Vec::with_capacity(keys);
+    for pos in 0..keys {
+        let slot = table[pos / bs] as usize * bs + pos % bs;
+        offsets.push((slot * kv_heads + kv_head) * hd);
+    }
+    let mut scores = vec![0.0f32; group * keys];
+    for (pos, &at) in offsets.iter().enumerate() {
+        let key = &t.k_cache[at..at + hd];
+        for h in 0..group {
+            scores[h * keys + pos] = dot(&queries[h * hd..(h + 1) * hd], key) * shape.scale;
+        }
+    }
+    for h in 0..group {
+        let scores = &mut scores[h * keys..(h + 1) * keys];
+        let mut max = f32::NEG_INFINITY;
+        for s in scores.iter() {
+            max = max.max(*s);
+        }
         let mut sum = 0.0;
-        for (pos, s) in scores.iter_mut().enumerate() {
+        for s in scores.iter_mut() {
             *s = (*s - max).exp();
             sum += *s;
-            for (o, v) in o.iter_mut().zip(&t.v_cache[at(pos)..at(pos) + hd]) {
-                *o += *s * v;
+        }
+        let out = &mut o[h * hd..(h + 1) * hd];
+        weighted_sum::<HD>(scores, &offsets, t.v_cache, out);
+        let inv = 1.0 / sum;
+        for v in out.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+/// `out = Σ scores[p] · value(p)`, each element a fused chain in key order.
+#[inline(always)]
+fn weighted_sum<const HD: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    if HD > 0 {
+        let mut acc = [0.0f32; HD];
+        for (s, &at) in scores.iter().zip(offsets) {
+            let value: &[f32; HD] = v_cache[at..at + HD].try_into().expect("one head");
+            for d in 0..HD {
+                acc[d] = s.mul_add(value[d], acc[d]);
             }
         }
-        let inv = 1.0 / sum;
-        o.iter_mut().for_each(|v| *v *= inv);
+        out.copy_from_slice(&acc);
+    } else {
+        let hd = out.len();
+        for (s, &at) in scores.iter().zip(offsets) {
+            for (o, v) in out.iter_mut().zip(&v_cache[at..at + hd]) {
+                *o = s.mul_add(*v, *o);
+            }
+        }
     }
 }
 

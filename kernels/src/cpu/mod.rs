@@ -1,4 +1,5 @@
-//! The CPU backend: f32 everywhere, rayon for threads, `gemm` for matrix products.
+//! The CPU backend: f32 activations, rayon for threads, matrix products in register
+//! tiles over weights kept quantised where the file had them so.
 //! It is the reference the CUDA backend is checked against, so clarity wins over
 //! cleverness except in `linear` and `paged_attention`, where the time goes.
 
@@ -7,29 +8,15 @@ mod elementwise;
 mod matmul;
 mod quant_rows;
 mod simd;
+mod tiles;
+mod weight;
 
 pub use quant_rows::QuantRows;
+pub use weight::CpuWeight;
 
 use crate::error::expect_len;
 use crate::quant;
 use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
-
-/// A row-major `[rows, cols]` f32 matrix, and its quantised rows where the file had
-/// them in a format `QuantRows` reads: products of many rows use the f32 copy (through
-/// `gemm`), the few rows of a decode step read the quantised rows.
-#[derive(Debug, Clone)]
-pub struct CpuWeight {
-    pub data: Vec<f32>,
-    pub rows: usize,
-    pub cols: usize,
-    pub quantized: Option<QuantRows>,
-}
-
-impl CpuWeight {
-    pub fn f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
-        Self { data, rows, cols, quantized: None }
-    }
-}
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
@@ -71,9 +58,10 @@ impl Backend for CpuBackend {
                     KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
                 })?;
                 expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
-                let data = quant::dequantize(ty, &bytes);
-                let quantized = QuantRows::from_blocks(ty, &bytes, cols);
-                Ok(CpuWeight { data, rows, cols, quantized })
+                Ok(match QuantRows::from_blocks(ty, &bytes, cols) {
+                    Some(q) => CpuWeight::quantized(q, rows, cols),
+                    None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
+                })
             }
         }
     }

@@ -1,19 +1,13 @@
-//! Weight rows kept quantised (Q4_0, Q4_1, Q8_0) and multiplied without a dequantised
-//! copy: decode reads 5 (Q4) or 8.5 (Q8) bits a weight instead of f32's 32.
+//! Weight rows kept quantised (Q4_0, Q4_1, Q8_0): 5 (Q4) or 8.5 (Q8) bits a weight in
+//! memory instead of f32's 32. A product dequantises the few rows a task owns into a
+//! scratch buffer and shares them across every input row (`tiles`).
 //!
 //! At load the ggml blocks are repacked: each block's f16 scale (and Q4 offset) becomes
 //! an f32 in its own array, so the hot loop converts no halves, and Q4_0 (d·(q−8))
-//! takes Q4_1's form d·q + m with m = −8d. A block's contribution to a dot product is
-//! d·Σq·x + m·Σx, with Σx per block computed once per input row.
-//!
-//! Batch invariance: every input row is computed with the same operations in the same
-//! order whatever the other rows are — the block's 32 products summed into 8 lanes in
-//! a fixed order with fused multiply-adds, the lanes scaled and accumulated per block,
-//! reduced at the end — so a sequence gets bit-identical results alone or in any batch.
-//! Rows are taken four at a time to unpack each block once for four; the four are
-//! independent. The portable path computes the same fused operations (slowly, where
-//! the CPU has no FMA) so both paths agree bit for bit.
+//! takes Q4_1's form d·q + m with m = −8d.
 
+use super::simd::multiversion;
+use super::tiles::{LANES, reduce_lanes};
 use crate::quant::{GgmlType, f16_at};
 
 const BLOCK: usize = 32;
@@ -61,164 +55,191 @@ impl QuantRows {
         Some(r)
     }
 
-    /// Per-block sums of each input row of `x` (`cols` wide), concatenated; empty for
-    /// Q8_0, which has no offset term.
-    pub fn block_sums(&self, x: &[f32]) -> Vec<f32> {
-        if self.nibbles { x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect() } else { Vec::new() }
+    pub fn rows(&self) -> usize {
+        self.d.len() / self.blocks_per_row.max(1)
     }
 
-    /// `out[t] = Σ w[row]·x[t]` for each input row `t` of `x`, with `sums` from
-    /// `block_sums(x)`.
-    pub fn dot_rows(&self, row: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA.
-            unsafe { avx2::dot_rows(self, row, x, sums, out) };
-            return;
-        }
-        let mut t = 0;
-        while t + 4 <= out.len() {
-            self.portable_group::<4>(row, x, sums, t, out);
-            t += 4;
-        }
-        while t < out.len() {
-            self.portable_group::<1>(row, x, sums, t, out);
-            t += 1;
-        }
+    /// Rows `first..first + out.len() / cols` as f32, each weight `d·q + m` in one fused
+    /// multiply-add.
+    pub fn dequantize_rows(&self, first: usize, out: &mut [f32]) {
+        let (q, d, m) = self.blocks(first, out.len() / self.cols());
+        unpack_rows(self.nibbles, q, d, m, out);
     }
 
-    fn unpack(&self, q: &[u8], w: &mut [f32; BLOCK]) {
-        if self.nibbles {
-            for j in 0..16 {
-                w[j] = (q[j] & 0xF) as f32;
-                w[j + 16] = (q[j] >> 4) as f32;
-            }
-        } else {
-            for j in 0..BLOCK {
-                w[j] = q[j] as i8 as f32;
-            }
-        }
+    /// `out[r * stride + t] = row (first + r) · x_t` for `rows` rows, without a scratch
+    /// copy: each block is dequantised in registers and used at once, for the one or two
+    /// input rows of a decode step. The operations are those of `dequantize_rows`
+    /// followed by `tiles::dot_tile`, so the bits are too.
+    pub fn dot_rows(&self, first: usize, rows: usize, x: &[f32], out: &mut [f32], stride: usize) {
+        let (q, d, m) = self.blocks(first, rows);
+        dot_fused(self.nibbles, self.blocks_per_row, q, d, m, x, out, stride);
     }
 
-    /// `G` input rows from `first_x` against weight row `row`, in plain Rust.
-    fn portable_group<const G: usize>(&self, row: usize, x: &[f32], sums: &[f32], first_x: usize, out: &mut [f32]) {
-        let (bpr, first) = (self.blocks_per_row, row * self.blocks_per_row);
-        let cols = bpr * BLOCK;
+    fn cols(&self) -> usize {
+        self.blocks_per_row * BLOCK
+    }
+
+    /// Packed values, scales and offsets (empty for Q8_0) of `rows` rows from `first`.
+    fn blocks(&self, first: usize, rows: usize) -> (&[u8], &[f32], &[f32]) {
+        let blocks = first * self.blocks_per_row..(first + rows) * self.blocks_per_row;
         let q_len = if self.nibbles { 16 } else { 32 };
-        let mut lanes = [[0.0f32; 8]; G];
-        let mut offsets = [0.0f32; G];
-        let mut w = [0.0f32; BLOCK];
-        for b in 0..bpr {
-            self.unpack(&self.qs[(first + b) * q_len..(first + b + 1) * q_len], &mut w);
-            let d = self.d[first + b];
-            for g in 0..G {
-                let t = first_x + g;
-                let xs = &x[t * cols + b * BLOCK..t * cols + (b + 1) * BLOCK];
-                // Lane l sums j = l, l+8, l+16, l+24 in that order, as the AVX2 path does.
-                let mut inner = [0.0f32; 8];
-                for l in 0..8 {
-                    inner[l] = w[l] * xs[l];
-                }
-                for j in 8..BLOCK {
-                    inner[j % 8] = w[j].mul_add(xs[j], inner[j % 8]);
-                }
-                for l in 0..8 {
-                    lanes[g][l] = d.mul_add(inner[l], lanes[g][l]);
-                }
-                if self.nibbles {
-                    offsets[g] += self.m[first + b] * sums[t * bpr + b];
-                }
-            }
+        let m = if self.nibbles { &self.m[blocks.clone()] } else { &[][..] };
+        (&self.qs[blocks.start * q_len..blocks.end * q_len], &self.d[blocks], m)
+    }
+}
+
+/// One block's 32 weights, `d·q + m` fused (m = 0 for Q8_0).
+#[inline(always)]
+fn dequantize_block(nibbles: bool, qs: &[u8], d: &[f32], m: &[f32], b: usize, out: &mut [f32; BLOCK]) {
+    if nibbles {
+        let (q, d, m): (&[u8; 16], f32, f32) = (qs[b * 16..b * 16 + 16].try_into().expect("16 bytes"), d[b], m[b]);
+        for j in 0..16 {
+            out[j] = ((q[j] & 0xF) as f32).mul_add(d, m);
+            out[j + 16] = ((q[j] >> 4) as f32).mul_add(d, m);
         }
-        for g in 0..G {
-            out[first_x + g] = reduce(&lanes[g]) + offsets[g];
+    } else {
+        let (q, d): (&[u8; 32], f32) = (qs[b * 32..b * 32 + 32].try_into().expect("32 bytes"), d[b]);
+        for j in 0..BLOCK {
+            out[j] = (q[j] as i8 as f32).mul_add(d, 0.0);
         }
     }
 }
 
-/// The lanes' sum, in the order the AVX2 path uses.
-fn reduce(l: &[f32; 8]) -> f32 {
-    let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    (s[0] + s[2]) + (s[1] + s[3])
+multiversion! {
+    fn unpack_rows(nibbles: bool, qs: &[u8], d: &[f32], m: &[f32], out: &mut [f32]) -> () {
+        for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+            dequantize_block(nibbles, qs, d, m, b, o.try_into().expect("one block"));
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dot_fused(nibbles: bool, bpr: usize, qs: &[u8], d: &[f32], m: &[f32], x: &[f32], out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::dot_fused(nibbles, bpr, qs, d, m, x, out, stride) };
+        return;
+    }
+    fused_loop!(fused_row, nibbles, bpr, qs, d, m, x, out, stride);
+}
+
+/// Each weight row against the input rows two at a time, then one, through `$row::<T>`.
+macro_rules! fused_loop {
+    ($row:ident, $nibbles:expr, $bpr:expr, $qs:expr, $d:expr, $m:expr, $x:expr, $out:expr, $stride:expr) => {{
+        let (nibbles, bpr, qs, d, m, x, out, stride): (bool, usize, &[u8], &[f32], &[f32], &[f32], &mut [f32], usize) =
+            ($nibbles, $bpr, $qs, $d, $m, $x, $out, $stride);
+        let (rows, k) = (d.len() / bpr, bpr * BLOCK);
+        let tokens = x.len() / k;
+        let q_len = if nibbles { 16 } else { 32 };
+        for r in 0..rows {
+            let blocks = r * bpr..(r + 1) * bpr;
+            let (qs, d) = (&qs[blocks.start * q_len..blocks.end * q_len], &d[blocks.clone()]);
+            let m = if nibbles { &m[blocks] } else { m };
+            let mut t = 0;
+            while t < tokens {
+                let o = &mut out[r * stride + t..];
+                if t + 2 <= tokens {
+                    $row::<2>(nibbles, qs, d, m, &x[t * k..(t + 2) * k], o);
+                    t += 2;
+                } else {
+                    $row::<1>(nibbles, qs, d, m, &x[t * k..(t + 1) * k], o);
+                    t += 1;
+                }
+            }
+        }
+    }};
+}
+use fused_loop;
+
+/// One weight row against `T` input rows, lane by lane as `tiles` does it.
+fn fused_row<const T: usize>(nibbles: bool, qs: &[u8], d: &[f32], m: &[f32], x: &[f32], out: &mut [f32]) {
+    let k = d.len() * BLOCK;
+    let mut acc = [[0.0f32; LANES]; T];
+    let mut w = [0.0f32; BLOCK];
+    for b in 0..d.len() {
+        dequantize_block(nibbles, qs, d, m, b, &mut w);
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let xs: &[f32; BLOCK] = x[t * k + b * BLOCK..t * k + (b + 1) * BLOCK].try_into().expect("one block");
+            for v in 0..BLOCK / LANES {
+                for l in 0..LANES {
+                    acc[l] = w[v * LANES + l].mul_add(xs[v * LANES + l], acc[l]);
+                }
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        out[t] = reduce_lanes(acc);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, QuantRows};
+    use super::{BLOCK, LANES, reduce_lanes};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn dot_rows(r: &QuantRows, row: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
-        let m = out.len();
-        let cols = r.blocks_per_row * BLOCK;
-        assert!(x.len() >= m * cols && (!r.nibbles || sums.len() >= m * r.blocks_per_row));
-        let mut t = 0;
-        while t + 4 <= m {
-            group::<4>(r, row, x, sums, t, out);
-            t += 4;
-        }
-        while t < m {
-            group::<1>(r, row, x, sums, t, out);
-            t += 1;
-        }
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dot_fused(
+        nibbles: bool,
+        bpr: usize,
+        qs: &[u8],
+        d: &[f32],
+        m: &[f32],
+        x: &[f32],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        fused_loop!(fused_row, nibbles, bpr, qs, d, m, x, out, stride);
     }
 
-    /// The block's 32 weights as four vectors of eight.
-    #[inline(always)]
-    fn unpack(r: &QuantRows, q: &[u8]) -> [__m256; 4] {
-        // SAFETY: `q` holds 16 (nibbles) or 32 bytes, checked by the slicing caller;
-        // the loads below read exactly those.
-        unsafe {
-            if r.nibbles {
-                let bytes = _mm_loadu_si128(q.as_ptr() as *const __m128i);
-                let mask = _mm_set1_epi8(0x0F);
-                let lo = _mm_and_si128(bytes, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-                let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
-            } else {
-                let f = |at: usize| {
-                    let v = _mm_loadl_epi64(q.as_ptr().add(at) as *const __m128i);
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
-                };
-                [f(0), f(8), f(16), f(24)]
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn group<const G: usize>(r: &QuantRows, row: usize, x: &[f32], sums: &[f32], first_x: usize, out: &mut [f32]) {
-        let (bpr, first) = (r.blocks_per_row, row * r.blocks_per_row);
-        let cols = bpr * BLOCK;
-        let q_len = if r.nibbles { 16 } else { 32 };
-        let qs = &r.qs[first * q_len..(first + bpr) * q_len];
-        // SAFETY: AVX2 and FMA are enabled by the caller; every load reads 8 floats inside
-        // `x[t*cols + b*32 .. + 32]` for t < first_x + G ≤ rows of x, b < bpr (asserted
-        // by the caller).
-        unsafe {
-            let mut lanes = [_mm256_setzero_ps(); G];
-            let mut offsets = [0.0f32; G];
-            for b in 0..bpr {
-                let w = unpack(r, &qs[b * q_len..(b + 1) * q_len]);
-                let d = _mm256_set1_ps(r.d[first + b]);
-                for g in 0..G {
-                    let t = first_x + g;
-                    let p = x.as_ptr().add(t * cols + b * BLOCK);
-                    let mut inner = _mm256_mul_ps(w[0], _mm256_loadu_ps(p));
-                    inner = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p.add(8)), inner);
-                    inner = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p.add(16)), inner);
-                    inner = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p.add(24)), inner);
-                    lanes[g] = _mm256_fmadd_ps(d, inner, lanes[g]);
-                    if r.nibbles {
-                        offsets[g] += r.m[first + b] * sums[t * bpr + b];
+    /// The portable `fused_row` with the block's 32 weights in four registers.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn fused_row<const T: usize>(nibbles: bool, qs: &[u8], d: &[f32], m: &[f32], x: &[f32], out: &mut [f32]) {
+        let (blocks, q_len) = (d.len(), if nibbles { 16 } else { 32 });
+        let k = blocks * BLOCK;
+        assert!(qs.len() >= blocks * q_len && x.len() >= T * k && (!nibbles || m.len() >= blocks));
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..blocks {
+            // SAFETY: block b's bytes are qs[b*q_len..(b+1)*q_len] and its inputs
+            // x[t*k + b*32..][..32], inside the lengths asserted above.
+            unsafe {
+                let q = qs.as_ptr().add(b * q_len);
+                let scale = _mm256_set1_ps(d[b]);
+                let offset = if nibbles { _mm256_set1_ps(m[b]) } else { _mm256_setzero_ps() };
+                let mut w = [_mm256_setzero_ps(); 4];
+                if nibbles {
+                    let bytes = _mm_loadu_si128(q as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0F);
+                    let lo = _mm_and_si128(bytes, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+                    let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+                    for v in 0..4 {
+                        w[v] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[v]));
+                    }
+                } else {
+                    for v in 0..4 {
+                        let bytes = _mm_loadl_epi64(q.add(v * LANES) as *const __m128i);
+                        w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                    }
+                }
+                for v in 0..4 {
+                    w[v] = _mm256_fmadd_ps(w[v], scale, offset);
+                }
+                for t in 0..T {
+                    let p = x.as_ptr().add(t * k + b * BLOCK);
+                    for v in 0..4 {
+                        acc[t] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(p.add(v * LANES)), acc[t]);
                     }
                 }
             }
-            for g in 0..G {
-                let mut l = [0.0f32; 8];
-                _mm256_storeu_ps(l.as_mut_ptr(), lanes[g]);
-                out[first_x + g] = super::reduce(&l) + offsets[g];
-            }
+        }
+        for t in 0..T {
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+            out[t] = reduce_lanes(&lanes);
         }
     }
 }
@@ -231,7 +252,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
-    fn dot_rows_match_the_dequantised_rows_and_do_not_depend_on_the_batch() {
+    fn dequantised_rows_match_the_reference_decoder() {
         let seed: u64 = StdRng::from_os_rng().random();
         eprintln!("random seed {seed}");
         let mut rng = StdRng::seed_from_u64(seed);
@@ -244,30 +265,45 @@ mod tests {
                 b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
             }
             let q = QuantRows::from_blocks(ty, &bytes, cols).unwrap();
+            assert_eq!(q.rows(), rows);
             let dense = dequantize(ty, &bytes);
-            // Five input rows (a group of four and one more); the second alone must
-            // give bit-identical results.
-            let xs: Vec<f32> = (0..5 * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let sums = q.block_sums(&xs);
-            for r in 0..rows {
-                let mut got = [0.0f32; 5];
-                q.dot_rows(r, &xs, &sums, &mut got);
-                let mut portable = [0.0f32; 5];
-                q.portable_group::<4>(r, &xs, &sums, 0, &mut portable);
-                q.portable_group::<1>(r, &xs, &sums, 4, &mut portable);
-                assert_eq!(got.map(f32::to_bits), portable.map(f32::to_bits), "{ty:?}: SIMD and portable paths agree");
-                for t in 0..5 {
-                    let x = &xs[t * cols..(t + 1) * cols];
-                    let row = &dense[r * cols..(r + 1) * cols];
-                    let want: f64 = row.iter().zip(x).map(|(w, x)| *w as f64 * *x as f64).sum();
-                    assert!((got[t] as f64 - want).abs() < 1e-4, "{ty:?} row {r}: {} vs {want}", got[t]);
-                }
-                let second = &xs[cols..2 * cols];
-                let mut alone = [0.0f32; 1];
-                q.dot_rows(r, second, &q.block_sums(second), &mut alone);
-                assert_eq!(alone[0].to_bits(), got[1].to_bits(), "{ty:?} row {r}: batch-invariant");
+            // Rows 1..4 on their own: the offset into the blocks is right.
+            let mut got = vec![0.0f32; 3 * cols];
+            q.dequantize_rows(1, &mut got);
+            for (i, (g, w)) in got.iter().zip(&dense[cols..4 * cols]).enumerate() {
+                assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{ty:?} weight {i}: {g} vs {w}");
             }
         }
         assert!(QuantRows::from_blocks(GgmlType::Q6K, &[0; 210], 256).is_none());
+    }
+
+    #[test]
+    fn the_fused_product_gives_the_bits_of_dequantising_first() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (rows, cols, tokens) = (4, 9 * BLOCK, 3);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * ty.block_bytes()).map(|_| rng.random()).collect();
+            for b in bytes.chunks_exact_mut(ty.block_bytes()) {
+                b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+                b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+            }
+            let q = QuantRows::from_blocks(ty, &bytes, cols).unwrap();
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut fused = vec![0.0f32; 3 * tokens];
+            q.dot_rows(1, 3, &x, &mut fused, tokens);
+            let mut w = vec![0.0f32; 3 * cols];
+            q.dequantize_rows(1, &mut w);
+            let mut tiled = vec![0.0f32; 3 * tokens];
+            super::super::tiles::dot_tile(&w, &x, cols, &mut tiled, tokens);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused), bits(&tiled), "{ty:?}");
+            // The portable row kernel, one input at a time, agrees too.
+            let (qs, d, m) = q.blocks(1, 1);
+            for t in 0..tokens {
+                let mut one = [0.0f32];
+                fused_row::<1>(q.nibbles, qs, d, m, &x[t * cols..(t + 1) * cols], &mut one);
+                assert_eq!(one[0].to_bits(), fused[t].to_bits(), "{ty:?} portable, input {t}");
+            }
+        }
     }
 }

@@ -18,7 +18,7 @@ macro_rules! multiversion {
             }
 
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if $crate::cpu::simd::has_avx2_fma() {
                 // SAFETY: the CPU has the features `avx2` is compiled for.
                 return unsafe { avx2($($arg),*) };
             }
@@ -28,3 +28,9 @@ macro_rules! multiversion {
 }
 
 pub(crate) use multiversion;
+
+/// Whether the CPU runs the AVX2+FMA paths.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
