@@ -1,14 +1,18 @@
-//! `tessera`: the control plane. The OpenAI-compatible API and `tessera serve` land
-//! with the API issue; until then this binary only reports its version.
+//! `tessera`: the control plane's command line.
 
 use clap::Parser;
+use tessera_control_plane::config::{Cli, Command};
+use tessera_control_plane::{ops, serve};
 
-#[derive(Parser)]
-#[command(name = "tessera", version, about = "Tessera control plane (the API is not built yet)")]
-struct Cli {}
-
-fn main() {
-    Cli::parse();
-    eprintln!("tessera {}: the API server is not built yet; use `tessera-worker generate`", env!("CARGO_PKG_VERSION"));
-    std::process::exit(2);
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Serve(config) => serve::run(config).await,
+        Command::Orgs(cmd) => ops::orgs(cmd).await,
+        Command::Keys(cmd) => ops::keys(cmd).await,
+    }
 }

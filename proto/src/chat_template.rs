@@ -1,8 +1,11 @@
-//! Rendering a model's Jinja chat template with minijinja, with the Python string
-//! methods (`.strip()`, `.startswith()`) real templates call.
+//! Rendering a model's Jinja chat template (the ModelCard's `chat_template`) with
+//! minijinja, with the Python string methods (`.strip()`, `.startswith()`) real
+//! templates call. It lives with the contracts because both sides render it: the
+//! control plane for API requests, the worker for its command line.
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
+use serde_json::{Map, Value as Json};
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Message {
@@ -34,12 +37,33 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
-        self.env.get_template("chat")?.render(minijinja::context! {
-            messages => Value::from(minijinja::value::Serde(messages)),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
-        })
+        let messages =
+            serde_json::to_value(messages).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+        self.render_json(&messages, None, add_generation_prompt, &Map::new())
+    }
+
+    /// Renders messages (and tools) as the API gives them, with `kwargs` as further
+    /// template variables (`enable_thinking`, …). The template's own variables
+    /// (`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`) cannot be
+    /// overridden by `kwargs`.
+    pub fn render_json(
+        &self,
+        messages: &Json,
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Json>,
+    ) -> Result<String, Error> {
+        let mut context = kwargs.clone();
+        context.insert("messages".into(), messages.clone());
+        if let Some(tools) = tools {
+            context.insert("tools".into(), tools.clone());
+        } else {
+            context.remove("tools");
+        }
+        context.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        context.insert("bos_token".into(), self.bos_token.clone().into());
+        context.insert("eos_token".into(), self.eos_token.clone().into());
+        self.env.get_template("chat")?.render(Value::from(minijinja::value::Serde(&context)))
     }
 }
 
@@ -58,6 +82,24 @@ mod tests {
         .unwrap();
         let out = t.render(&[Message::new("user", "  hi  ")], true).unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn kwargs_reach_the_template_but_cannot_replace_its_own_variables() {
+        let t = ChatTemplate::new(
+            "{% if enable_thinking is defined and enable_thinking %}think {% endif %}\
+             {% for m in messages %}{{ m.role }}:{{ m.content }} {% endfor %}{{ tools | length if tools else 0 }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let kwargs = serde_json::json!({"enable_thinking": true, "messages": "spoofed"});
+        let out = t.render_json(&messages, None, true, kwargs.as_object().unwrap()).unwrap();
+        assert_eq!(out, "think user:hi 0");
+        let tools = serde_json::json!([{"type": "function"}]);
+        let out = t.render_json(&messages, Some(&tools), true, &Map::new()).unwrap();
+        assert_eq!(out, "user:hi 1");
     }
 
     #[test]

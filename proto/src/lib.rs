@@ -1,8 +1,10 @@
 //! Contracts between Tessera processes: the worker's gRPC service (`worker.proto`) and
 //! the prefix-block hash that the worker's KV cache and the control plane's router must
-//! compute identically. The etcd key layout joins them with the cluster.
+//! compute identically, and the rendering of the ModelCard's chat template, which both
+//! sides do. The etcd key layout joins them with the cluster.
 
 pub mod block_hash;
+pub mod chat_template;
 
 /// Generated from proto/worker.proto.
 pub mod worker {

@@ -1,7 +1,6 @@
 //! The Tessera worker: loads a model, runs its forward pass, and serves many requests
 //! at once through its engine, over gRPC.
 
-pub mod chat_template;
 pub mod engine;
 pub mod generate;
 pub mod grpc;

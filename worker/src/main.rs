@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_kernels::cpu::CpuBackend;
-use tessera_worker::chat_template::{ChatTemplate, Message};
+use tessera_proto::chat_template::{ChatTemplate, Message};
 use tessera_worker::{generate, load, model_cache};
 
 #[derive(Parser)]

@@ -20,7 +20,7 @@ mod common;
 
 use common::{data_dir, smollm2};
 use serde_json::Value;
-use tessera_worker::chat_template::{ChatTemplate, Message};
+use tessera_proto::chat_template::{ChatTemplate, Message};
 use tessera_worker::generate::{argmax, greedy};
 
 /// Largest |ours − llama.cpp F32| over the vocabulary after each prompt.

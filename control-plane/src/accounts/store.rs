@@ -1,0 +1,255 @@
+//! Accounts in SQL through sqlx's `Any` driver: the same queries on SQLite (the
+//! default, one file) and PostgreSQL (several control planes). Migrations are embedded.
+
+use super::keys;
+use serde::Serialize;
+use sqlx::any::AnyPoolOptions;
+use sqlx::{AnyPool, Row};
+use std::str::FromStr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("database migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("unsupported database URL {0:?}: use sqlite://PATH or postgres://…")]
+    Url(String),
+    #[error("organization {0:?} not found")]
+    NoOrg(String),
+    #[error("API key {0:?} not found")]
+    NoKey(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Org {
+    pub id: String,
+    pub name: String,
+    pub created_at: i64,
+}
+
+/// How a key's usage is paid for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum BillingMode {
+    Credits,
+    Subscription,
+}
+
+impl BillingMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Credits => "credits",
+            Self::Subscription => "subscription",
+        }
+    }
+}
+
+impl FromStr for BillingMode {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "credits" => Ok(Self::Credits),
+            "subscription" => Ok(Self::Subscription),
+            other => Err(StoreError::Invalid(format!("unknown billing mode {other:?} in the database"))),
+        }
+    }
+}
+
+/// A key's record; never its secret.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ApiKey {
+    pub id: String,
+    pub org_id: String,
+    pub name: String,
+    pub billing_mode: BillingMode,
+    pub fallback_to_credits: bool,
+    pub created_at: i64,
+    pub revoked_at: Option<i64>,
+}
+
+/// What to create a key with.
+#[derive(Debug, Clone)]
+pub struct NewKey<'a> {
+    pub org_id: &'a str,
+    pub name: &'a str,
+    pub billing_mode: BillingMode,
+    pub fallback_to_credits: bool,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: AnyPool,
+}
+
+/// The columns `key_from_row` reads; a macro so queries stay static strings.
+macro_rules! key_columns {
+    () => {
+        "id, org_id, name, billing_mode, fallback_to_credits, created_at, revoked_at"
+    };
+}
+
+impl Store {
+    /// Connects (creating a SQLite file if missing) and applies pending migrations.
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        sqlx::any::install_default_drivers();
+        let (url, connections) = if let Some(rest) = url.strip_prefix("sqlite:") {
+            // One connection for an in-memory database, which each connection would
+            // otherwise get a fresh copy of.
+            let memory = rest.contains(":memory:");
+            let url = if memory || rest.contains("mode=") {
+                url.to_string()
+            } else {
+                format!("{url}{}mode=rwc", if rest.contains('?') { "&" } else { "?" })
+            };
+            (url, if memory { 1 } else { 4 })
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            (url.to_string(), 8)
+        } else {
+            return Err(StoreError::Url(url.to_string()));
+        };
+        let pool = AnyPoolOptions::new().max_connections(connections).connect(&url).await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Self { pool })
+    }
+
+    pub async fn create_org(&self, name: &str) -> Result<Org, StoreError> {
+        if name.trim().is_empty() {
+            return Err(StoreError::Invalid("an organization needs a name".into()));
+        }
+        let org = Org { id: keys::random_id("org_"), name: name.to_string(), created_at: now() };
+        sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
+            .bind(&org.id)
+            .bind(&org.name)
+            .bind(org.created_at)
+            .execute(&self.pool)
+            .await?;
+        Ok(org)
+    }
+
+    /// An organization by id, or by name when exactly one has it.
+    pub async fn find_org(&self, id_or_name: &str) -> Result<Org, StoreError> {
+        let rows = sqlx::query("SELECT id, name, created_at FROM orgs WHERE id = $1 OR name = $2 ORDER BY created_at")
+            .bind(id_or_name)
+            .bind(id_or_name)
+            .fetch_all(&self.pool)
+            .await?;
+        let orgs: Vec<Org> = rows
+            .iter()
+            .map(|r| Ok(Org { id: r.try_get("id")?, name: r.try_get("name")?, created_at: r.try_get("created_at")? }))
+            .collect::<Result<_, sqlx::Error>>()?;
+        if let Some(by_id) = orgs.iter().find(|o| o.id == id_or_name) {
+            return Ok(by_id.clone());
+        }
+        match orgs.len() {
+            1 => Ok(orgs.into_iter().next().expect("one")),
+            0 => Err(StoreError::NoOrg(id_or_name.to_string())),
+            n => Err(StoreError::Invalid(format!("{n} organizations are named {id_or_name:?}: use the id"))),
+        }
+    }
+
+    pub async fn count_orgs(&self) -> Result<i64, StoreError> {
+        Ok(sqlx::query("SELECT COUNT(*) AS n FROM orgs").fetch_one(&self.pool).await?.try_get("n")?)
+    }
+
+    /// Creates a key and returns it with its secret, which is not kept.
+    pub async fn create_key(&self, new: NewKey<'_>) -> Result<(ApiKey, String), StoreError> {
+        if new.name.trim().is_empty() {
+            return Err(StoreError::Invalid("a key needs a name".into()));
+        }
+        let org = self.find_org(new.org_id).await?;
+        let secret = keys::generate();
+        let key = ApiKey {
+            id: keys::random_id("key_"),
+            org_id: org.id,
+            name: new.name.to_string(),
+            billing_mode: new.billing_mode,
+            fallback_to_credits: new.fallback_to_credits,
+            created_at: now(),
+            revoked_at: None,
+        };
+        sqlx::query(
+            "INSERT INTO api_keys (id, org_id, name, secret_hash, billing_mode, fallback_to_credits, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&key.id)
+        .bind(&key.org_id)
+        .bind(&key.name)
+        .bind(&secret.hash)
+        .bind(key.billing_mode.as_str())
+        .bind(key.fallback_to_credits as i64)
+        .bind(key.created_at)
+        .execute(&self.pool)
+        .await?;
+        Ok((key, secret.secret))
+    }
+
+    /// Revokes a key; true if it was active. The next request with it is refused.
+    pub async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL")
+            .bind(now())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        if done.rows_affected() == 0 && self.key(id).await?.is_none() {
+            return Err(StoreError::NoKey(id.to_string()));
+        }
+        Ok(done.rows_affected() > 0)
+    }
+
+    pub async fn key(&self, id: &str) -> Result<Option<ApiKey>, StoreError> {
+        let row = sqlx::query(concat!("SELECT ", key_columns!(), " FROM api_keys WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(key_from_row).transpose()
+    }
+
+    pub async fn list_keys(&self, org: &str) -> Result<Vec<ApiKey>, StoreError> {
+        let org = self.find_org(org).await?;
+        let rows =
+            sqlx::query(concat!("SELECT ", key_columns!(), " FROM api_keys WHERE org_id = $1 ORDER BY created_at, id"))
+                .bind(&org.id)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(key_from_row).collect()
+    }
+
+    /// The active key whose secret this is, if any. Malformed secrets never reach the
+    /// database.
+    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+        if !keys::well_formed(secret) {
+            return Ok(None);
+        }
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM api_keys WHERE secret_hash = $1 AND revoked_at IS NULL"
+        ))
+        .bind(keys::hash(secret))
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(key_from_row).transpose()
+    }
+}
+
+fn key_from_row(r: &sqlx::any::AnyRow) -> Result<ApiKey, StoreError> {
+    Ok(ApiKey {
+        id: r.try_get("id")?,
+        org_id: r.try_get("org_id")?,
+        name: r.try_get("name")?,
+        billing_mode: r.try_get::<String, _>("billing_mode")?.parse()?,
+        fallback_to_credits: r.try_get::<i64, _>("fallback_to_credits")? != 0,
+        created_at: r.try_get("created_at")?,
+        revoked_at: r.try_get("revoked_at")?,
+    })
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}

@@ -1,0 +1,249 @@
+//! POST /v1/completions (legacy): one or more prompts, `n` completions each.
+
+use super::auth::Authed;
+use super::error::ApiError;
+use super::fields::Fields;
+use super::generate::{self, Generation, Usage};
+use super::sse::{self, Gone, Sender};
+use super::{App, json_body, logprobs, model_of, new_id, params, unix_now, usage_json};
+use crate::chat;
+use crate::router::ServedModel;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+struct Prompt {
+    text: String,
+    tokens: Vec<u32>,
+}
+
+struct CompletionRequest {
+    prompts: Vec<Prompt>,
+    template: Generation,
+    echo: bool,
+    logprobs: Option<u32>,
+    stream: bool,
+    include_usage: bool,
+}
+
+pub async fn handle(State(app): State<App>, _key: Authed, body: Bytes) -> Result<Response, ApiError> {
+    let body = json_body(&body)?;
+    let model = model_of(&app, &body, None)?;
+    let request = Arc::new(parse(&body, &model)?);
+    let id = new_id("cmpl-");
+    let created = unix_now();
+    let n = request.template.n;
+    // One generation per prompt, all at once; choice index = prompt × n + completion.
+    let mut outputs = Vec::new();
+    for p in &request.prompts {
+        let g = Generation { prompt: p.tokens.clone(), ..request.template.clone() };
+        outputs.push(if g.max_tokens == 0 { None } else { Some(generate::start(&model.replica, g).await?) });
+    }
+    let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});
+    if request.stream {
+        return Ok(sse::respond(move |tx| async move {
+            let _: Result<(), Gone> = stream(tx, outputs, base, model, request).await;
+        }));
+    }
+    let mut choices = Vec::new();
+    let mut usage = Usage::default();
+    for (p, (prompt, out)) in request.prompts.iter().zip(outputs).enumerate() {
+        usage.prompt_tokens += prompt.tokens.len() as u32;
+        let gathered = match out {
+            Some(out) => {
+                let (g, u) = generate::gather(out, n).await?;
+                usage.cached_tokens += u.cached_tokens;
+                usage.completion_tokens += u.completion_tokens;
+                g
+            }
+            None => vec![generate::Gathered { finish_reason: "length", ..Default::default() }; n as usize],
+        };
+        for (i, c) in gathered.into_iter().enumerate() {
+            let prefix = if request.echo { prompt.text.as_str() } else { "" };
+            let mut offset = prefix.chars().count();
+            let lp = match request.logprobs {
+                Some(_) => logprobs::legacy(&model.replica, &c.tokens, &mut offset),
+                None => Value::Null,
+            };
+            choices.push(json!({
+                "index": p * n as usize + i,
+                "text": format!("{prefix}{}", c.text),
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }));
+        }
+    }
+    let mut reply = base;
+    reply["choices"] = json!(choices);
+    reply["usage"] = usage_json(&usage);
+    Ok(Json(reply).into_response())
+}
+
+fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiError> {
+    let mut f = Fields::new(body)?;
+    f.raw("model");
+    let prompts = prompts(f.required("prompt")?, model)?;
+    let mut sampling = params::sampling(&mut f, model.replica.vocab_size())?;
+    let (stream, include_usage) = params::stream(&mut f)?;
+    let n = params::n(&mut f)?;
+    let stop = params::stop(&mut f)?;
+    let echo = f.bool("echo", false)?;
+    let logprobs = f.integer("logprobs", Some(0), Some(5))?.map(|k| k as u32);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::Combination {
+            param: "logprobs".into(),
+            message: "Setting 'echo' and 'logprobs' at the same time is not supported yet: the workers do not score prompt tokens.".into(),
+        });
+    }
+    sampling.logprobs = logprobs;
+    let max_tokens = f.integer("max_tokens", Some(0), None)?.unwrap_or(16);
+    if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::Unsupported {
+            param: "suffix".into(),
+            message: "'suffix' is not supported by this model.".into(),
+        });
+    }
+    // Best-of-n reranking is not offered; 1 is what it means without it.
+    f.integer("best_of", Some(1), Some(1))?;
+    f.ignore(&["user"]);
+    f.finish()?;
+    let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+    let max_tokens = params::max_tokens(model, longest, Some(max_tokens), "prompt")?;
+    Ok(CompletionRequest {
+        prompts,
+        template: Generation { prompt: Vec::new(), sampling, max_tokens, stop, n },
+        echo,
+        logprobs,
+        stream,
+        include_usage,
+    })
+}
+
+/// A string, a list of strings, a list of token ids, or a list of lists of them.
+fn prompts(v: &Value, model: &ServedModel) -> Result<Vec<Prompt>, ApiError> {
+    let vocab = model.replica.vocab_size();
+    let from_ids = |at: String, ids: &[Value]| -> Result<Prompt, ApiError> {
+        let tokens = ids
+            .iter()
+            .map(|t| t.as_u64().filter(|&t| t < vocab as u64).map(|t| t as u32))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| ApiError::invalid_value(at, format!("Token ids must be integers below {vocab}.")))?;
+        let text = model.replica.tokenizer.decode(&tokens, false).map_err(|e| ApiError::Internal(e.to_string()))?;
+        Ok(Prompt { text, tokens })
+    };
+    let from_text = |text: &str| -> Result<Prompt, ApiError> {
+        Ok(Prompt { text: text.to_string(), tokens: chat::tokenize(model, text)? })
+    };
+    let prompts = match v {
+        Value::String(s) => vec![from_text(s)?],
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
+            vec![from_ids("prompt".into(), items)?]
+        }
+        Value::Array(items) if !items.is_empty() => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => from_text(s),
+                Value::Array(ids) => from_ids(format!("prompt[{i}]"), ids),
+                _ => Err(ApiError::InvalidType {
+                    param: format!("prompt[{i}]"),
+                    expected: "a string",
+                    got: "another type",
+                }),
+            })
+            .collect::<Result<_, _>>()?,
+        Value::Array(_) => return Err(ApiError::invalid_value("prompt", "Invalid 'prompt': empty array.")),
+        _ => {
+            return Err(ApiError::InvalidType {
+                param: "prompt".into(),
+                expected: "a string or array",
+                got: "another type",
+            });
+        }
+    };
+    if let Some(i) = prompts.iter().position(|p| p.tokens.is_empty()) {
+        return Err(ApiError::invalid_value("prompt", format!("Prompt {i} is empty.")));
+    }
+    Ok(prompts)
+}
+
+async fn stream(
+    tx: Sender,
+    outputs: Vec<Option<generate::Output>>,
+    base: Value,
+    model: Arc<ServedModel>,
+    request: Arc<CompletionRequest>,
+) -> Result<(), Gone> {
+    let n = request.template.n as usize;
+    let chunk = |index: usize, text: &str, logprobs: Value, finish: Option<&str>| {
+        let mut c = base.clone();
+        c["choices"] = json!([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]);
+        if request.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    };
+    let mut offsets = vec![0usize; request.prompts.len() * n];
+    if request.echo {
+        for (p, prompt) in request.prompts.iter().enumerate() {
+            for i in 0..n {
+                offsets[p * n + i] = prompt.text.chars().count();
+                tx.data(&chunk(p * n + i, &prompt.text, Value::Null, None)).await?;
+            }
+        }
+    }
+    let mut usage =
+        Usage { prompt_tokens: request.prompts.iter().map(|p| p.tokens.len() as u32).sum(), ..Default::default() };
+    let mut streams = Vec::new();
+    for (p, out) in outputs.into_iter().enumerate() {
+        match out {
+            Some(out) => streams.push(
+                futures_util::stream::unfold(out, |mut out| async move {
+                    let item = out.next().await.transpose()?;
+                    Some((item, out))
+                })
+                .map(move |r| (p, r))
+                .boxed(),
+            ),
+            None => {
+                for i in 0..n {
+                    tx.data(&chunk(p * n + i, "", Value::Null, Some("length"))).await?;
+                }
+            }
+        }
+    }
+    let mut merged = futures_util::stream::select_all(streams);
+    let mut cached = vec![0u32; request.prompts.len()];
+    while let Some((p, r)) = merged.next().await {
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                tx.data(&e.body()).await?;
+                return tx.done().await;
+            }
+        };
+        cached[p] = r.cached_prompt_tokens;
+        usage.completion_tokens += r.tokens.len() as u32;
+        let index = p * n + r.index as usize;
+        let finish = generate::finish_reason(r.finish_reason);
+        if !r.text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !r.tokens.is_empty()) {
+            let lp = match request.logprobs {
+                Some(_) => logprobs::legacy(&model.replica, &r.tokens, &mut offsets[index]),
+                None => Value::Null,
+            };
+            tx.data(&chunk(index, &r.text, lp, finish)).await?;
+        }
+    }
+    if request.include_usage {
+        usage.cached_tokens = cached.iter().sum();
+        let mut last = base.clone();
+        last["choices"] = json!([]);
+        last["usage"] = usage_json(&usage);
+        tx.data(&last).await?;
+    }
+    tx.done().await
+}

@@ -1,0 +1,217 @@
+//! Every way an API request can fail, mapped once to the OpenAI error body
+//! `{"error":{"message","type","param","code"}}` and an HTTP status.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ApiError {
+    MalformedJson(String),
+    MissingParam(String),
+    InvalidType {
+        param: String,
+        expected: &'static str,
+        got: &'static str,
+    },
+    /// A number outside its range; `code` is e.g. `decimal_above_max_value`.
+    OutOfRange {
+        param: String,
+        code: &'static str,
+        message: String,
+    },
+    InvalidValue {
+        param: String,
+        message: String,
+    },
+    Combination {
+        param: String,
+        message: String,
+    },
+    UnknownParam(String),
+    Unsupported {
+        param: String,
+        message: String,
+    },
+    ContextLength {
+        param: &'static str,
+        message: String,
+    },
+    MissingKey,
+    InvalidKey {
+        masked: String,
+    },
+    ModelNotFound {
+        model: String,
+        param: Option<&'static str>,
+    },
+    UnknownUrl {
+        method: String,
+        path: String,
+    },
+    UnsupportedEndpoint {
+        what: &'static str,
+    },
+    /// No replica can take the request now.
+    Overloaded,
+    /// Our fault: logged with detail, answered without it.
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid_value(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidValue { param: param.into(), message: message.into() }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey { .. } => StatusCode::UNAUTHORIZED,
+            Self::ModelNotFound { .. } | Self::UnknownUrl { .. } | Self::UnsupportedEndpoint { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            _ => StatusCode::BAD_REQUEST,
+        }
+    }
+
+    /// The `error` object of the body.
+    pub fn object(&self) -> Value {
+        let (kind, code, param, message): (&str, Option<&str>, Option<&str>, String) = match self {
+            Self::MalformedJson(detail) => (
+                "invalid_request_error",
+                None,
+                None,
+                format!(
+                    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using \
+                     your HTTP library correctly. The API expects a JSON payload, but what was sent was not valid \
+                     JSON: {detail})"
+                ),
+            ),
+            Self::MissingParam(p) => (
+                "invalid_request_error",
+                Some("missing_required_parameter"),
+                Some(p),
+                format!("Missing required parameter: '{p}'."),
+            ),
+            Self::InvalidType { param, expected, got } => (
+                "invalid_request_error",
+                Some("invalid_type"),
+                Some(param),
+                format!("Invalid type for '{param}': expected {expected}, but got {got} instead."),
+            ),
+            Self::OutOfRange { param, code, message } => {
+                ("invalid_request_error", Some(code), Some(param), message.clone())
+            }
+            Self::InvalidValue { param, message } => {
+                ("invalid_request_error", Some("invalid_value"), Some(param), message.clone())
+            }
+            Self::Combination { param, message } => {
+                ("invalid_request_error", Some("invalid_parameter_combination"), Some(param), message.clone())
+            }
+            Self::UnknownParam(p) => {
+                ("invalid_request_error", None, None, format!("Unrecognized request argument supplied: {p}"))
+            }
+            Self::Unsupported { param, message } => {
+                ("invalid_request_error", Some("unsupported_value"), Some(param), message.clone())
+            }
+            Self::ContextLength { param, message } => {
+                ("invalid_request_error", Some("context_length_exceeded"), Some(param), message.clone())
+            }
+            Self::MissingKey => (
+                "invalid_request_error",
+                None,
+                None,
+                "You didn't provide an API key. You need to provide your API key in an Authorization header using \
+                 Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                    .into(),
+            ),
+            Self::InvalidKey { masked } => (
+                "invalid_request_error",
+                Some("invalid_api_key"),
+                None,
+                format!(
+                    "Incorrect API key provided: {masked}. Keys are created in the console or with `tessera keys create`."
+                ),
+            ),
+            Self::ModelNotFound { model, param } => (
+                "invalid_request_error",
+                Some("model_not_found"),
+                *param,
+                format!(
+                    "The model `{model}` does not exist or you do not have access to it. Use the full model id, \
+                     e.g. `vendor-a/model-a`; GET /v1/models lists them."
+                ),
+            ),
+            Self::UnknownUrl { method, path } => (
+                "invalid_request_error",
+                Some("unknown_url"),
+                None,
+                format!("Unknown request URL: {method} {path}. Please check the URL for typos; the API is under /v1."),
+            ),
+            Self::UnsupportedEndpoint { what } => (
+                "invalid_request_error",
+                Some("unknown_url"),
+                None,
+                format!("The {what} API is not supported by this service."),
+            ),
+            Self::Overloaded => (
+                "service_unavailable_error",
+                Some("server_is_overloaded"),
+                None,
+                "Our servers are currently overloaded. Please try again later.".into(),
+            ),
+            Self::Internal(_) => (
+                "server_error",
+                None,
+                None,
+                "The server had an error while processing your request. Sorry about that!".into(),
+            ),
+        };
+        json!({"message": message, "type": kind, "param": param, "code": code})
+    }
+
+    pub fn body(&self) -> Value {
+        json!({ "error": self.object() })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let Self::Internal(detail) = &self {
+            tracing::error!("internal error: {detail}");
+        }
+        let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, Self::Overloaded) {
+            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_status_and_openai_body() {
+        let cases = [
+            (ApiError::MissingKey, 401, None),
+            (ApiError::InvalidKey { masked: "tsk_abcd***wxyz".into() }, 401, Some("invalid_api_key")),
+            (ApiError::ModelNotFound { model: "model-a".into(), param: None }, 404, Some("model_not_found")),
+            (ApiError::MalformedJson("eof".into()), 400, None),
+            (ApiError::MissingParam("messages".into()), 400, Some("missing_required_parameter")),
+            (ApiError::UnsupportedEndpoint { what: "embeddings" }, 404, Some("unknown_url")),
+            (ApiError::Overloaded, 503, Some("server_is_overloaded")),
+            (ApiError::Internal("secret detail".into()), 500, None),
+        ];
+        for (e, status, code) in cases {
+            assert_eq!(e.status().as_u16(), status, "{e:?}");
+            let body = e.body();
+            assert_eq!(body["error"]["code"].as_str(), code, "{e:?}");
+            assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+            assert!(body["error"]["type"].is_string());
+        }
+        assert!(!ApiError::Internal("secret detail".into()).body().to_string().contains("secret detail"));
+    }
+}

@@ -1,0 +1,121 @@
+//! Sending one generation to a replica and reading its stream back: the shared part of
+//! chat, completions and responses. Dropping the stream cancels the gRPC call, which
+//! aborts the worker's sequences: a client that goes away frees its KV blocks.
+
+use super::error::ApiError;
+use crate::router::Replica;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tessera_proto::worker::{self as pb};
+use tonic::{Code, Status, Streaming};
+
+/// What every endpoint turns its request into.
+#[derive(Debug, Clone, Default)]
+pub struct Generation {
+    pub prompt: Vec<u32>,
+    pub sampling: pb::SamplingParams,
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    pub n: u32,
+}
+
+pub struct Output {
+    stream: Streaming<pb::GenerateResponse>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError> {
+    let request = pb::GenerateRequest {
+        request_id: format!("cp-{}-{}", std::process::id(), NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+        prompt_token_ids: g.prompt,
+        sampling: Some(g.sampling),
+        max_tokens: g.max_tokens,
+        stop_token_ids: Vec::new(),
+        stop: g.stop,
+        ignore_eos: false,
+        n: g.n,
+    };
+    let stream = replica.client.clone().generate(request).await.map_err(worker_error)?.into_inner();
+    Ok(Output { stream })
+}
+
+impl Output {
+    /// The next delta, or None when every completion has finished.
+    pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
+        let r = self.stream.message().await.map_err(worker_error)?;
+        if let Some(r) = &r
+            && r.finish_reason == pb::FinishReason::Abort as i32
+        {
+            return Err(ApiError::Overloaded);
+        }
+        Ok(r)
+    }
+}
+
+/// A worker's refusal of what we validated is our bug; a worker that is gone or full
+/// is overload.
+fn worker_error(s: Status) -> ApiError {
+    match s.code() {
+        Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => ApiError::Overloaded,
+        _ => ApiError::Internal(format!("worker: {s}")),
+    }
+}
+
+/// The OpenAI name of a finish reason.
+pub fn finish_reason(code: i32) -> Option<&'static str> {
+    match pb::FinishReason::try_from(code).ok()? {
+        pb::FinishReason::Stop => Some("stop"),
+        pb::FinishReason::Length => Some("length"),
+        pb::FinishReason::Abort | pb::FinishReason::Unspecified => None,
+    }
+}
+
+/// One completion, gathered for a non-streamed reply.
+#[derive(Debug, Default, Clone)]
+pub struct Gathered {
+    pub text: String,
+    pub tokens: Vec<pb::GeneratedToken>,
+    pub finish_reason: &'static str,
+}
+
+/// Token counts of a whole request.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// Reads every completion to its end.
+pub async fn gather(mut out: Output, n: u32) -> Result<(Vec<Gathered>, Usage), ApiError> {
+    let mut choices = vec![Gathered::default(); n.max(1) as usize];
+    let mut usage = Usage::default();
+    while let Some(r) = out.next().await? {
+        usage.prompt_tokens = r.prompt_tokens;
+        usage.cached_tokens = r.cached_prompt_tokens;
+        usage.completion_tokens += r.tokens.len() as u32;
+        let c = choices
+            .get_mut(r.index as usize)
+            .ok_or_else(|| ApiError::Internal(format!("worker sent completion index {}", r.index)))?;
+        c.text.push_str(&r.text);
+        c.tokens.extend(r.tokens);
+        if let Some(f) = finish_reason(r.finish_reason) {
+            c.finish_reason = f;
+        }
+    }
+    Ok((choices, usage))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_reasons_take_their_openai_names() {
+        assert_eq!(finish_reason(pb::FinishReason::Stop as i32), Some("stop"));
+        assert_eq!(finish_reason(pb::FinishReason::Length as i32), Some("length"));
+        assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), None);
+        assert!(matches!(worker_error(Status::unavailable("gone")), ApiError::Overloaded));
+        assert!(matches!(worker_error(Status::invalid_argument("x")), ApiError::Internal(_)));
+    }
+}

@@ -1,0 +1,142 @@
+//! The OpenAI-compatible HTTP API: routes, authentication, the JSON body, and the
+//! pieces the endpoints share (ids, usage, SSE).
+
+pub mod auth;
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod fields;
+pub mod generate;
+pub mod logprobs;
+pub mod models;
+pub mod params;
+pub mod responses;
+pub mod sse;
+
+use crate::accounts::Store;
+use crate::router::{Models, ServedModel};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::Request;
+use axum::http::{HeaderValue, Method, Uri};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use error::ApiError;
+use generate::Usage;
+use rand::Rng;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub struct AppState {
+    pub store: Store,
+    pub models: Models,
+}
+
+pub type App = Arc<AppState>;
+
+pub fn router(app: App) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/responses", post(responses::handle))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{*id}", get(models::retrieve))
+        .fallback(unknown)
+        .with_state(app)
+        .layer(middleware::from_fn(request_id))
+}
+
+/// 404 for every path the API does not have, naming the APIs it deliberately lacks.
+async fn unknown(method: Method, uri: Uri) -> ApiError {
+    let path = uri.path();
+    let unsupported = [
+        ("/v1/embeddings", "embeddings"),
+        ("/v1/audio", "audio"),
+        ("/v1/fine_tuning", "fine-tuning"),
+        ("/v1/fine-tunes", "fine-tuning"),
+        ("/v1/assistants", "assistants"),
+        ("/v1/threads", "assistants"),
+        ("/v1/batches", "batch"),
+        ("/v1/files", "files"),
+        ("/v1/uploads", "files"),
+    ];
+    match unsupported.iter().find(|(prefix, _)| path == *prefix || path.starts_with(&format!("{prefix}/"))) {
+        Some((_, what)) => ApiError::UnsupportedEndpoint { what },
+        None => ApiError::UnknownUrl { method: method.to_string(), path: path.to_string() },
+    }
+}
+
+/// Every response carries an `x-request-id`, which the SDKs surface on errors.
+async fn request_id(request: Request, next: Next) -> Response {
+    let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
+    let mut response = next.run(request).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+/// The body as JSON, or the OpenAI error for malformed JSON.
+pub fn json_body(body: &Bytes) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+/// The model a body names, checked before anything else in it, as OpenAI does.
+pub fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result<Arc<ServedModel>, ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Err(ApiError::InvalidType { param: "body".into(), expected: "an object", got: "another type" });
+    };
+    match obj.get("model") {
+        None | Some(Value::Null) => Err(ApiError::MissingParam("model".into())),
+        Some(Value::String(id)) => {
+            app.models.get(id).ok_or_else(|| ApiError::ModelNotFound { model: id.clone(), param })
+        }
+        Some(_) => Err(ApiError::InvalidType { param: "model".into(), expected: "a string", got: "another type" }),
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// `prefix` + 24 random alphanumerics: `chatcmpl-…`, `cmpl-…`, `resp_…`.
+pub fn new_id(prefix: &str) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect();
+    format!("{prefix}{tail}")
+}
+
+/// Chat and legacy completions usage, with the detail objects OpenAI sends.
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_carry_their_prefix() {
+        let id = new_id("chatcmpl-");
+        assert!(id.starts_with("chatcmpl-") && id.len() == 9 + 24);
+        assert_ne!(new_id("cmpl-"), new_id("cmpl-"));
+    }
+
+    #[test]
+    fn usage_counts_prompt_and_completion() {
+        let u = usage_json(&Usage { prompt_tokens: 10, cached_tokens: 4, completion_tokens: 3 });
+        assert_eq!(u["total_tokens"], 13);
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 4);
+    }
+}

@@ -1,0 +1,259 @@
+//! Parameters the generation endpoints share, with SPEC.md's defaults and ranges.
+
+use super::error::ApiError;
+use super::fields::{Fields, check_range};
+use crate::router::ServedModel;
+use serde_json::Value;
+use tessera_proto::worker::{self as pb};
+
+/// Sampling controls common to chat, completions and responses.
+pub fn sampling<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<pb::SamplingParams, ApiError> {
+    let temperature = f.decimal("temperature", Some(0.0), Some(2.0))?.unwrap_or(1.0);
+    let top_p = f.decimal("top_p", Some(0.0), Some(1.0))?.unwrap_or(1.0);
+    if top_p == 0.0 {
+        return Err(ApiError::OutOfRange {
+            param: "top_p".into(),
+            code: "decimal_below_min_value",
+            message: "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0 instead.".into(),
+        });
+    }
+    let top_k = f.integer("top_k", Some(-1), Some(i32::MAX as i64))?.unwrap_or(-1);
+    let min_p = f.decimal("min_p", Some(0.0), Some(1.0))?.unwrap_or(0.0);
+    let frequency_penalty = f.decimal("frequency_penalty", Some(-2.0), Some(2.0))?.unwrap_or(0.0);
+    let presence_penalty = f.decimal("presence_penalty", Some(-2.0), Some(2.0))?.unwrap_or(0.0);
+    let repetition_penalty = f.decimal("repetition_penalty", None, Some(2.0))?.unwrap_or(1.0);
+    if repetition_penalty <= 0.0 {
+        return Err(ApiError::OutOfRange {
+            param: "repetition_penalty".into(),
+            code: "decimal_below_min_value",
+            message: format!(
+                "Invalid 'repetition_penalty': decimal below minimum value. Expected a value > 0, but got {repetition_penalty} instead."
+            ),
+        });
+    }
+    let seed = f.integer("seed", Some(i64::MIN), Some(i64::MAX))?.map(|s| s as u64);
+    Ok(pb::SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: if top_k == 0 { -1 } else { top_k as i32 },
+        min_p: min_p as f32,
+        frequency_penalty: frequency_penalty as f32,
+        presence_penalty: presence_penalty as f32,
+        repetition_penalty: repetition_penalty as f32,
+        logit_bias: logit_bias(f, vocab)?,
+        seed,
+        logprobs: None,
+    })
+}
+
+/// `logit_bias`: token id (as a string key) → bias in [-100, 100], ids in the vocabulary.
+fn logit_bias<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
+    let Some(v) = f.raw("logit_bias") else { return Ok(Default::default()) };
+    let Value::Object(map) = v else {
+        return Err(ApiError::InvalidType { param: "logit_bias".into(), expected: "an object", got: "another type" });
+    };
+    let mut out = std::collections::HashMap::new();
+    for (key, bias) in map {
+        let param = format!("logit_bias.{key}");
+        let id: u32 = key.parse().map_err(|_| {
+            ApiError::invalid_value("logit_bias", format!("Invalid key in 'logit_bias': {key:?} is not a token id."))
+        })?;
+        if id >= vocab {
+            return Err(ApiError::invalid_value(
+                "logit_bias",
+                format!("Invalid key in 'logit_bias': token id {id} is outside the vocabulary of {vocab} tokens."),
+            ));
+        }
+        let b = bias.as_f64().ok_or(ApiError::InvalidType {
+            param: param.clone(),
+            expected: "a number",
+            got: "another type",
+        })?;
+        check_range(&param, b, Some(-100.0), Some(100.0), false)?;
+        out.insert(id, b as f32);
+    }
+    Ok(out)
+}
+
+/// `stop`: a string or up to 4 strings.
+pub fn stop<'a>(f: &mut Fields<'a>) -> Result<Vec<String>, ApiError> {
+    let stops = match f.raw("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.as_str().map(String::from).ok_or_else(|| ApiError::InvalidType {
+                    param: format!("stop[{i}]"),
+                    expected: "a string",
+                    got: "another type",
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::InvalidType {
+                param: "stop".into(),
+                expected: "a string or array",
+                got: "another type",
+            });
+        }
+    };
+    if stops.len() > 4 {
+        return Err(ApiError::OutOfRange {
+            param: "stop".into(),
+            code: "array_above_max_length",
+            message: format!(
+                "Invalid 'stop': array too long. Expected an array with maximum length 4, but got an array with length {} instead.",
+                stops.len()
+            ),
+        });
+    }
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_value("stop", "Invalid 'stop': stop sequences must not be empty."));
+    }
+    Ok(stops)
+}
+
+/// `stream` and `stream_options.include_usage`.
+pub fn stream<'a>(f: &mut Fields<'a>) -> Result<(bool, bool), ApiError> {
+    let stream = f.bool("stream", false)?;
+    let include_usage = match f.raw("stream_options") {
+        None => false,
+        Some(_) if !stream => {
+            return Err(ApiError::invalid_value(
+                "stream_options",
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            ));
+        }
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::InvalidType {
+                    param: "stream_options.include_usage".into(),
+                    expected: "a boolean",
+                    got: "another type",
+                });
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::InvalidType {
+                param: "stream_options".into(),
+                expected: "an object",
+                got: "another type",
+            });
+        }
+    };
+    Ok((stream, include_usage))
+}
+
+/// `n`: completions per prompt.
+pub fn n<'a>(f: &mut Fields<'a>) -> Result<u32, ApiError> {
+    Ok(f.integer("n", Some(1), Some(128))?.unwrap_or(1) as u32)
+}
+
+/// The completion budget: what was asked for, or the rest of the context; refused
+/// when prompt and completion do not fit.
+pub fn max_tokens(
+    model: &ServedModel,
+    prompt_tokens: usize,
+    asked: Option<i64>,
+    param: &'static str,
+) -> Result<u32, ApiError> {
+    let context = model.context_length() as usize;
+    let asked = asked.map(|a| a.max(0) as usize);
+    let needed = prompt_tokens + asked.unwrap_or(1);
+    if needed > context {
+        let message = match asked {
+            Some(a) => format!(
+                "This model's maximum context length is {context} tokens. However, you requested {needed} tokens \
+                 ({prompt_tokens} in the messages, {a} in the completion). Please reduce the length of the messages \
+                 or completion."
+            ),
+            None => format!(
+                "This model's maximum context length is {context} tokens. However, your messages resulted in \
+                 {prompt_tokens} tokens. Please reduce the length of the messages."
+            ),
+        };
+        return Err(ApiError::ContextLength { param, message });
+    }
+    Ok(asked.unwrap_or(context - prompt_tokens) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(body: Value) -> Result<pb::SamplingParams, ApiError> {
+        let mut f = Fields::new(&body).unwrap();
+        sampling(&mut f, 1000)
+    }
+
+    fn code(e: ApiError) -> String {
+        e.body()["error"]["code"].as_str().unwrap_or("null").to_string()
+    }
+
+    #[test]
+    fn defaults_follow_the_spec() {
+        let s = parse(json!({})).unwrap();
+        assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p), (1.0, 1.0, -1, 0.0));
+        assert_eq!((s.frequency_penalty, s.presence_penalty, s.repetition_penalty), (0.0, 0.0, 1.0));
+        assert!(s.logit_bias.is_empty() && s.seed.is_none());
+    }
+
+    #[test]
+    fn every_range_of_the_spec_is_enforced_at_both_ends() {
+        let cases = [
+            (json!({"temperature": -0.1}), "decimal_below_min_value"),
+            (json!({"temperature": 2.01}), "decimal_above_max_value"),
+            (json!({"top_p": 1.5}), "decimal_above_max_value"),
+            (json!({"top_p": 0}), "decimal_below_min_value"),
+            (json!({"top_k": -2}), "integer_below_min_value"),
+            (json!({"min_p": 1.1}), "decimal_above_max_value"),
+            (json!({"frequency_penalty": -2.5}), "decimal_below_min_value"),
+            (json!({"frequency_penalty": 2.5}), "decimal_above_max_value"),
+            (json!({"presence_penalty": -2.5}), "decimal_below_min_value"),
+            (json!({"presence_penalty": 2.5}), "decimal_above_max_value"),
+            (json!({"repetition_penalty": 0}), "decimal_below_min_value"),
+            (json!({"logit_bias": {"5": 101}}), "decimal_above_max_value"),
+            (json!({"logit_bias": {"5": -101}}), "decimal_below_min_value"),
+            (json!({"logit_bias": {"1000": 1}}), "invalid_value"),
+            (json!({"logit_bias": {"x": 1}}), "invalid_value"),
+            (json!({"temperature": "hot"}), "invalid_type"),
+        ];
+        for (body, want) in cases {
+            let e = parse(body.clone()).unwrap_err();
+            assert_eq!(code(e), want, "{body}");
+        }
+        // The bounds themselves are accepted.
+        let s = parse(json!({"temperature": 2, "top_p": 1, "frequency_penalty": -2, "presence_penalty": 2,
+            "logit_bias": {"999": -100, "0": 100}, "top_k": -1, "min_p": 1}))
+        .unwrap();
+        assert_eq!(s.logit_bias[&999], -100.0);
+        assert_eq!(parse(json!({"top_k": 0})).unwrap().top_k, -1, "0 also disables top_k");
+    }
+
+    #[test]
+    fn stop_takes_a_string_or_up_to_four() {
+        let one = |b: Value| stop(&mut Fields::new(&b).unwrap());
+        assert_eq!(one(json!({"stop": "x"})).unwrap(), ["x"]);
+        assert_eq!(one(json!({"stop": ["a", "b", "c", "d"]})).unwrap().len(), 4);
+        assert_eq!(code(one(json!({"stop": ["a", "b", "c", "d", "e"]})).unwrap_err()), "array_above_max_length");
+        assert_eq!(code(one(json!({"stop": [1]})).unwrap_err()), "invalid_type");
+        assert_eq!(code(one(json!({"stop": [""]})).unwrap_err()), "invalid_value");
+    }
+
+    #[test]
+    fn stream_options_need_stream_and_n_has_bounds() {
+        let s = |b: Value| stream(&mut Fields::new(&b).unwrap());
+        assert_eq!(s(json!({"stream": true, "stream_options": {"include_usage": true}})).unwrap(), (true, true));
+        let e = s(json!({"stream_options": {"include_usage": true}})).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "stream_options");
+        let count = |b: Value| n(&mut Fields::new(&b).unwrap());
+        assert_eq!(count(json!({})).unwrap(), 1);
+        assert_eq!(code(count(json!({"n": 0})).unwrap_err()), "integer_below_min_value");
+        assert_eq!(code(count(json!({"n": 129})).unwrap_err()), "integer_above_max_value");
+    }
+}

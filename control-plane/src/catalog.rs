@@ -1,0 +1,154 @@
+//! The model catalog (`deploy/catalog.toml`): ids, prices, capabilities, reasoning
+//! defaults, and the weights each model is served from.
+
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// The catalog shipped with the binary, used when no `--catalog` is given.
+pub const DEFAULT: &str = include_str!("../../deploy/catalog.toml");
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Catalog {
+    pub models: Vec<CatalogModel>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogModel {
+    /// `<vendor>/<model>`; requests must name it exactly.
+    pub id: String,
+    pub name: String,
+    pub context_length: u32,
+    pub quantization: String,
+    /// A model name `tessera-worker` resolves (or a GGUF path / HF directory).
+    pub weights: String,
+    pub prices: Prices,
+    pub capabilities: Capabilities,
+    pub reasoning: Reasoning,
+    /// Defaults that a request's `chat_template_kwargs` are merged over.
+    #[serde(default)]
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Micro-dollars per million tokens.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Prices {
+    pub input: u64,
+    pub cache_read: Option<u64>,
+    pub output: u64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capabilities {
+    pub image_input: bool,
+    pub video_input: bool,
+    pub tool_calling: bool,
+    pub structured_output: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reasoning {
+    /// `on`, `off` or `adaptive`.
+    pub default: String,
+    /// Where a request turns it (documentation for operators and the console).
+    pub control: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error("cannot read catalog {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("catalog {path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl Catalog {
+    pub fn load(path: Option<&Path>) -> Result<Self, CatalogError> {
+        match path {
+            None => Self::parse(DEFAULT, "built-in catalog"),
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|source| CatalogError::Read { path: p.display().to_string(), source })?;
+                Self::parse(&text, &p.display().to_string())
+            }
+        }
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<Self, CatalogError> {
+        let invalid = |message: String| CatalogError::Invalid { path: origin.to_string(), message };
+        let catalog: Catalog = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        let mut seen = BTreeSet::new();
+        for m in &catalog.models {
+            let valid_id =
+                m.id.split_once('/').is_some_and(|(v, n)| !v.is_empty() && !n.is_empty() && !n.contains('/'));
+            if !valid_id {
+                return Err(invalid(format!("model id {:?} is not <vendor>/<model>", m.id)));
+            }
+            if !seen.insert(m.id.as_str()) {
+                return Err(invalid(format!("model id {:?} is listed twice", m.id)));
+            }
+            if m.context_length == 0 {
+                return Err(invalid(format!("{}: context_length must be positive", m.id)));
+            }
+            if !["on", "off", "adaptive"].contains(&m.reasoning.default.as_str()) {
+                return Err(invalid(format!("{}: reasoning.default must be on, off or adaptive", m.id)));
+            }
+        }
+        Ok(catalog)
+    }
+
+    pub fn get(&self, id: &str) -> Option<&CatalogModel> {
+        self.models.iter().find(|m| m.id == id)
+    }
+
+    /// The distinct weights the catalog needs, each served by one worker.
+    pub fn weights(&self) -> Vec<String> {
+        let set: BTreeSet<&str> = self.models.iter().map(|m| m.weights.as_str()).collect();
+        set.into_iter().map(String::from).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_catalog_lists_the_four_models_of_the_spec() {
+        let c = Catalog::load(None).unwrap();
+        let ids: Vec<&str> = c.models.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"]);
+        let a = c.get("vendor-a/model-a").unwrap();
+        assert_eq!((a.prices.input, a.prices.cache_read, a.prices.output), (700_000, Some(160_000), 3_500_000));
+        assert_eq!(a.context_length, 262_144);
+        assert!(a.capabilities.image_input);
+        assert!(!c.get("vendor-b/model-b").unwrap().capabilities.image_input);
+        assert_eq!(c.get("vendor-c/model-c").unwrap().prices.cache_read, None);
+        assert_eq!(c.get("vendor-d/model-d").unwrap().chat_template_kwargs["thinking_mode"], "adaptive");
+        assert_eq!(c.weights(), ["smollm2-135m-instruct"]);
+        assert!(c.get("model-a").is_none(), "only the full id names a model");
+    }
+
+    #[test]
+    fn bad_catalogs_are_refused_with_the_reason() {
+        let one = |id: &str| {
+            format!(
+                "[[models]]\nid = \"{id}\"\nname = \"X\"\ncontext_length = 10\nquantization = \"Q\"\nweights = \"w\"\n\
+                 prices = {{ input = 1, output = 2 }}\n\
+                 capabilities = {{ image_input = false, video_input = false, tool_calling = true, structured_output = true }}\n\
+                 reasoning = {{ default = \"off\", control = \"none\" }}\n"
+            )
+        };
+        assert!(Catalog::parse(&one("v/m"), "t").is_ok());
+        let err = Catalog::parse(&one("model-a"), "t").unwrap_err().to_string();
+        assert!(err.contains("<vendor>/<model>"), "{err}");
+        let err = Catalog::parse(&format!("{}{}", one("v/m"), one("v/m")), "t").unwrap_err().to_string();
+        assert!(err.contains("twice"), "{err}");
+        let err = Catalog::parse(&one("v/m").replace("prices", "price"), "t").unwrap_err().to_string();
+        assert!(err.contains("price"), "{err}");
+    }
+}

@@ -1,0 +1,181 @@
+//! Chat messages as the API takes them (content as a string or parts, images as URLs)
+//! checked and reduced to what chat templates read: role and text content, plus tool
+//! calls and tool-call ids passed through.
+
+use crate::api::error::ApiError;
+use crate::catalog::Capabilities;
+use serde_json::{Map, Value, json};
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// The messages for the template, or the first problem found.
+pub fn for_template(messages: &Value, caps: &Capabilities, model: &str) -> Result<Vec<Value>, ApiError> {
+    let Value::Array(list) = messages else {
+        return Err(ApiError::InvalidType { param: "messages".into(), expected: "an array", got: "another type" });
+    };
+    if list.is_empty() {
+        return Err(ApiError::OutOfRange {
+            param: "messages".into(),
+            code: "empty_array",
+            message: "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.".into(),
+        });
+    }
+    list.iter().enumerate().map(|(i, m)| message(i, m, caps, model)).collect()
+}
+
+fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Value, ApiError> {
+    let at = format!("messages[{i}]");
+    let Value::Object(m) = m else {
+        return Err(ApiError::InvalidType { param: at, expected: "an object", got: "another type" });
+    };
+    let role = match m.get("role") {
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.as_str(),
+        Some(Value::String(r)) => {
+            return Err(ApiError::invalid_value(
+                format!("{at}.role"),
+                format!(
+                    "Invalid value: '{r}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."
+                ),
+            ));
+        }
+        _ => return Err(ApiError::MissingParam(format!("{at}.role"))),
+    };
+    let content = match m.get("content") {
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.content"))),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => text_of_parts(&at, parts, caps, model)?,
+        Some(_) => {
+            return Err(ApiError::InvalidType {
+                param: format!("{at}.content"),
+                expected: "a string or array of parts",
+                got: "another type",
+            });
+        }
+    };
+    // Developer messages are system messages to templates that predate them.
+    let mut out = Map::new();
+    out.insert("role".into(), json!(if role == "developer" { "system" } else { role }));
+    out.insert("content".into(), json!(content));
+    for passed in ["tool_calls", "tool_call_id", "name"] {
+        if let Some(v) = m.get(passed).filter(|v| !v.is_null()) {
+            out.insert(passed.into(), v.clone());
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+fn text_of_parts(at: &str, parts: &[Value], caps: &Capabilities, model: &str) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("{at}.content[{j}]");
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") | Some("input_text") | Some("output_text") => match part.get("text") {
+                Some(Value::String(t)) => text.push_str(t),
+                _ => return Err(ApiError::MissingParam(format!("{at}.text"))),
+            },
+            Some("image_url") | Some("input_image") => image(&at, part, caps, model)?,
+            Some(other) => {
+                return Err(ApiError::invalid_value(
+                    format!("{at}.type"),
+                    format!("Invalid value: '{other}'. Supported values are: 'text' and 'image_url'."),
+                ));
+            }
+            None => return Err(ApiError::MissingParam(format!("{at}.type"))),
+        }
+    }
+    Ok(text)
+}
+
+/// Checks an image part. Images are refused on models without image input; on models
+/// with it the URL is checked, then refused too until the worker has a vision encoder.
+fn image(at: &str, part: &Value, caps: &Capabilities, model: &str) -> Result<(), ApiError> {
+    if !caps.image_input {
+        return Err(ApiError::Unsupported {
+            param: at.to_string(),
+            message: format!("Invalid content type: {model} does not accept image input; send text parts only."),
+        });
+    }
+    let url = match part.get("image_url") {
+        Some(Value::String(u)) => u.as_str(),
+        Some(Value::Object(o)) => {
+            o.get("url").and_then(Value::as_str).ok_or_else(|| ApiError::MissingParam(format!("{at}.image_url.url")))?
+        }
+        _ => return Err(ApiError::MissingParam(format!("{at}.image_url"))),
+    };
+    check_image_url(url).map_err(|m| ApiError::invalid_value(format!("{at}.image_url"), m))?;
+    Err(ApiError::Unsupported {
+        param: at.to_string(),
+        message: format!(
+            "Image input for {model} is not available yet: the image was read, but this deployment's workers have no \
+             vision encoder."
+        ),
+    })
+}
+
+/// An http(s) URL, or a `data:image/...;base64,` URI whose payload is valid base64.
+pub fn check_image_url(url: &str) -> Result<(), String> {
+    use base64::Engine;
+    if let Some(rest) = url.strip_prefix("data:") {
+        let (meta, payload) = rest.split_once(',').ok_or("a data URI needs a ',' before its payload")?;
+        if !meta.starts_with("image/") || !meta.ends_with(";base64") {
+            return Err(format!("expected data:image/<type>;base64,…, got data:{meta},…"));
+        }
+        base64::engine::general_purpose::STANDARD
+            .decode(payload.trim())
+            .map_err(|e| format!("invalid base64 image data: {e}"))?;
+        return Ok(());
+    }
+    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"));
+    match rest {
+        Some(r) if !r.is_empty() && !r.starts_with('/') => Ok(()),
+        _ => Err(format!(
+            "expected an http(s) URL or a base64 data URI, got {:?}",
+            url.chars().take(40).collect::<String>()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT_ONLY: Capabilities =
+        Capabilities { image_input: false, video_input: false, tool_calling: true, structured_output: true };
+    const VISION: Capabilities = Capabilities { image_input: true, ..TEXT_ONLY };
+
+    fn code(e: ApiError) -> (String, String) {
+        let b = e.body();
+        (b["error"]["code"].as_str().unwrap_or("null").into(), b["error"]["param"].as_str().unwrap_or("null").into())
+    }
+
+    #[test]
+    fn text_parts_are_joined_and_roles_checked() {
+        let m = json!([{"role": "developer", "content": "be brief"},
+                       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                       {"role": "assistant", "content": null}]);
+        let out = for_template(&m, &TEXT_ONLY, "v/m").unwrap();
+        assert_eq!(out[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(out[1]["content"], "ab");
+        assert_eq!(out[2]["content"], "");
+        let bad = for_template(&json!([{"role": "wizard", "content": "x"}]), &TEXT_ONLY, "v/m").unwrap_err();
+        assert_eq!(code(bad), ("invalid_value".into(), "messages[0].role".into()));
+        let bad = for_template(&json!([{"role": "user"}]), &TEXT_ONLY, "v/m").unwrap_err();
+        assert_eq!(code(bad), ("missing_required_parameter".into(), "messages[0].content".into()));
+        assert!(for_template(&json!([]), &TEXT_ONLY, "v/m").is_err());
+    }
+
+    #[test]
+    fn images_are_refused_on_text_models_and_checked_on_vision_models() {
+        let img = |url: &str| json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]);
+        let e = for_template(&img("https://example.com/cat.png"), &TEXT_ONLY, "v/m").unwrap_err();
+        assert!(e.body()["error"]["message"].as_str().unwrap().contains("does not accept image input"));
+        let e = for_template(&img("data:image/png;base64,iVBORw0KGgo="), &VISION, "v/m").unwrap_err();
+        assert!(e.body()["error"]["message"].as_str().unwrap().contains("no vision encoder"), "{e:?}");
+        let e = for_template(&img("data:image/png;base64,***"), &VISION, "v/m").unwrap_err();
+        assert_eq!(code(e).0, "invalid_value");
+        let e = for_template(&img("ftp://x"), &VISION, "v/m").unwrap_err();
+        assert_eq!(code(e).0, "invalid_value");
+        assert!(check_image_url("http://host/x.jpg").is_ok());
+    }
+}

@@ -1,0 +1,119 @@
+//! The command line: one typed struct per command.
+
+use crate::accounts::BillingMode;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: an OpenAI-compatible LLM serving cluster")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Runs the API on one machine, with local workers and a SQLite database.
+    Serve(ServeConfig),
+    /// Operator commands for organizations.
+    #[command(subcommand)]
+    Orgs(OrgsCommand),
+    /// Operator commands for API keys.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+/// Where accounts are stored; shared by `serve` and the operator commands.
+#[derive(Args, Clone, Debug)]
+pub struct StoreArgs {
+    /// Folder for the SQLite database and the bootstrap key.
+    #[arg(long, env = "TESSERA_DATA_DIR", default_value_os_t = default_data_dir())]
+    pub data_dir: PathBuf,
+    /// Database URL (sqlite://PATH or postgres://…); default: SQLite in the data folder.
+    #[arg(long, env = "TESSERA_DATABASE_URL")]
+    pub database: Option<String>,
+}
+
+impl StoreArgs {
+    pub fn database_url(&self) -> String {
+        self.database.clone().unwrap_or_else(|| format!("sqlite://{}", self.data_dir.join("tessera.db").display()))
+    }
+}
+
+fn default_data_dir() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(home) => PathBuf::from(home).join(".local/share/tessera"),
+        None => PathBuf::from("tessera-data"),
+    }
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ServeConfig {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Address of the HTTP API.
+    #[arg(long, env = "TESSERA_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
+    #[arg(long, env = "TESSERA_CATALOG")]
+    pub catalog: Option<PathBuf>,
+    /// The `tessera-worker` binary; default: beside this one, else on PATH.
+    #[arg(long, env = "TESSERA_WORKER_BIN")]
+    pub worker_bin: Option<PathBuf>,
+    /// KV cache size of each worker, in bytes (default: the worker's).
+    #[arg(long)]
+    pub kv_cache_bytes: Option<u64>,
+    /// Seconds in-flight requests get to finish after SIGINT or SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+}
+
+#[derive(Subcommand)]
+pub enum OrgsCommand {
+    /// Creates an organization and prints its id.
+    Create {
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum KeysCommand {
+    /// Creates a key; its secret is printed this once and never again.
+    Create {
+        /// Organization id or name.
+        #[arg(long)]
+        org: String,
+        #[arg(long)]
+        name: String,
+        #[arg(long, value_enum, default_value_t = BillingMode::Credits)]
+        billing_mode: BillingMode,
+        /// For subscription keys: draw prepaid credits when the subscription cannot pay.
+        #[arg(long)]
+        fallback_to_credits: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revokes a key; requests with it fail from the next one on.
+    Revoke {
+        key_id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lists an organization's keys (never their secrets).
+    List {
+        #[arg(long)]
+        org: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}

@@ -1,0 +1,12 @@
+//! The Tessera control plane: the OpenAI-compatible API in front of the workers, API
+//! keys and organizations, the model catalog, and `tessera serve`.
+
+pub mod accounts;
+pub mod api;
+pub mod catalog;
+pub mod chat;
+pub mod config;
+pub mod ops;
+pub mod router;
+pub mod serve;
+pub mod workers;

@@ -1,0 +1,54 @@
+//! Which worker serves a model. `tessera serve` has one replica per distinct weights,
+//! started locally; the cluster issue replaces this static table with etcd placement
+//! and load-aware choice.
+
+pub mod replica;
+
+pub use replica::{Replica, ReplicaError};
+
+use crate::catalog::{Catalog, CatalogModel};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// A catalog model and the replica serving it.
+pub struct ServedModel {
+    pub entry: CatalogModel,
+    pub replica: Arc<Replica>,
+}
+
+impl ServedModel {
+    /// The longest prompt plus completion a request may ask for: the catalog's limit,
+    /// or the served weights' if smaller.
+    pub fn context_length(&self) -> u32 {
+        self.entry.context_length.min(self.replica.card.context_length)
+    }
+}
+
+#[derive(Default)]
+pub struct Models {
+    by_id: BTreeMap<String, Arc<ServedModel>>,
+}
+
+impl Models {
+    /// Every catalog model whose weights have a replica.
+    pub fn new(catalog: &Catalog, replicas: &BTreeMap<String, Arc<Replica>>) -> Self {
+        let by_id = catalog
+            .models
+            .iter()
+            .filter_map(|m| {
+                let replica = replicas.get(&m.weights)?.clone();
+                Some((m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica })))
+            })
+            .collect();
+        Self { by_id }
+    }
+
+    /// Exactly the full id; `model-a` alone is not `vendor-a/model-a`.
+    pub fn get(&self, id: &str) -> Option<Arc<ServedModel>> {
+        self.by_id.get(id).cloned()
+    }
+
+    pub fn all(&self) -> impl Iterator<Item = &Arc<ServedModel>> {
+        self.by_id.values()
+    }
+}

@@ -1,0 +1,99 @@
+//! `tessera serve`: everything on one machine with no external services — a SQLite
+//! database, local workers for the catalog's weights, the API on a loopback port.
+
+use crate::accounts::{BillingMode, NewKey, Store};
+use crate::api::{self, AppState};
+use crate::catalog::Catalog;
+use crate::config::ServeConfig;
+use crate::router::{Models, Replica};
+use crate::workers;
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub async fn run(config: ServeConfig) -> Result<()> {
+    let data_dir = &config.store.data_dir;
+    std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
+    bootstrap(&store, data_dir).await?;
+    let catalog = Catalog::load(config.catalog.as_deref())?;
+
+    let binary = workers::worker_binary(config.worker_bin.as_deref());
+    let mut local = Vec::new();
+    let mut replicas = BTreeMap::new();
+    for weights in catalog.weights() {
+        eprintln!("starting a worker for {weights} (the model is fetched on first use)");
+        let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
+        let replica = Replica::connect(&worker.addr).await?;
+        replicas.insert(worker.weights.clone(), Arc::new(replica));
+        local.push(worker);
+    }
+    let models = Models::new(&catalog, &replicas);
+    let app = Arc::new(AppState { store, models });
+
+    let listener =
+        tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    eprintln!("tessera listening on http://{addr}/v1");
+    let grace = Duration::from_secs(config.shutdown_grace_secs);
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let signal = {
+        let stopping = stopping.clone();
+        async move {
+            shutdown_signal().await;
+            eprintln!("shutting down: finishing in-flight requests (up to {}s)", grace.as_secs());
+            stopping.notify_one();
+        }
+    };
+    let server = axum::serve(listener, api::router(app)).with_graceful_shutdown(signal);
+    tokio::select! {
+        r = server => r?,
+        _ = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
+            eprintln!("grace period over: dropping the requests still running");
+        }
+    }
+    drop(local);
+    Ok(())
+}
+
+/// On first start (no organizations yet): a `default` organization and a key for it,
+/// written to `<data-dir>/bootstrap.key` (mode 0600) and printed this once.
+async fn bootstrap(store: &Store, data_dir: &Path) -> Result<()> {
+    if store.count_orgs().await? > 0 {
+        return Ok(());
+    }
+    let org = store.create_org("default").await?;
+    let new =
+        NewKey { org_id: &org.id, name: "bootstrap", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let (key, secret) = store.create_key(new).await?;
+    let path = data_dir.join("bootstrap.key");
+    let mut file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)
+    }
+    .with_context(|| format!("writing {}", path.display()))?;
+    writeln!(file, "{secret}")?;
+    println!("Created organization {} and API key {} ({}); saved to {}:", org.id, key.id, key.name, path.display());
+    println!("{secret}");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return interrupt.await.unwrap_or(()),
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,0 +1,62 @@
+//! Local `tessera-worker` child processes for `tessera serve`: started with a free
+//! loopback port, ready when they print their address, killed when dropped.
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub struct LocalWorker {
+    pub weights: String,
+    pub addr: String,
+    _child: Child,
+}
+
+/// The worker binary: as configured, else beside this executable, else on PATH.
+pub fn worker_binary(configured: Option<&Path>) -> PathBuf {
+    if let Some(p) = configured {
+        return p.to_path_buf();
+    }
+    let sibling = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("tessera-worker")));
+    match sibling {
+        Some(p) if p.exists() => p,
+        _ => PathBuf::from("tessera-worker"),
+    }
+}
+
+/// Starts a worker serving `weights` and waits until it listens (it fetches and loads
+/// the model first, which may take minutes on a first start).
+pub async fn start(binary: &Path, weights: &str, kv_cache_bytes: Option<u64>) -> Result<LocalWorker> {
+    let mut cmd = Command::new(binary);
+    cmd.args(["serve", "--model", weights, "--listen", "127.0.0.1:0"]);
+    if let Some(bytes) = kv_cache_bytes {
+        cmd.args(["--kv-cache-bytes", &bytes.to_string()]);
+    }
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let mut lines = BufReader::new(child.stderr.take().context("worker stderr")?).lines();
+    let addr = loop {
+        let Some(line) = lines.next_line().await? else {
+            let status = child.wait().await?;
+            bail!("the worker for {weights} exited before listening ({status})");
+        };
+        eprintln!("[worker {weights}] {line}");
+        if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.rsplit(" on ").next()) {
+            break addr.trim().to_string();
+        }
+    };
+    // Keep relaying the worker's log so its pipe never fills.
+    let name = weights.to_string();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("[worker {name}] {line}");
+        }
+    });
+    Ok(LocalWorker { weights: weights.to_string(), addr, _child: child })
+}

@@ -1,0 +1,80 @@
+//! The account store's suite, run against both databases it supports: a SQLite file
+//! and a real PostgreSQL server (TESSERA_TEST_POSTGRES_URL, or a throwaway one started
+//! here from the local PostgreSQL installation).
+
+#[path = "support/postgres.rs"]
+mod postgres;
+
+use tessera_control_plane::accounts::{BillingMode, NewKey, Store, StoreError, keys};
+
+async fn suite(store: Store) {
+    // Migrations ran: the store is empty and usable.
+    assert_eq!(store.count_orgs().await.unwrap(), 0);
+    let acme = store.create_org("acme").await.unwrap();
+    assert!(acme.id.starts_with("org_"));
+    let other = store.create_org("other").await.unwrap();
+    assert_eq!(store.count_orgs().await.unwrap(), 2);
+    assert_eq!(store.find_org("acme").await.unwrap(), acme, "by name");
+    assert_eq!(store.find_org(&acme.id).await.unwrap(), acme, "by id");
+    assert!(matches!(store.find_org("nobody").await, Err(StoreError::NoOrg(_))));
+    assert!(matches!(store.create_org("  ").await, Err(StoreError::Invalid(_))));
+
+    let new = NewKey { org_id: "acme", name: "ci", billing_mode: BillingMode::Subscription, fallback_to_credits: true };
+    let (key, secret) = store.create_key(new).await.unwrap();
+    assert!(keys::well_formed(&secret));
+    assert_eq!(
+        (key.org_id.as_str(), key.billing_mode, key.fallback_to_credits),
+        (acme.id.as_str(), BillingMode::Subscription, true)
+    );
+    let (other_key, other_secret) = store
+        .create_key(NewKey {
+            org_id: &other.id,
+            name: "x",
+            billing_mode: BillingMode::Credits,
+            fallback_to_credits: false,
+        })
+        .await
+        .unwrap();
+
+    // The secret authenticates its own key, and only that key.
+    assert_eq!(store.authenticate(&secret).await.unwrap().unwrap(), key);
+    assert_eq!(store.authenticate(&other_secret).await.unwrap().unwrap().id, other_key.id);
+    assert_eq!(store.authenticate(&keys::generate().secret).await.unwrap(), None, "unknown well-formed key");
+    assert_eq!(store.authenticate("tsk_short").await.unwrap(), None);
+
+    // Listing shows the key and never anything from which to rebuild its secret.
+    let listed = store.list_keys(&acme.id).await.unwrap();
+    assert_eq!(listed, vec![key.clone()]);
+    assert!(!serde_json::to_string(&listed).unwrap().contains(&secret[4..]));
+
+    // Revocation takes effect on the very next lookup.
+    assert!(store.revoke_key(&key.id).await.unwrap());
+    assert_eq!(store.authenticate(&secret).await.unwrap(), None);
+    assert!(!store.revoke_key(&key.id).await.unwrap(), "already revoked");
+    assert!(store.list_keys("acme").await.unwrap()[0].revoked_at.is_some());
+    assert!(matches!(store.revoke_key("key_missing").await, Err(StoreError::NoKey(_))));
+    assert!(store.authenticate(&other_secret).await.unwrap().is_some(), "other keys unaffected");
+}
+
+#[tokio::test]
+async fn the_store_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("t.db").display());
+    suite(Store::open(&url).await.unwrap()).await;
+    // Reopening runs no migration twice and keeps the data.
+    let again = Store::open(&url).await.unwrap();
+    assert_eq!(again.count_orgs().await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn the_store_on_postgresql() {
+    let server = postgres::Server::start();
+    suite(Store::open(&server.url).await.unwrap()).await;
+    let again = Store::open(&server.url).await.unwrap();
+    assert_eq!(again.count_orgs().await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn unsupported_database_urls_are_refused() {
+    assert!(matches!(Store::open("mysql://x").await, Err(StoreError::Url(_))));
+}

@@ -1,0 +1,276 @@
+"""The API through the official `openai` SDK, against a running `tessera serve`.
+
+Started by tests/tests/api_openai.rs, which passes TESSERA_BASE_URL, TESSERA_API_KEY,
+TESSERA_BIN and TESSERA_DATA_DIR. Every client validates responses strictly against
+the SDK's types.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import httpx
+import openai
+
+BASE_URL = os.environ["TESSERA_BASE_URL"]
+API_KEY = os.environ["TESSERA_API_KEY"]
+MODEL = "vendor-a/model-a"
+TEXT_MODEL = "vendor-b/model-b"
+
+
+def client(key=API_KEY):
+    return openai.OpenAI(base_url=BASE_URL, api_key=key, max_retries=0, _strict_response_validation=True)
+
+
+def cli(*args):
+    """Runs the operator command line against the server's database, returns its JSON."""
+    cmd = [os.environ["TESSERA_BIN"], *args, "--data-dir", os.environ["TESSERA_DATA_DIR"], "--json"]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+HELLO = [{"role": "user", "content": "Name three colours."}]
+
+
+class Chat(unittest.TestCase):
+    def test_plain_completion_has_the_openai_shape(self):
+        r = client().chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=12)
+        self.assertTrue(r.id.startswith("chatcmpl-"))
+        self.assertEqual(r.object, "chat.completion")
+        self.assertEqual(r.model, MODEL)
+        self.assertEqual(len(r.choices), 1)
+        c = r.choices[0]
+        self.assertEqual(c.message.role, "assistant")
+        self.assertTrue(c.message.content)
+        self.assertIn(c.finish_reason, ("stop", "length"))
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+        self.assertLessEqual(r.usage.completion_tokens, 12)
+        self.assertGreater(r.usage.prompt_tokens, 5)
+
+    def test_stream_matches_the_plain_reply_and_reports_usage(self):
+        c = client()
+        plain = c.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=12)
+        chunks = list(
+            c.chat.completions.create(
+                model=MODEL, messages=HELLO, temperature=0, max_tokens=12, stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual(len({ch.id for ch in chunks}), 1, "one id on every chunk")
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        self.assertEqual(text, plain.choices[0].message.content)
+        finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        self.assertEqual(finishes, [plain.choices[0].finish_reason])
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, plain.usage.completion_tokens)
+        self.assertTrue(all(ch.usage is None for ch in chunks[:-1]))
+
+    def test_stream_helper_accumulates_the_message(self):
+        with client().chat.completions.stream(model=MODEL, messages=HELLO, temperature=0, max_tokens=8) as s:
+            final = s.get_final_completion()
+        self.assertEqual(final.choices[0].message.role, "assistant")
+        self.assertTrue(final.choices[0].message.content)
+
+    def test_n_completions(self):
+        r = client().chat.completions.create(model=MODEL, messages=HELLO, n=2, temperature=1, seed=7, max_tokens=8)
+        self.assertEqual([c.index for c in r.choices], [0, 1])
+        chunks = list(client().chat.completions.create(
+            model=MODEL, messages=HELLO, n=2, temperature=1, seed=7, max_tokens=8, stream=True))
+        roles = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].delta.role]
+        self.assertEqual(sorted(roles), [0, 1], "one role chunk per choice")
+        texts = ["", ""]
+        for ch in chunks:
+            for choice in ch.choices:
+                texts[choice.index] += choice.delta.content or ""
+        self.assertEqual(texts, [c.message.content for c in r.choices], "same seed, same completions")
+
+    def test_logprobs_with_top_logprobs(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=HELLO, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), r.usage.completion_tokens)
+        self.assertEqual("".join(t.token for t in content), r.choices[0].message.content)
+        for t in content:
+            self.assertLessEqual(t.logprob, 0.0)
+            self.assertEqual(len(t.top_logprobs), 3)
+            self.assertEqual(bytes(t.bytes).decode("utf-8", "replace"), t.token)
+            # Greedy: the chosen token is the most likely one.
+            self.assertAlmostEqual(t.top_logprobs[0].logprob, t.logprob, places=4)
+
+    def test_stop_cuts_before_the_stop_string(self):
+        c = client()
+        full = c.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=24).choices[0].message.content
+        words = full.split()
+        self.assertGreater(len(words), 2, full)
+        stop = " " + words[2]
+        r = c.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=24, stop=[stop, "zzzz"])
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertEqual(r.choices[0].message.content, full[: full.index(stop)])
+
+    def test_seed_reproduces_a_sampled_completion(self):
+        ask = lambda seed: client().chat.completions.create(
+            model=MODEL, messages=HELLO, temperature=1.0, seed=seed, max_tokens=16).choices[0].message.content
+        self.assertEqual(ask(1234), ask(1234))
+
+    def test_max_completion_tokens_bounds_the_reply(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+            temperature=0, max_completion_tokens=5)
+        self.assertEqual(r.usage.completion_tokens, 5)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+
+
+class Completions(unittest.TestCase):
+    def test_prompt_list_echo_and_logprobs(self):
+        c = client()
+        r = c.completions.create(model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], temperature=0, max_tokens=4)
+        self.assertTrue(r.id.startswith("cmpl-"))
+        self.assertEqual([ch.index for ch in r.choices], [0, 1])
+        self.assertTrue(r.choices[0].text.startswith(" 4"), r.choices[0].text)
+        echoed = c.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=4, echo=True)
+        self.assertEqual(echoed.choices[0].text, "1, 2, 3," + r.choices[0].text)
+        lp = c.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=4, logprobs=2)
+        l = lp.choices[0].logprobs
+        self.assertEqual(len(l.tokens), lp.usage.completion_tokens)
+        self.assertEqual("".join(l.tokens), lp.choices[0].text)
+        self.assertEqual(l.text_offset[0], 0)
+        for top, logprob in zip(l.top_logprobs, l.token_logprobs):
+            self.assertLessEqual(len(top), 3)
+            self.assertAlmostEqual(max(top.values()), logprob, places=4)
+
+    def test_default_max_tokens_is_16_and_streams_end_with_usage(self):
+        r = client().completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+        self.assertLessEqual(r.usage.completion_tokens, 16)
+        chunks = list(client().completions.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, stream=True, stream_options={"include_usage": True}))
+        self.assertEqual("".join(ch.choices[0].text for ch in chunks if ch.choices), r.choices[0].text)
+        self.assertEqual(chunks[-1].usage.completion_tokens, r.usage.completion_tokens)
+
+
+class Responses(unittest.TestCase):
+    def test_string_input(self):
+        r = client().responses.create(model=MODEL, input="Say hello.", temperature=0, max_output_tokens=16)
+        self.assertTrue(r.id.startswith("resp_"))
+        self.assertTrue(r.output_text)
+        self.assertEqual(r.output[0].type, "message")
+        self.assertEqual(r.usage.total_tokens, r.usage.input_tokens + r.usage.output_tokens)
+
+    def test_message_list_with_instructions(self):
+        r = client().responses.create(
+            model=MODEL, instructions="Answer in one word.", temperature=0, max_output_tokens=8,
+            input=[{"role": "user", "content": "What colour is the sky?"}])
+        self.assertEqual(r.instructions, "Answer in one word.")
+        self.assertTrue(r.output_text)
+
+    def test_streamed_events_through_the_helper(self):
+        plain = client().responses.create(model=MODEL, input="Count to five.", temperature=0, max_output_tokens=16)
+        with client().responses.stream(model=MODEL, input="Count to five.", temperature=0, max_output_tokens=16) as s:
+            events = list(s)
+            final = s.get_final_response()
+        types = [e.type for e in events]
+        self.assertEqual(types[:2], ["response.created", "response.in_progress"])
+        self.assertIn(types[-1], ("response.completed", "response.incomplete"))
+        self.assertEqual([e.sequence_number for e in events], list(range(len(events))))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        self.assertEqual(deltas, final.output_text)
+        self.assertEqual(final.output_text, plain.output_text)
+
+
+class Models(unittest.TestCase):
+    def test_list_and_retrieve(self):
+        ids = sorted(m.id for m in client().models.list())
+        self.assertEqual(ids, ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"])
+        self.assertEqual(client().models.retrieve("vendor-c/model-c").id, "vendor-c/model-c")
+        with self.assertRaises(openai.NotFoundError) as e:
+            client().models.retrieve("vendor-c/nope")
+        self.assertEqual(e.exception.code, "model_not_found")
+
+
+class Errors(unittest.TestCase):
+    def assert_error(self, cls, code, fn, param=None):
+        with self.assertRaises(cls) as e:
+            fn()
+        self.assertEqual(e.exception.code, code, e.exception)
+        if param is not None:
+            self.assertEqual(e.exception.param, param)
+        self.assertTrue(e.exception.message)
+        return e.exception
+
+    def chat(self, key=API_KEY, **kw):
+        args = {"model": MODEL, "messages": HELLO, "max_tokens": 4, **kw}
+        return lambda: client(key).chat.completions.create(**args)
+
+    def test_keys(self):
+        r = httpx.post(BASE_URL + "/chat/completions", json={"model": MODEL, "messages": HELLO})
+        self.assertEqual(r.status_code, 401)
+        self.assertEqual(r.json()["error"]["type"], "invalid_request_error")
+        self.assert_error(openai.AuthenticationError, "invalid_api_key", self.chat(key="tsk_not-a-key"))
+        well_formed_unknown = cli("keys", "create", "--org", "default", "--name", "tmp")
+        cli("keys", "revoke", well_formed_unknown["id"])
+        self.assert_error(openai.AuthenticationError, "invalid_api_key", self.chat(key=well_formed_unknown["secret"]))
+
+    def test_revocation_takes_effect_on_the_next_request(self):
+        key = cli("keys", "create", "--org", "default", "--name", "short-lived")
+        self.assertTrue(key["secret"].startswith("tsk_"))
+        client(key["secret"]).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+        listed = cli("keys", "list", "--org", "default")
+        self.assertIn(key["id"], [k["id"] for k in listed])
+        self.assertNotIn(key["secret"], json.dumps(listed))
+        cli("keys", "revoke", key["id"])
+        self.assert_error(openai.AuthenticationError, "invalid_api_key", self.chat(key=key["secret"]))
+
+    def test_models_must_be_named_in_full(self):
+        self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="model-a"))
+        self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="vendor-a/model-z"))
+        self.assert_error(openai.NotFoundError, "model_not_found",
+                          lambda: client().completions.create(model="model-a", prompt="x"))
+        self.assert_error(openai.NotFoundError, "model_not_found",
+                          lambda: client().responses.create(model="model-a", input="x"))
+
+    def test_out_of_range_values_name_param_and_bound(self):
+        e = self.assert_error(openai.BadRequestError, "decimal_above_max_value", self.chat(temperature=3), "temperature")
+        self.assertIn("2", e.message)
+        self.assert_error(openai.BadRequestError, "integer_above_max_value",
+                          self.chat(logprobs=True, top_logprobs=21), "top_logprobs")
+        self.assert_error(openai.BadRequestError, "decimal_below_min_value", self.chat(frequency_penalty=-3), "frequency_penalty")
+        self.assert_error(openai.BadRequestError, "invalid_value",
+                          self.chat(logit_bias={"99999999": 1}), "logit_bias")
+        self.assert_error(openai.BadRequestError, "array_above_max_length", self.chat(stop=["a", "b", "c", "d", "e"]), "stop")
+        self.assert_error(openai.BadRequestError, "integer_above_max_value",
+                          lambda: client().completions.create(model=MODEL, prompt="x", logprobs=6), "logprobs")
+        self.assert_error(openai.BadRequestError, "invalid_parameter_combination",
+                          self.chat(max_completion_tokens=3))
+
+    def test_context_length_exceeded(self):
+        long = "word " * 9000
+        self.assert_error(openai.BadRequestError, "context_length_exceeded",
+                          self.chat(messages=[{"role": "user", "content": long}]), "messages")
+        self.assert_error(openai.BadRequestError, "context_length_exceeded", self.chat(max_tokens=10**9), "messages")
+        self.assert_error(openai.BadRequestError, "context_length_exceeded",
+                          lambda: client().completions.create(model=MODEL, prompt=long), "prompt")
+
+    def test_images_on_a_text_only_model(self):
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+        e = self.assert_error(openai.BadRequestError, "unsupported_value", self.chat(model=TEXT_MODEL, messages=messages))
+        self.assertIn("image", e.message)
+
+    def test_malformed_json_and_unsupported_endpoints(self):
+        headers = {"Authorization": "Bearer " + API_KEY, "Content-Type": "application/json"}
+        r = httpx.post(BASE_URL + "/chat/completions", content=b"{not json", headers=headers)
+        self.assertEqual(r.status_code, 400)
+        self.assertIn("parse the JSON body", r.json()["error"]["message"])
+        with self.assertRaises(openai.NotFoundError) as e:
+            client().embeddings.create(model=MODEL, input="x")
+        self.assertIn("not supported", e.exception.message)
+        for path in ("/audio/speech", "/fine_tuning/jobs", "/assistants", "/batches", "/files"):
+            r = httpx.post(BASE_URL + path, json={}, headers=headers)
+            self.assertEqual(r.status_code, 404, path)
+            self.assertIn("not supported", r.json()["error"]["message"])
+
+
+if __name__ == "__main__":
+    result = unittest.main(argv=[sys.argv[0], "-v"], exit=False).result
+    sys.exit(0 if result.wasSuccessful() else 1)

@@ -1,0 +1,92 @@
+//! `tessera serve` as a user runs it — the real binaries, the real model, a fresh data
+//! folder — driven by the official `openai` Python SDK (tests/python/test_openai_api.py),
+//! then stopped with SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+use tessera_e2e::binary;
+
+struct Serve(Option<Child>);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn python_has_openai() -> bool {
+    Command::new("python3").args(["-c", "import openai, httpx"]).status().is_ok_and(|s| s.success())
+}
+
+#[test]
+fn the_openai_sdk_works_against_tessera_serve() {
+    assert!(python_has_openai(), "this test drives the API with the official SDK: pip install openai (`.ci/run` does)");
+    // The worker is started from beside `tessera`, so build both.
+    binary("tessera-worker", "tessera-worker");
+    let tessera = binary("tessera-control-plane", "tessera");
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = Command::new(&tessera)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--kv-cache-bytes", "134217728"])
+        .arg("--data-dir")
+        .arg(data.path())
+        .args(["--shutdown-grace-secs", "5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let stdout = child.stdout.take().unwrap();
+    let mut serve = Serve(Some(child));
+    let mut listening = false;
+    let mut log = Vec::new();
+    let mut lines = stderr.lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        log.push(line.clone());
+        if line.starts_with("tessera listening on") {
+            listening = true;
+            break;
+        }
+    }
+    assert!(listening, "tessera serve exited before listening:\n{}", log.join("\n"));
+    // Keep draining the log so the server never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+
+    // First start: a bootstrap key, printed once and saved with mode 0600.
+    let key_file = data.path().join("bootstrap.key");
+    let key = std::fs::read_to_string(&key_file).unwrap().trim().to_string();
+    assert!(key.starts_with("tsk_"), "{key}");
+    assert_eq!(std::fs::metadata(&key_file).unwrap().permissions().mode() & 0o777, 0o600);
+    let printed: Vec<String> = BufReader::new(stdout).lines().take(2).map(Result::unwrap).collect();
+    assert_eq!(printed[1], key, "the key is printed once on first start");
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/test_openai_api.py");
+    let status = Command::new("python3")
+        .arg(script)
+        .env("TESSERA_BASE_URL", format!("http://127.0.0.1:{port}/v1"))
+        .env("TESSERA_API_KEY", &key)
+        .env("TESSERA_BIN", &tessera)
+        .env("TESSERA_DATA_DIR", data.path())
+        .status()
+        .unwrap();
+    assert!(status.success(), "the SDK tests failed (their output is above)");
+
+    // SIGTERM: the server stops cleanly, in well under its grace period when idle.
+    let mut child = serve.0.take().unwrap();
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait()));
+    let status = rx.recv_timeout(Duration::from_secs(20)).expect("tessera serve did not stop on SIGTERM").unwrap();
+    assert!(status.success(), "tessera serve exited with {status}");
+}
