@@ -203,7 +203,7 @@ impl Meta {
             "truncation": "disabled",
             "usage": usage.map(|u| json!({
                 "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,

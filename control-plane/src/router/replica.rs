@@ -72,10 +72,11 @@ fn token_bytes(tokenizer: &Tokenizer, json: &str) -> Vec<Vec<u8>> {
         .map(|id| {
             let Some(piece) = tokenizer.id_to_token(id) else { return Vec::new() };
             let is_special = tokenizer.get_added_vocabulary().is_special_token(&piece);
-            if byte_level && !is_special {
-                if let Some(bytes) = piece.chars().map(|c| unbyte.get(&c).copied()).collect::<Option<Vec<u8>>>() {
-                    return bytes;
-                }
+            if byte_level
+                && !is_special
+                && let Some(bytes) = piece.chars().map(|c| unbyte.get(&c).copied()).collect::<Option<Vec<u8>>>()
+            {
+                return bytes;
             }
             if is_special {
                 return piece.into_bytes();
