@@ -7,6 +7,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 use tessera_e2e::binary;
+use tessera_proto::worker::worker_client::WorkerClient;
+use tessera_proto::worker::{self as pb};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Serve(Option<Child>);
 
@@ -21,6 +24,45 @@ impl Drop for Serve {
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A client that disconnects mid-stream: the worker's sequence stops at once, seen
+/// through the worker's own load reports.
+async fn a_dropped_stream_aborts_the_sequence(port: u16, key: &str, worker_addr: &str) {
+    let mut worker = WorkerClient::connect(format!("http://{worker_addr}")).await.unwrap();
+    let mut load = worker.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.unwrap().into_inner();
+    let body =
+        r#"{"model":"vendor-a/model-a","prompt":"Once upon a time","max_tokens":4000,"stream":true,"temperature":0}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let within = Duration::from_secs(30);
+    let wait_for = async |load: &mut tonic::Streaming<pb::LoadReport>, want_running: bool| {
+        tokio::time::timeout(within, async {
+            loop {
+                let r = load.message().await.unwrap().expect("load reports");
+                if (r.running + r.waiting > 0) == want_running {
+                    return r;
+                }
+            }
+        })
+        .await
+    };
+    wait_for(&mut load, true).await.expect("the streamed request runs on the worker");
+    drop(socket);
+    let idle = wait_for(&mut load, false).await.expect("the worker still runs the sequence of a client that left");
+    assert_eq!((idle.running, idle.waiting), (0, 0));
 }
 
 fn python_has_openai() -> bool {
@@ -49,10 +91,14 @@ fn the_openai_sdk_works_against_tessera_serve() {
     let mut serve = Serve(Some(child));
     let mut listening = false;
     let mut log = Vec::new();
+    let mut worker_addr = None;
     let mut lines = stderr.lines();
     for line in lines.by_ref() {
         let line = line.unwrap();
         log.push(line.clone());
+        if line.contains("tessera-worker serving") {
+            worker_addr = line.rsplit(" on ").next().map(str::to_string);
+        }
         if line.starts_with("tessera listening on") {
             listening = true;
             break;
@@ -80,6 +126,9 @@ fn the_openai_sdk_works_against_tessera_serve() {
         .status()
         .unwrap();
     assert!(status.success(), "the SDK tests failed (their output is above)");
+
+    let worker_addr = worker_addr.expect("the worker's address in the log");
+    tokio::runtime::Runtime::new().unwrap().block_on(a_dropped_stream_aborts_the_sequence(port, &key, &worker_addr));
 
     // SIGTERM: the server stops cleanly, in well under its grace period when idle.
     let mut child = serve.0.take().unwrap();

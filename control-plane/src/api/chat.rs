@@ -69,17 +69,8 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     let (stream, include_usage) = params::stream(&mut f)?;
     let n = params::n(&mut f)?;
     let stop = params::stop(&mut f)?;
-    let logprobs = f.bool("logprobs", false)?;
-    let top_logprobs = f.integer("top_logprobs", Some(0), Some(20))?;
-    if top_logprobs.is_some() && !logprobs {
-        return Err(ApiError::invalid_value(
-            "top_logprobs",
-            "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
-        ));
-    }
-    if logprobs {
-        sampling.logprobs = Some(top_logprobs.unwrap_or(0) as u32);
-    }
+    sampling.logprobs = params::chat_logprobs(&mut f)?;
+    let logprobs = sampling.logprobs.is_some();
     let max_tokens = f.integer("max_tokens", Some(1), None)?;
     let max_completion_tokens = f.integer("max_completion_tokens", Some(1), None)?;
     if max_tokens.is_some() && max_completion_tokens.is_some() {

@@ -92,7 +92,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     let n = params::n(&mut f)?;
     let stop = params::stop(&mut f)?;
     let echo = f.bool("echo", false)?;
-    let logprobs = f.integer("logprobs", Some(0), Some(5))?.map(|k| k as u32);
+    let logprobs = params::legacy_logprobs(&mut f)?;
     if echo && logprobs.is_some() {
         return Err(ApiError::Combination {
             param: "logprobs".into(),

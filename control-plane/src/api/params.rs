@@ -148,6 +148,25 @@ pub fn stream<'a>(f: &mut Fields<'a>) -> Result<(bool, bool), ApiError> {
     Ok((stream, include_usage))
 }
 
+/// Chat's `logprobs` and `top_logprobs` (0–20, only with `logprobs`): the number of
+/// alternatives to return per token, None when log probabilities are off.
+pub fn chat_logprobs<'a>(f: &mut Fields<'a>) -> Result<Option<u32>, ApiError> {
+    let on = f.bool("logprobs", false)?;
+    let top = f.integer("top_logprobs", Some(0), Some(20))?;
+    if top.is_some() && !on {
+        return Err(ApiError::invalid_value(
+            "top_logprobs",
+            "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
+        ));
+    }
+    Ok(on.then(|| top.unwrap_or(0) as u32))
+}
+
+/// Legacy completions' `logprobs`: up to 5 alternatives per token.
+pub fn legacy_logprobs<'a>(f: &mut Fields<'a>) -> Result<Option<u32>, ApiError> {
+    Ok(f.integer("logprobs", Some(0), Some(5))?.map(|k| k as u32))
+}
+
 /// `n`: completions per prompt.
 pub fn n<'a>(f: &mut Fields<'a>) -> Result<u32, ApiError> {
     Ok(f.integer("n", Some(1), Some(128))?.unwrap_or(1) as u32)
@@ -243,6 +262,22 @@ mod tests {
         assert_eq!(code(one(json!({"stop": ["a", "b", "c", "d", "e"]})).unwrap_err()), "array_above_max_length");
         assert_eq!(code(one(json!({"stop": [1]})).unwrap_err()), "invalid_type");
         assert_eq!(code(one(json!({"stop": [""]})).unwrap_err()), "invalid_value");
+    }
+
+    #[test]
+    fn logprobs_ranges_of_both_shapes() {
+        let chat = |b: Value| chat_logprobs(&mut Fields::new(&b).unwrap());
+        assert_eq!(chat(json!({})).unwrap(), None);
+        assert_eq!(chat(json!({"logprobs": true})).unwrap(), Some(0));
+        assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 20})).unwrap(), Some(20));
+        assert_eq!(code(chat(json!({"logprobs": true, "top_logprobs": 21})).unwrap_err()), "integer_above_max_value");
+        assert_eq!(code(chat(json!({"logprobs": true, "top_logprobs": -1})).unwrap_err()), "integer_below_min_value");
+        let e = chat(json!({"top_logprobs": 2})).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "top_logprobs");
+        let legacy = |b: Value| legacy_logprobs(&mut Fields::new(&b).unwrap());
+        assert_eq!(legacy(json!({"logprobs": 5})).unwrap(), Some(5));
+        assert_eq!(legacy(json!({"logprobs": 0})).unwrap(), Some(0));
+        assert_eq!(code(legacy(json!({"logprobs": 6})).unwrap_err()), "integer_above_max_value");
     }
 
     #[test]
