@@ -2,6 +2,7 @@
 
 mod engine;
 mod forward;
+mod gateway;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -19,11 +20,15 @@ enum Command {
     Forward(forward::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
+    /// The latency the control plane adds over the worker's gRPC (needs the release
+    /// `tessera` and `tessera-worker` binaries).
+    Gateway(gateway::Args),
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
+        Command::Gateway(args) => gateway::run(args),
     }
 }

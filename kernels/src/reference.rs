@@ -60,11 +60,7 @@ fn linear_over_quantised_rows_matches_the_dequantised_product() {
     let mut rng = rng();
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
         let (rows, cols, tokens) = (rng.random_range(1..80), 32 * rng.random_range(1..12), rng.random_range(1..40));
-        let mut bytes: Vec<u8> = (0..rows * cols / 32 * ty.block_bytes()).map(|_| rng.random()).collect();
-        for b in bytes.chunks_exact_mut(ty.block_bytes()) {
-            b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-            b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-        }
+        let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
         let dense = CpuWeight::f32(crate::quant::dequantize(ty, &bytes), rows, cols);
         let w = CpuBackend.upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }).unwrap();
         let x = randn(&mut rng, tokens * cols);

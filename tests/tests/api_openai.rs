@@ -26,13 +26,11 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A client that disconnects mid-stream: the worker's sequence stops at once, seen
-/// through the worker's own load reports.
-async fn a_dropped_stream_aborts_the_sequence(port: u16, key: &str, worker_addr: &str) {
-    let mut worker = WorkerClient::connect(format!("http://{worker_addr}")).await.unwrap();
-    let mut load = worker.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.unwrap().into_inner();
-    let body =
-        r#"{"model":"vendor-a/model-a","prompt":"Once upon a time","max_tokens":4000,"stream":true,"temperature":0}"#;
+/// A streamed greedy completion of up to `max_tokens`, read until its first event.
+async fn open_stream(port: u16, key: &str, max_tokens: u32) -> tokio::net::TcpStream {
+    let body = format!(
+        r#"{{"model":"vendor-a/model-a","prompt":"Once upon a time","max_tokens":{max_tokens},"stream":true,"temperature":0}}"#
+    );
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -47,6 +45,29 @@ async fn a_dropped_stream_aborts_the_sequence(port: u16, key: &str, worker_addr:
         assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
     }
+    socket
+}
+
+/// The rest of a stream, up to `[DONE]` or the connection's end.
+async fn read_to_end(socket: &mut tokio::net::TcpStream) -> String {
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = socket.read(&mut buf).await.unwrap();
+        rest.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&rest);
+        if n == 0 || text.contains("data: [DONE]") {
+            return text.into_owned();
+        }
+    }
+}
+
+/// A client that disconnects mid-stream: the worker's sequence stops at once, seen
+/// through the worker's own load reports.
+async fn a_dropped_stream_aborts_the_sequence(port: u16, key: &str, worker_addr: &str) {
+    let mut worker = WorkerClient::connect(format!("http://{worker_addr}")).await.unwrap();
+    let mut load = worker.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.unwrap().into_inner();
+    let socket = open_stream(port, key, 4000).await;
     let within = Duration::from_secs(30);
     let wait_for = async |load: &mut tonic::Streaming<pb::LoadReport>, want_running: bool| {
         tokio::time::timeout(within, async {
@@ -130,10 +151,16 @@ fn the_openai_sdk_works_against_tessera_serve() {
     let worker_addr = worker_addr.expect("the worker's address in the log");
     tokio::runtime::Runtime::new().unwrap().block_on(a_dropped_stream_aborts_the_sequence(port, &key, &worker_addr));
 
-    // SIGTERM: the server stops cleanly, in well under its grace period when idle.
+    // SIGTERM with a stream in flight: the stream still runs to its end, then the
+    // server exits cleanly.
     let mut child = serve.0.take().unwrap();
     let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let rest = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut socket = open_stream(port, &key, 48).await;
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        read_to_end(&mut socket).await
+    });
+    assert!(rest.contains("\"finish_reason\":\"length\"") && rest.contains("data: [DONE]"), "{rest}");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || tx.send(child.wait()));
     let status = rx.recv_timeout(Duration::from_secs(20)).expect("tessera serve did not stop on SIGTERM").unwrap();

@@ -12,6 +12,8 @@ mod tiles;
 mod weight;
 
 pub use quant_rows::QuantRows;
+#[cfg(test)]
+pub(crate) use quant_rows::tests::random_blocks as quant_rows_test_blocks;
 pub use weight::CpuWeight;
 
 use crate::error::expect_len;

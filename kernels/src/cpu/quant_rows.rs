@@ -245,11 +245,21 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::dequantize;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    /// Random blocks of `ty` for `n` weights, with finite f16 scales (d, and m for Q4_1).
+    pub(crate) fn random_blocks(rng: &mut StdRng, ty: GgmlType, n: usize) -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..n / BLOCK * ty.block_bytes()).map(|_| rng.random()).collect();
+        for b in bytes.chunks_exact_mut(ty.block_bytes()) {
+            b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+            b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
+        }
+        bytes
+    }
 
     #[test]
     fn dequantised_rows_match_the_reference_decoder() {
@@ -258,12 +268,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(seed);
         let (rows, cols) = (5, 12 * BLOCK);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * ty.block_bytes()).map(|_| rng.random()).collect();
-            for b in bytes.chunks_exact_mut(ty.block_bytes()) {
-                // Finite f16 scales (d, and m for Q4_1).
-                b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-                b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-            }
+            let bytes = random_blocks(&mut rng, ty, rows * cols);
             let q = QuantRows::from_blocks(ty, &bytes, cols).unwrap();
             assert_eq!(q.rows(), rows);
             let dense = dequantize(ty, &bytes);
@@ -282,11 +287,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(11);
         let (rows, cols, tokens) = (4, 9 * BLOCK, 3);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * ty.block_bytes()).map(|_| rng.random()).collect();
-            for b in bytes.chunks_exact_mut(ty.block_bytes()) {
-                b[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-                b[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-            }
+            let bytes = random_blocks(&mut rng, ty, rows * cols);
             let q = QuantRows::from_blocks(ty, &bytes, cols).unwrap();
             let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             let mut fused = vec![0.0f32; 3 * tokens];
