@@ -70,9 +70,11 @@ async fn bootstrap(store: &Store, data_dir: &Path) -> Result<()> {
         NewKey { org_id: &org.id, name: "bootstrap", billing_mode: BillingMode::Credits, fallback_to_credits: false };
     let (key, secret) = store.create_key(new).await?;
     let path = data_dir.join("bootstrap.key");
+    // A stale file from an earlier database would keep its old mode: start afresh.
+    let _ = std::fs::remove_file(&path);
     let mut file = {
         use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)
     }
     .with_context(|| format!("writing {}", path.display()))?;
     writeln!(file, "{secret}")?;

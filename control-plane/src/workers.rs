@@ -13,6 +13,15 @@ pub struct LocalWorker {
     _child: Child,
 }
 
+/// The next line of a worker's log, any bytes shown lossily; None at its end.
+async fn next_line(reader: &mut BufReader<tokio::process::ChildStderr>) -> Option<String> {
+    let mut buf = Vec::new();
+    match reader.read_until(b'\n', &mut buf).await {
+        Ok(0) | Err(_) => None,
+        Ok(_) => Some(String::from_utf8_lossy(&buf).trim_end().to_string()),
+    }
+}
+
 /// The worker binary: as configured, else beside this executable, else on PATH.
 pub fn worker_binary(configured: Option<&Path>) -> PathBuf {
     if let Some(p) = configured {
@@ -40,9 +49,9 @@ pub async fn start(binary: &Path, weights: &str, kv_cache_bytes: Option<u64>) ->
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("starting {}", binary.display()))?;
-    let mut lines = BufReader::new(child.stderr.take().context("worker stderr")?).lines();
+    let mut lines = BufReader::new(child.stderr.take().context("worker stderr")?);
     let addr = loop {
-        let Some(line) = lines.next_line().await? else {
+        let Some(line) = next_line(&mut lines).await else {
             let status = child.wait().await?;
             bail!("the worker for {weights} exited before listening ({status})");
         };
@@ -54,7 +63,7 @@ pub async fn start(binary: &Path, weights: &str, kv_cache_bytes: Option<u64>) ->
     // Keep relaying the worker's log so its pipe never fills.
     let name = weights.to_string();
     tokio::spawn(async move {
-        while let Ok(Some(line)) = lines.next_line().await {
+        while let Some(line) = next_line(&mut lines).await {
             eprintln!("[worker {name}] {line}");
         }
     });

@@ -272,6 +272,17 @@ class Errors(unittest.TestCase):
         self.assert_error(openai.BadRequestError, "invalid_parameter_combination",
                           self.chat(max_completion_tokens=3))
 
+    def test_too_many_completions_in_one_request(self):
+        self.assert_error(openai.BadRequestError, "invalid_value",
+                          lambda: client().completions.create(model=MODEL, prompt=["a", "b"], n=100), "n")
+        self.assert_error(openai.BadRequestError, "integer_above_max_value", self.chat(n=129), "n")
+
+    def test_responses_errors_name_the_input_item(self):
+        bad = [{"role": "wizard", "content": "hi"}]
+        self.assert_error(openai.BadRequestError, "invalid_value",
+                          lambda: client().responses.create(model=MODEL, instructions="Be brief.", input=bad),
+                          "input[0].role")
+
     def test_context_length_exceeded(self):
         long = "word " * 9000
         self.assert_error(openai.BadRequestError, "context_length_exceeded",

@@ -11,6 +11,7 @@ use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -23,8 +24,12 @@ struct ChatRequest {
     logprobs: bool,
 }
 
-pub async fn handle(State(app): State<App>, _key: Authed, body: Bytes) -> Result<Response, ApiError> {
-    let body = json_body(&body)?;
+pub async fn handle(
+    State(app): State<App>,
+    _key: Authed,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(body)?;
     let model = model_of(&app, &body, None)?;
     let request = parse(&body, &model)?;
     let out = generate::start(&model.replica, request.generation.clone()).await?;
@@ -189,7 +194,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
     }
     let mut usage = generate::Usage::default();
     loop {
-        let r = match out.next().await {
+        let r = match tx.unless_gone(out.next()).await? {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {

@@ -11,10 +11,14 @@ use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use std::sync::Arc;
+
+/// Completions one request may ask for (prompts × n), as chat's `n` allows.
+const MAX_SEQUENCES: usize = 128;
 
 struct Prompt {
     text: String,
@@ -30,8 +34,12 @@ struct CompletionRequest {
     include_usage: bool,
 }
 
-pub async fn handle(State(app): State<App>, _key: Authed, body: Bytes) -> Result<Response, ApiError> {
-    let body = json_body(&body)?;
+pub async fn handle(
+    State(app): State<App>,
+    _key: Authed,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(body)?;
     let model = model_of(&app, &body, None)?;
     let request = Arc::new(parse(&body, &model)?);
     let id = new_id("cmpl-");
@@ -111,6 +119,15 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     f.integer("best_of", Some(1), Some(1))?;
     f.ignore(&["user"]);
     f.finish()?;
+    if prompts.len() * n as usize > MAX_SEQUENCES {
+        return Err(ApiError::invalid_value(
+            "n",
+            format!(
+                "{} prompts × n = {n} asks for more than {MAX_SEQUENCES} completions in one request.",
+                prompts.len()
+            ),
+        ));
+    }
     let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
     let max_tokens = params::max_tokens(model, longest, Some(max_tokens), "prompt")?;
     Ok(CompletionRequest {
@@ -218,7 +235,7 @@ async fn stream(
     }
     let mut merged = futures_util::stream::select_all(streams);
     let mut cached = vec![0u32; request.prompts.len()];
-    while let Some((p, r)) = merged.next().await {
+    while let Some((p, r)) = tx.unless_gone(merged.next()).await? {
         let r = match r {
             Ok(r) => r,
             Err(e) => {
@@ -229,10 +246,14 @@ async fn stream(
         cached[p] = r.cached_prompt_tokens;
         usage.completion_tokens += r.tokens.len() as u32;
         let index = p * n + r.index as usize;
+        let Some(offset) = offsets.get_mut(index) else {
+            tx.data(&ApiError::Internal(format!("worker sent completion index {}", r.index)).body()).await?;
+            return tx.done().await;
+        };
         let finish = generate::finish_reason(r.finish_reason);
         if !r.text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !r.tokens.is_empty()) {
             let lp = match request.logprobs {
-                Some(_) => logprobs::legacy(&model.replica, &r.tokens, &mut offsets[index]),
+                Some(_) => logprobs::legacy(&model.replica, &r.tokens, offset),
                 None => Value::Null,
             };
             tx.data(&chunk(index, &r.text, lp, finish)).await?;

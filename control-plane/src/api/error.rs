@@ -8,6 +8,11 @@ use serde_json::{Value, json};
 #[derive(Debug, Clone, PartialEq)]
 pub enum ApiError {
     MalformedJson(String),
+    /// The body could not be read whole (too large, or cut off).
+    BadBody {
+        status: StatusCode,
+        detail: String,
+    },
     MissingParam(String),
     InvalidType {
         param: String,
@@ -69,6 +74,7 @@ impl ApiError {
             Self::ModelNotFound { .. } | Self::UnknownUrl { .. } | Self::UnsupportedEndpoint { .. } => {
                 StatusCode::NOT_FOUND
             }
+            Self::BadBody { status, .. } => *status,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             _ => StatusCode::BAD_REQUEST,
@@ -88,6 +94,9 @@ impl ApiError {
                      JSON: {detail})"
                 ),
             ),
+            Self::BadBody { detail, .. } => {
+                ("invalid_request_error", None, None, format!("Could not read the request body: {detail}."))
+            }
             Self::MissingParam(p) => (
                 "invalid_request_error",
                 Some("missing_required_parameter"),

@@ -4,7 +4,6 @@
 
 use super::error::ApiError;
 use crate::router::Replica;
-use std::sync::atomic::{AtomicU64, Ordering};
 use tessera_proto::worker::{self as pb};
 use tonic::{Code, Status, Streaming};
 
@@ -22,11 +21,10 @@ pub struct Output {
     stream: Streaming<pb::GenerateResponse>,
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
 pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError> {
     let request = pb::GenerateRequest {
-        request_id: format!("cp-{}-{}", std::process::id(), NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+        // Random, so control planes sharing a worker never collide.
+        request_id: super::new_id("cp-"),
         prompt_token_ids: g.prompt,
         sampling: Some(g.sampling),
         max_tokens: g.max_tokens,
@@ -78,6 +76,13 @@ pub struct Gathered {
     pub finish_reason: &'static str,
 }
 
+impl Gathered {
+    fn new() -> Self {
+        // A worker always names a reason; "stop" if one ever did not.
+        Self { finish_reason: "stop", ..Default::default() }
+    }
+}
+
 /// Token counts of a whole request.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Usage {
@@ -88,7 +93,7 @@ pub struct Usage {
 
 /// Reads every completion to its end.
 pub async fn gather(mut out: Output, n: u32) -> Result<(Vec<Gathered>, Usage), ApiError> {
-    let mut choices = vec![Gathered::default(); n.max(1) as usize];
+    let mut choices = vec![Gathered::new(); n.max(1) as usize];
     let mut usage = Usage::default();
     while let Some(r) = out.next().await? {
         usage.prompt_tokens = r.prompt_tokens;

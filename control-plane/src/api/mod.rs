@@ -17,7 +17,8 @@ use crate::accounts::Store;
 use crate::router::{Models, ServedModel};
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::Request;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::{HeaderValue, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::Response;
@@ -28,6 +29,10 @@ use rand::Rng;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Enough for the longest context in the catalog (about 4 bytes a token) with room
+/// for JSON; larger bodies get a 413 in the API's error shape.
+const MAX_BODY_BYTES: usize = 64 << 20;
 
 pub struct AppState {
     pub store: Store,
@@ -44,6 +49,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
         .fallback(unknown)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
         .layer(middleware::from_fn(request_id))
 }
@@ -78,9 +84,10 @@ async fn request_id(request: Request, next: Next) -> Response {
     response
 }
 
-/// The body as JSON, or the OpenAI error for malformed JSON.
-pub fn json_body(body: &Bytes) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+/// The body as JSON, or the OpenAI error for an unreadable body or malformed JSON.
+pub fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let body = body.map_err(|e| ApiError::BadBody { status: e.status(), detail: e.body_text() })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))
 }
 
 /// The model a body names, checked before anything else in it, as OpenAI does.

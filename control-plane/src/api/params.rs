@@ -10,7 +10,7 @@ use tessera_proto::worker::{self as pb};
 pub fn sampling<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<pb::SamplingParams, ApiError> {
     let temperature = f.decimal("temperature", Some(0.0), Some(2.0))?.unwrap_or(1.0);
     let top_p = f.decimal("top_p", Some(0.0), Some(1.0))?.unwrap_or(1.0);
-    if top_p == 0.0 {
+    if top_p as f32 == 0.0 {
         return Err(ApiError::OutOfRange {
             param: "top_p".into(),
             code: "decimal_below_min_value",
@@ -22,7 +22,7 @@ pub fn sampling<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<pb::SamplingParams
     let frequency_penalty = f.decimal("frequency_penalty", Some(-2.0), Some(2.0))?.unwrap_or(0.0);
     let presence_penalty = f.decimal("presence_penalty", Some(-2.0), Some(2.0))?.unwrap_or(0.0);
     let repetition_penalty = f.decimal("repetition_penalty", None, Some(2.0))?.unwrap_or(1.0);
-    if repetition_penalty <= 0.0 {
+    if repetition_penalty as f32 <= 0.0 {
         return Err(ApiError::OutOfRange {
             param: "repetition_penalty".into(),
             code: "decimal_below_min_value",

@@ -11,6 +11,7 @@ use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -22,8 +23,12 @@ struct ResponsesRequest {
     stream: bool,
 }
 
-pub async fn handle(State(app): State<App>, _key: Authed, body: Bytes) -> Result<Response, ApiError> {
-    let body = json_body(&body)?;
+pub async fn handle(
+    State(app): State<App>,
+    _key: Authed,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(body)?;
     let model = model_of(&app, &body, Some("model"))?;
     let request = parse(&body, &model)?;
     let out = generate::start(&model.replica, request.generation.clone()).await?;
@@ -35,7 +40,7 @@ pub async fn handle(State(app): State<App>, _key: Authed, body: Bytes) -> Result
     }
     let (choices, usage) = generate::gather(out, 1).await?;
     let c = choices.into_iter().next().unwrap_or_default();
-    let item = meta.message(&c.text, "completed");
+    let item = meta.message(&c.text, if c.finish_reason == "length" { "incomplete" } else { "completed" });
     Ok(Json(meta.object(vec![item], Some(&usage), Some(c.finish_reason))).into_response())
 }
 
@@ -44,9 +49,6 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
     f.raw("model");
     let instructions = f.string("instructions")?.map(String::from);
     let mut messages = Vec::new();
-    if let Some(i) = &instructions {
-        messages.push(json!({"role": "system", "content": i}));
-    }
     match f.required("input")? {
         Value::String(s) => messages.push(json!({"role": "user", "content": s})),
         Value::Array(items) => {
@@ -78,8 +80,13 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             });
         }
     }
-    let messages = chat::messages::for_template(&Value::Array(messages), &model.entry.capabilities, &model.entry.id)
-        .map_err(|e| rename_param(e, "messages", "input"))?;
+    // Checked on their own, so that errors name the client's own input items.
+    let mut messages =
+        chat::messages::for_template(&Value::Array(messages), &model.entry.capabilities, &model.entry.id)
+            .map_err(|e| rename_param(e, "messages", "input"))?;
+    if let Some(i) = &instructions {
+        messages.insert(0, json!({"role": "system", "content": i}));
+    }
     let sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let stream = f.bool("stream", false)?;
     let max_output_tokens = f.integer("max_output_tokens", Some(1), None)?;
@@ -148,6 +155,9 @@ fn rename_param(e: ApiError, from: &str, to: &str) -> ApiError {
         ApiError::MissingParam(p) => ApiError::MissingParam(fix(p)),
         ApiError::Unsupported { param, message } => ApiError::Unsupported { param: fix(param), message },
         ApiError::InvalidType { param, expected, got } => ApiError::InvalidType { param: fix(param), expected, got },
+        ApiError::OutOfRange { param, code, message } => {
+            ApiError::OutOfRange { param: fix(param), code, message: message.replacen(from, to, 1) }
+        }
         other => other,
     }
 }
@@ -240,12 +250,13 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
     let mut usage = Usage::default();
     let mut finish = "stop";
     loop {
-        let r = match out.next().await {
+        let r = match tx.unless_gone(out.next()).await? {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {
                 let mut failed = meta.object(vec![], None, Some("stop"));
                 failed["status"] = json!("failed");
+                failed["completed_at"] = Value::Null;
                 failed["error"] = json!({"code": "server_error", "message": e.object()["message"]});
                 return send("response.failed", json!({"response": failed})).await;
             }

@@ -37,6 +37,15 @@ impl Sender {
         self.send(Event::default().event(name).data(v.to_string())).await
     }
 
+    /// `f`'s result, or Gone as soon as the client leaves — even while the worker is
+    /// still prefilling or producing tokens with no text.
+    pub async fn unless_gone<T>(&self, f: impl Future<Output = T>) -> Result<T, Gone> {
+        tokio::select! {
+            v = f => Ok(v),
+            _ = self.0.closed() => Err(Gone),
+        }
+    }
+
     pub async fn done(&self) -> Result<(), Gone> {
         self.send(Event::default().data("[DONE]")).await
     }

@@ -46,8 +46,9 @@ impl Replica {
         Ok(Self { addr: addr.to_string(), client, card, tokenizer, template, token_bytes })
     }
 
+    /// Token ids the model accepts: its embedding rows (the tokenizer may know more).
     pub fn vocab_size(&self) -> u32 {
-        self.card.vocab_size.max(self.token_bytes.len() as u32)
+        if self.card.vocab_size > 0 { self.card.vocab_size } else { self.token_bytes.len() as u32 }
     }
 
     pub fn token_bytes(&self, id: u32) -> &[u8] {
