@@ -17,8 +17,7 @@ pub struct NewSecret {
 }
 
 pub fn generate() -> NewSecret {
-    let mut rng = rand::rng();
-    let body: String = (0..BODY).map(|_| ALPHABET[rng.random_range(0..62)] as char).collect();
+    let body = base62(BODY);
     let secret = format!("{PREFIX}{body}{}", checksum(&body));
     NewSecret { hash: hash(&secret), secret }
 }
@@ -60,6 +59,12 @@ fn checksum(body: &str) -> String {
             c
         })
         .collect()
+}
+
+/// `n` random base62 characters.
+pub fn base62(n: usize) -> String {
+    let mut rng = rand::rng();
+    (0..n).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
 }
 
 pub fn hex(bytes: &[u8]) -> String {

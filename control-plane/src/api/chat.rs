@@ -5,7 +5,7 @@ use super::error::ApiError;
 use super::fields::Fields;
 use super::generate::{self, Generation, Output};
 use super::sse::{self, Gone, Sender};
-use super::{App, json_body, logprobs, model_of, new_id, params, unix_now, usage_json};
+use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::chat;
 use crate::router::ServedModel;
 use axum::Json;
@@ -29,8 +29,7 @@ pub async fn handle(
     _key: Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = json_body(body)?;
-    let model = model_of(&app, &body, None)?;
+    let (body, model) = read_request(&app, body, None)?;
     let request = parse(&body, &model)?;
     let out = generate::start(&model.replica, request.generation.clone()).await?;
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
@@ -203,9 +202,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
                 return tx.done().await;
             }
         };
-        usage.prompt_tokens = r.prompt_tokens;
-        usage.cached_tokens = r.cached_prompt_tokens;
-        usage.completion_tokens += r.tokens.len() as u32;
+        usage.record(&r);
         if !r.text.is_empty() || (request.logprobs && !r.tokens.is_empty()) {
             let lp = if request.logprobs { logprobs::chat(&meta.model.replica, &r.tokens) } else { Value::Null };
             let choice =

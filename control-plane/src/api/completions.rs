@@ -5,7 +5,7 @@ use super::error::ApiError;
 use super::fields::Fields;
 use super::generate::{self, Generation, Usage};
 use super::sse::{self, Gone, Sender};
-use super::{App, json_body, logprobs, model_of, new_id, params, unix_now, usage_json};
+use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::chat;
 use crate::router::ServedModel;
 use axum::Json;
@@ -39,8 +39,7 @@ pub async fn handle(
     _key: Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = json_body(body)?;
-    let model = model_of(&app, &body, None)?;
+    let (body, model) = read_request(&app, body, None)?;
     let request = Arc::new(parse(&body, &model)?);
     let id = new_id("cmpl-");
     let created = unix_now();

@@ -91,14 +91,21 @@ pub struct Usage {
     pub completion_tokens: u32,
 }
 
+impl Usage {
+    /// Counts one delta of a generation (every delta repeats the prompt's counts).
+    pub fn record(&mut self, r: &pb::GenerateResponse) {
+        self.prompt_tokens = r.prompt_tokens;
+        self.cached_tokens = r.cached_prompt_tokens;
+        self.completion_tokens += r.tokens.len() as u32;
+    }
+}
+
 /// Reads every completion to its end.
 pub async fn gather(mut out: Output, n: u32) -> Result<(Vec<Gathered>, Usage), ApiError> {
     let mut choices = vec![Gathered::new(); n.max(1) as usize];
     let mut usage = Usage::default();
     while let Some(r) = out.next().await? {
-        usage.prompt_tokens = r.prompt_tokens;
-        usage.cached_tokens = r.cached_prompt_tokens;
-        usage.completion_tokens += r.tokens.len() as u32;
+        usage.record(&r);
         let c = choices
             .get_mut(r.index as usize)
             .ok_or_else(|| ApiError::Internal(format!("worker sent completion index {}", r.index)))?;

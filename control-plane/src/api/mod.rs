@@ -84,14 +84,26 @@ async fn request_id(request: Request, next: Next) -> Response {
     response
 }
 
+/// A generation request's JSON body and the model it names (`param` is what a
+/// `model_not_found` error names: null for chat and completions, `model` for responses).
+pub fn read_request(
+    app: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    param: Option<&'static str>,
+) -> Result<(Value, Arc<ServedModel>), ApiError> {
+    let body = json_body(body)?;
+    let model = model_of(app, &body, param)?;
+    Ok((body, model))
+}
+
 /// The body as JSON, or the OpenAI error for an unreadable body or malformed JSON.
-pub fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
     let body = body.map_err(|e| ApiError::BadBody { status: e.status(), detail: e.body_text() })?;
     serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))
 }
 
 /// The model a body names, checked before anything else in it, as OpenAI does.
-pub fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result<Arc<ServedModel>, ApiError> {
+fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result<Arc<ServedModel>, ApiError> {
     let Some(obj) = body.as_object() else {
         return Err(ApiError::InvalidType { param: "body".into(), expected: "an object", got: "another type" });
     };
@@ -110,10 +122,7 @@ pub fn unix_now() -> u64 {
 
 /// `prefix` + 24 random alphanumerics: `chatcmpl-…`, `cmpl-…`, `resp_…`.
 pub fn new_id(prefix: &str) -> String {
-    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut rng = rand::rng();
-    let tail: String = (0..24).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect();
-    format!("{prefix}{tail}")
+    format!("{prefix}{}", crate::accounts::keys::base62(24))
 }
 
 /// Chat and legacy completions usage, with the detail objects OpenAI sends.

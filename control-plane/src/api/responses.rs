@@ -5,7 +5,7 @@ use super::error::ApiError;
 use super::fields::Fields;
 use super::generate::{self, Generation, Output, Usage};
 use super::sse::{self, Gone, Sender};
-use super::{App, json_body, model_of, new_id, params, unix_now};
+use super::{App, new_id, params, read_request, unix_now};
 use crate::chat;
 use crate::router::ServedModel;
 use axum::Json;
@@ -28,8 +28,7 @@ pub async fn handle(
     _key: Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = json_body(body)?;
-    let model = model_of(&app, &body, Some("model"))?;
+    let (body, model) = read_request(&app, body, Some("model"))?;
     let request = parse(&body, &model)?;
     let out = generate::start(&model.replica, request.generation.clone()).await?;
     let meta = Meta { id: new_id("resp_"), message_id: new_id("msg_"), created_at: unix_now(), model, request };
@@ -261,9 +260,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
                 return send("response.failed", json!({"response": failed})).await;
             }
         };
-        usage.prompt_tokens = r.prompt_tokens;
-        usage.cached_tokens = r.cached_prompt_tokens;
-        usage.completion_tokens += r.tokens.len() as u32;
+        usage.record(&r);
         if let Some(f) = generate::finish_reason(r.finish_reason) {
             finish = f;
         }
