@@ -3,6 +3,8 @@
 mod engine;
 mod forward;
 mod gateway;
+#[cfg(feature = "cuda")]
+mod gpu;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -23,6 +25,10 @@ enum Command {
     /// The latency the control plane adds over the worker's gRPC (needs the release
     /// `tessera` and `tessera-worker` binaries).
     Gateway(gateway::Args),
+    /// The CUDA backend on a Llama-3-8B-shaped model with random weights: decode steps,
+    /// prefill and paged attention against the device's bandwidth and matrix ceilings.
+    #[cfg(feature = "cuda")]
+    Gpu(gpu::Args),
 }
 
 fn main() -> Result<()> {
@@ -30,5 +36,7 @@ fn main() -> Result<()> {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
         Command::Gateway(args) => gateway::run(args),
+        #[cfg(feature = "cuda")]
+        Command::Gpu(args) => gpu::run(args),
     }
 }

@@ -6,8 +6,11 @@
 //! where an op returns a new buffer, so a GPU backend can map each op to one launch.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod ops;
+mod paged;
 pub mod quant;
 
 pub use error::KernelError;

@@ -79,6 +79,8 @@ pub trait Backend: Send + Sync {
     type Index: Send + Sync;
     /// A weight matrix `[rows, cols]`, row-major, ready for `linear`.
     type Weight: Send + Sync;
+    /// Bytes one element of a `Buffer` made by the ops takes (what a KV cache costs).
+    const ELEMENT_BYTES: usize = 4;
 
     fn name(&self) -> &'static str;
 
@@ -106,6 +108,12 @@ pub trait Backend: Send + Sync {
 
     /// `x += y`, elementwise (the residual stream).
     fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer) -> Result<()>;
+
+    /// `h += y`, then `rms_norm(h)`: the residual add fused with the norm after it.
+    fn add_rms_norm(&self, h: &mut Self::Buffer, y: &Self::Buffer, weight: &Self::Buffer, eps: f32) -> Result<Self::Buffer> {
+        self.add_assign(h, y)?;
+        self.rms_norm(h, weight, eps)
+    }
 
     /// In-place rotary embedding of `x`: `[tokens, heads, head_dim]`, token `t` at
     /// `positions[t]`, rotating the first `2 * inv_freq.len()` dimensions of each head.

@@ -2,8 +2,9 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use tessera_kernels::cpu::CpuBackend;
+use tessera_kernels::Backend;
 use tessera_proto::chat_template::{ChatTemplate, Message};
+use tessera_worker::device::{self, Device, Opened};
 use tessera_worker::{generate, load, model_cache};
 
 #[derive(Parser)]
@@ -41,6 +42,9 @@ struct GenerateArgs {
     /// Print one JSON object: prompt_token_ids, output_token_ids, text.
     #[arg(long)]
     json: bool,
+    /// cpu, cuda, or auto: the GPU when one can be opened.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
 }
 
 fn main() -> Result<()> {
@@ -70,8 +74,16 @@ fn run_serve(config: tessera_worker::serve::ServeConfig) -> Result<()> {
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
+    match device::open(args.device)? {
+        Opened::Cpu(b) => generate_on(b, args),
+        #[cfg(feature = "cuda")]
+        Opened::Cuda(b) => generate_on(b, args),
+    }
+}
+
+fn generate_on<B: Backend>(backend: B, args: GenerateArgs) -> Result<()> {
     let path = model_cache::resolve(&args.model)?;
-    let loaded = load::load_model(CpuBackend, &path).with_context(|| format!("loading {}", path.display()))?;
+    let loaded = load::load_model(backend, &path).with_context(|| format!("loading {}", path.display()))?;
     let tok = &loaded.tokenizer;
     let prompt = if args.chat {
         let source = tok.chat_template.as_deref().context("the model has no chat template")?;

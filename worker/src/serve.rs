@@ -8,7 +8,9 @@ use crate::model::KvCache;
 use crate::model_cache;
 use anyhow::Context;
 use std::future::Future;
-use tessera_kernels::cpu::CpuBackend;
+use crate::device;
+use crate::model::Model;
+use tessera_kernels::Backend;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::worker as pb;
 use tokio::net::TcpListener;
@@ -21,27 +23,67 @@ pub struct ServeConfig {
     pub model: String,
     #[arg(long, env = "TESSERA_WORKER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
-    /// KV-cache size in bytes; default: `--kv-cache-fraction` of available memory.
+    /// KV-cache size in bytes; default: on the CPU `--kv-cache-fraction` of available
+    /// memory, on a GPU what `--gpu-memory-fraction` leaves after the weights.
     #[arg(long)]
     pub kv_cache_bytes: Option<u64>,
     #[arg(long, default_value_t = 0.2)]
     pub kv_cache_fraction: f64,
+    /// cpu, cuda, or auto: the GPU when one can be opened.
+    #[arg(long, value_enum, default_value_t = device::Device::Auto)]
+    pub device: device::Device,
+    /// Share of the GPU's memory the worker may fill (weights, activations, KV cache).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_fraction: f64,
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
 }
 
-/// Loads the model and starts the engine; returns the service ready to serve.
+/// Loads the model on the chosen device and starts the engine; returns the service
+/// ready to serve.
 pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
     let path = model_cache::resolve(&config.model)?;
-    let loaded = load_model(CpuBackend, &path).with_context(|| format!("loading {}", path.display()))?;
+    let opened = device::open(config.device)?;
+    eprintln!("tessera-worker device: {}", opened.describe());
+    match opened {
+        device::Opened::Cpu(b) => build(b, &path, config, |_| {
+            config.kv_cache_bytes.unwrap_or_else(|| {
+                (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64
+            })
+        }),
+        #[cfg(feature = "cuda")]
+        device::Opened::Cuda(b) => build(b, &path, config, |model| match config.kv_cache_bytes {
+            Some(bytes) => bytes,
+            None => gpu_kv_budget(model, config),
+        }),
+    }
+}
+
+/// What is left for the KV cache on the GPU once the weights are loaded: the
+/// `--gpu-memory-fraction` of the whole card, less what is in use, less room for one
+/// step's activations at the token budget.
+#[cfg(feature = "cuda")]
+fn gpu_kv_budget(model: &Model<tessera_kernels::cuda::CudaBackend>, config: &ServeConfig) -> u64 {
+    let Ok((free, total)) = model.backend().memory_info() else { return 0 };
+    let c = &model.config;
+    let per_token = c.q_width() + 2 * c.kv_width() + 4 * c.intermediate_size + 6 * c.hidden_size;
+    let activations = config.max_num_batched_tokens * per_token * 2 * 2 + config.max_num_seqs * c.vocab_size * 8;
+    let allowed = (total as f64 * config.gpu_memory_fraction) as i64 - (total - free) as i64;
+    (allowed - activations as i64).max(0) as u64
+}
+
+fn build<B: Backend + 'static>(
+    backend: B,
+    path: &std::path::Path,
+    config: &ServeConfig,
+    kv_budget: impl FnOnce(&Model<B>) -> u64,
+) -> anyhow::Result<WorkerService> {
+    let loaded = load_model(backend, path).with_context(|| format!("loading {}", path.display()))?;
     let c = &loaded.model.config;
-    let block_bytes = KvCache::<CpuBackend>::bytes_per_block(c.num_layers, c.kv_width(), BLOCK_TOKENS) as u64;
-    let budget = match config.kv_cache_bytes {
-        Some(b) => b,
-        None => (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64,
-    };
+    let block_bytes = KvCache::<B>::bytes_per_block(c.num_layers, c.kv_width(), BLOCK_TOKENS) as u64;
+    let budget = kv_budget(&loaded.model);
     let num_blocks = (budget / block_bytes) as usize;
     anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");
     let tok = &loaded.tokenizer;

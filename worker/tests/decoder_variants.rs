@@ -8,106 +8,16 @@
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use safetensors::Dtype;
-use safetensors::tensor::TensorView;
-use serde_json::{Value, json};
-use std::collections::BTreeMap;
-use std::path::Path;
+use serde_json::Value;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
 use tessera_worker::model::{Model, ModelConfig, SeqInput};
 
+mod tiny_models;
+
+use tiny_models::{Weights, random_weights, variants, write_dir};
+
 const PROMPT: [u32; 11] = [3, 17, 42, 5, 9, 63, 0, 28, 28, 11, 50];
-
-type Weights = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
-
-struct Variant {
-    name: &'static str,
-    config: Value,
-}
-
-fn variants() -> Vec<Variant> {
-    let base = json!({"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "vocab_size": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 128});
-    let with = |extra: Value| {
-        let mut c = base.clone();
-        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        c
-    };
-    vec![
-        Variant {
-            name: "llama2",
-            config: with(
-                json!({"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": false}),
-            ),
-        },
-        Variant {
-            name: "llama3",
-            config: with(
-                json!({"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "rope_theta": 500000.0,
-            "tie_word_embeddings": true,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-            ),
-        },
-        Variant {
-            name: "mistral",
-            config: with(
-                json!({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 1, "rope_theta": 1e6, "tie_word_embeddings": false}),
-            ),
-        },
-        Variant {
-            name: "qwen2",
-            config: with(
-                json!({"architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2, "rope_theta": 1e6, "tie_word_embeddings": true}),
-            ),
-        },
-    ]
-}
-
-fn random_weights(c: &Value, rng: &mut StdRng) -> Weights {
-    let u = |k: &str| c[k].as_u64().unwrap() as usize;
-    let (d, ffn, heads, vocab) = (u("hidden_size"), u("intermediate_size"), u("num_attention_heads"), u("vocab_size"));
-    let kv_heads = c.get("num_key_value_heads").and_then(Value::as_u64).map_or(heads, |v| v as usize);
-    let hd = d / heads;
-    let qwen = c["architectures"][0] == "Qwen2ForCausalLM";
-    let mut w = Weights::new();
-    let mut put = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
-        let n = shape.iter().product();
-        w.insert(name, (shape, (0..n).map(|_| offset + rng.random_range(-scale..scale)).collect()));
-    };
-    put("model.embed_tokens.weight".into(), vec![vocab, d], 1.0, 0.0);
-    put("model.norm.weight".into(), vec![d], 0.2, 1.0);
-    if c["tie_word_embeddings"] == false {
-        put("lm_head.weight".into(), vec![vocab, d], 0.3, 0.0);
-    }
-    for l in 0..u("num_hidden_layers") {
-        let p = format!("model.layers.{l}.");
-        put(format!("{p}input_layernorm.weight"), vec![d], 0.2, 1.0);
-        put(format!("{p}post_attention_layernorm.weight"), vec![d], 0.2, 1.0);
-        put(format!("{p}self_attn.q_proj.weight"), vec![heads * hd, d], 0.4, 0.0);
-        put(format!("{p}self_attn.k_proj.weight"), vec![kv_heads * hd, d], 0.4, 0.0);
-        put(format!("{p}self_attn.v_proj.weight"), vec![kv_heads * hd, d], 0.4, 0.0);
-        put(format!("{p}self_attn.o_proj.weight"), vec![d, heads * hd], 0.3, 0.0);
-        put(format!("{p}mlp.gate_proj.weight"), vec![ffn, d], 0.3, 0.0);
-        put(format!("{p}mlp.up_proj.weight"), vec![ffn, d], 0.3, 0.0);
-        put(format!("{p}mlp.down_proj.weight"), vec![d, ffn], 0.3, 0.0);
-        if qwen {
-            put(format!("{p}self_attn.q_proj.bias"), vec![heads * hd], 0.5, 0.0);
-            put(format!("{p}self_attn.k_proj.bias"), vec![kv_heads * hd], 0.5, 0.0);
-            put(format!("{p}self_attn.v_proj.bias"), vec![kv_heads * hd], 0.5, 0.0);
-        }
-    }
-    w
-}
-
-fn write_dir(dir: &Path, config: &Value, w: &Weights) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
-        w.iter().map(|(n, (s, d))| (n.clone(), s.clone(), d.iter().flat_map(|v| v.to_le_bytes()).collect())).collect();
-    let views = bytes.iter().map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap()));
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-}
 
 /// `x · Wᵀ (+ b)` in f64 for one row.
 fn matvec(w: &(Vec<usize>, Vec<f32>), x: &[f64], bias: Option<&(Vec<usize>, Vec<f32>)>) -> Vec<f64> {

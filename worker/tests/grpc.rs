@@ -8,6 +8,7 @@ use common::smollm2_path;
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
+use tessera_worker::device::Device;
 use tessera_worker::serve::{ServeConfig, build_service, serve};
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
@@ -19,6 +20,8 @@ async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
         listen: "127.0.0.1:0".into(),
         kv_cache_bytes: Some(kv_cache_bytes),
         kv_cache_fraction: 0.2,
+        device: Device::Cpu,
+        gpu_memory_fraction: 0.9,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
     };

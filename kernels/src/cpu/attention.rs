@@ -9,6 +9,7 @@ use super::CpuBackend;
 use super::matmul::dot;
 use super::simd::multiversion;
 use crate::error::expect_len;
+use crate::paged::{HostBatch, Row};
 use crate::{AttentionShape, KernelError, PagedBatch, Result};
 use rayon::prelude::*;
 
@@ -36,13 +37,6 @@ pub(super) fn write_kv(
     Ok(())
 }
 
-/// One query row's place in the batch.
-struct Row {
-    seq: usize,
-    /// Number of keys it sees (its position + 1).
-    keys: usize,
-}
-
 pub(super) fn paged_attention(
     q: &[f32],
     k_cache: &[f32],
@@ -50,7 +44,14 @@ pub(super) fn paged_attention(
     batch: &PagedBatch<'_, CpuBackend>,
     shape: &AttentionShape,
 ) -> Result<Vec<f32>> {
-    let rows = validate(q, k_cache, v_cache, batch, shape)?;
+    let host = HostBatch {
+        num_seqs: batch.num_seqs,
+        query_start: batch.query_start,
+        context_lens: batch.context_lens,
+        block_tables: batch.block_tables,
+        max_blocks_per_seq: batch.max_blocks_per_seq,
+    };
+    let rows = host.validate(q.len(), k_cache.len(), v_cache.len(), shape)?;
     let (hd, qw) = (shape.head_dim, shape.q_width());
     let group_width = shape.num_heads / shape.num_kv_heads * hd;
     let mut out = vec![0.0f32; q.len()];
@@ -155,64 +156,4 @@ fn weighted_sum<const HD: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f
             }
         }
     }
-}
-
-/// Checks the batch against the buffers and returns each query row's sequence and key
-/// count, so the kernel itself cannot index out of bounds.
-fn validate(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    batch: &PagedBatch<'_, CpuBackend>,
-    shape: &AttentionShape,
-) -> Result<Vec<Row>> {
-    const OP: &str = "paged_attention";
-    if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
-        return Err(KernelError::shape(OP, format!("{} heads over {} KV heads", shape.num_heads, shape.num_kv_heads)));
-    }
-    expect_len(OP, "query_start", batch.query_start.len(), batch.num_seqs + 1)?;
-    expect_len(OP, "context_lens", batch.context_lens.len(), batch.num_seqs)?;
-    expect_len(OP, "block_tables", batch.block_tables.len(), batch.num_seqs * batch.max_blocks_per_seq)?;
-    expect_len(OP, "value cache", v_cache.len(), k_cache.len())?;
-    let blocks_in_cache = k_cache.len() / shape.block_floats();
-    let tokens = *batch.query_start.last().unwrap_or(&0) as usize;
-    expect_len(OP, "query", q.len(), tokens * shape.q_width())?;
-    let mut rows = Vec::with_capacity(tokens);
-    for seq in 0..batch.num_seqs {
-        let (start, end) = (batch.query_start[seq] as usize, batch.query_start[seq + 1] as usize);
-        let context = batch.context_lens[seq] as usize;
-        if start != rows.len() {
-            return Err(KernelError::shape(
-                OP,
-                format!("sequence {seq} starts at row {start}, expected {}", rows.len()),
-            ));
-        }
-        if end < start || end - start > context {
-            return Err(KernelError::shape(
-                OP,
-                format!("sequence {seq}: {} queries for a context of {context}", end.wrapping_sub(start)),
-            ));
-        }
-        let blocks = context.div_ceil(shape.block_size);
-        if blocks > batch.max_blocks_per_seq {
-            return Err(KernelError::shape(
-                OP,
-                format!(
-                    "sequence {seq}: context {context} needs {blocks} blocks, table has {}",
-                    batch.max_blocks_per_seq
-                ),
-            ));
-        }
-        let table = &batch.block_tables[seq * batch.max_blocks_per_seq..][..blocks];
-        if let Some(b) = table.iter().find(|&&b| b as usize >= blocks_in_cache) {
-            return Err(KernelError::shape(
-                OP,
-                format!("sequence {seq}: block {b} outside a cache of {blocks_in_cache}"),
-            ));
-        }
-        let first_pos = context - (end - start);
-        rows.extend((0..end - start).map(|i| Row { seq, keys: first_pos + i + 1 }));
-    }
-    expect_len(OP, "query rows", rows.len(), tokens)?;
-    Ok(rows)
 }

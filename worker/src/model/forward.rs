@@ -45,6 +45,11 @@ impl<B: Backend> Model<B> {
         Ok(Self { config, backend, weights })
     }
 
+    /// A model over weights already on the device (benchmarks build random ones there).
+    pub fn from_weights(backend: B, config: ModelConfig, weights: Weights<B>) -> Self {
+        Self { config, backend, weights }
+    }
+
     pub fn backend(&self) -> &B {
         &self.backend
     }
@@ -70,6 +75,18 @@ impl<B: Backend> Model<B> {
 
     /// Runs the batch; returns `[n, vocab]` logits for the `n` sequences that asked.
     pub fn forward(&self, seqs: &[SeqInput<'_>], kv: &mut KvCache<B>) -> Result<Vec<f32>, ModelError> {
+        match self.forward_on_device(seqs, kv)? {
+            Some(logits) => Ok(self.backend.download(&logits)?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// `forward`, leaving the logits on the device (None when no sequence asked).
+    pub fn forward_on_device(
+        &self,
+        seqs: &[SeqInput<'_>],
+        kv: &mut KvCache<B>,
+    ) -> Result<Option<B::Buffer>, ModelError> {
         let flat = self.flatten(seqs, kv)?;
         let (b, w, c) = (&self.backend, &self.weights, &self.config);
         let shape = self.attention_shape(kv.block_size);
@@ -88,8 +105,12 @@ impl<B: Backend> Model<B> {
         };
 
         let mut h = b.embedding(&b.upload_index(&flat.token_ids)?, &w.embed)?;
-        for (layer, (k_cache, v_cache)) in w.layers.iter().zip(kv.layers.iter_mut()) {
-            let x = b.rms_norm(&h, &layer.attn_norm, c.rms_norm_eps)?;
+        let Some(first) = w.layers.first() else {
+            return Err(ModelError::Input("the model has no layers".into()));
+        };
+        // Each residual add is fused with the norm that follows it.
+        let mut x = b.rms_norm(&h, &first.attn_norm, c.rms_norm_eps)?;
+        for (i, (layer, (k_cache, v_cache))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             let qkv = b.linear(&x, tokens, &layer.qkv, layer.qkv_bias.as_ref())?;
             let [mut q, mut k, v]: [B::Buffer; 3] = b
                 .split_columns(&qkv, &[c.q_width(), c.kv_width(), c.kv_width()])?
@@ -99,20 +120,23 @@ impl<B: Backend> Model<B> {
             b.rope(&mut k, &positions, c.num_kv_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
             b.write_kv(&k, &v, &slots, &shape, k_cache, v_cache)?;
             let attn = b.paged_attention(&q, k_cache, v_cache, &batch, &shape)?;
-            b.add_assign(&mut h, &b.linear(&attn, tokens, &layer.o, None)?)?;
+            let attn_out = b.linear(&attn, tokens, &layer.o, None)?;
+            let x_ffn = b.add_rms_norm(&mut h, &attn_out, &layer.ffn_norm, c.rms_norm_eps)?;
 
-            let x = b.rms_norm(&h, &layer.ffn_norm, c.rms_norm_eps)?;
-            let gate_up = b.linear(&x, tokens, &layer.gate_up, None)?;
+            let gate_up = b.linear(&x_ffn, tokens, &layer.gate_up, None)?;
             let act = b.silu_mul(&gate_up, c.intermediate_size)?;
-            b.add_assign(&mut h, &b.linear(&act, tokens, &layer.down, None)?)?;
+            let mlp_out = b.linear(&act, tokens, &layer.down, None)?;
+            match w.layers.get(i + 1) {
+                Some(next) => x = b.add_rms_norm(&mut h, &mlp_out, &next.attn_norm, c.rms_norm_eps)?,
+                None => b.add_assign(&mut h, &mlp_out)?,
+            }
         }
         if flat.logit_rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let last = b.gather_rows(&h, c.hidden_size, &b.upload_index(&flat.logit_rows)?)?;
         let x = b.rms_norm(&last, &w.final_norm, c.rms_norm_eps)?;
-        let logits = b.linear(&x, flat.logit_rows.len(), w.lm_head(), None)?;
-        Ok(b.download(&logits)?)
+        Ok(Some(b.linear(&x, flat.logit_rows.len(), w.lm_head(), None)?))
     }
 
     fn flatten(&self, seqs: &[SeqInput<'_>], kv: &KvCache<B>) -> Result<Flat, ModelError> {

@@ -14,6 +14,6 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// Bytes one block takes across all layers, K and V.
     pub fn bytes_per_block(num_layers: usize, kv_width: usize, block_size: usize) -> usize {
-        2 * num_layers * block_size * kv_width * std::mem::size_of::<f32>()
+        2 * num_layers * block_size * kv_width * B::ELEMENT_BYTES
     }
 }

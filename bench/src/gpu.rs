@@ -1,0 +1,211 @@
+//! `tessera-bench gpu`: the CUDA backend on a Llama-3-8B-shaped model with random bf16
+//! weights made on the device. One JSON line per case: the device's copy bandwidth and
+//! bf16 matrix ceiling (measured here, not taken from a datasheet), decode steps at
+//! several batch sizes against the memory-bandwidth floor (weights plus KV read once per
+//! step), prefill against the matrix ceiling, and the paged-attention kernel alone
+//! against its bandwidth floor. Times are medians of host-clocked, synchronised runs
+//! after warm-up, so launch overhead counts (there are no CUDA graphs yet).
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use std::time::Instant;
+use tessera_kernels::cuda::{CudaBackend, CudaBuffer};
+use tessera_kernels::{AttentionShape, Backend, PagedBatch};
+use tessera_worker::model::weights::{LayerWeights, Weights};
+use tessera_worker::model::{KvCache, Model, ModelConfig, SeqInput};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Layers of the Llama-3-8B shape (it has 32); fewer for a quick run.
+    #[arg(long, default_value_t = 32)]
+    layers: usize,
+    /// Tokens already in each sequence's cache when a decode step runs.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64,256")]
+    batches: Vec<usize>,
+    /// Prompt tokens per prefill forward, in sequences of `--context` tokens.
+    #[arg(long, default_value_t = 8192)]
+    prefill_tokens: usize,
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+}
+
+const BLOCK: usize = 16;
+
+pub fn run(args: Args) -> Result<()> {
+    let g = CudaBackend::new(0).context("the gpu benchmark needs a CUDA GPU")?;
+    let device = g.device_name();
+    let line = |mut v: serde_json::Value| {
+        v["bench"] = json!("gpu");
+        v["device"] = json!(device);
+        println!("{v}");
+    };
+
+    let bandwidth = g.copy_bandwidth(4 << 30, 10)?;
+    line(json!({"case": "copy_bandwidth", "bytes_per_s": round(bandwidth)}));
+    let ceiling = matmul_ceiling(&g, args.reps)?;
+    line(json!({"case": "matmul_ceiling", "m_n_k": 8192, "flop_per_s": round(ceiling)}));
+
+    let config = llama3_8b_config(args.layers)?;
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let blocks_per_seq = (args.context + 1).div_ceil(BLOCK);
+    let model = random_model(g, config.clone())?;
+    let g = model.backend();
+    let kv_floats = max_batch.max(args.prefill_tokens.div_ceil(args.context)) * blocks_per_seq * BLOCK * config.kv_width();
+    let mut kv = KvCache {
+        block_size: BLOCK,
+        num_blocks: kv_floats / (BLOCK * config.kv_width()),
+        layers: (0..config.num_layers)
+            .map(|l| Ok((g.random_buffer(kv_floats, 1000 + 2 * l as u64, 1.0)?, g.random_buffer(kv_floats, 1001 + 2 * l as u64, 1.0)?)))
+            .collect::<Result<_>>()?,
+    };
+    let weight_bytes = 2.0 * matmul_params(&config) as f64;
+    let kv_token_bytes = (2 * config.num_layers * config.kv_width() * 2) as f64;
+
+    for &batch in &args.batches {
+        let tables: Vec<Vec<u32>> =
+            (0..batch).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s * 7919 % config.vocab_size) as u32]).collect();
+        let seqs: Vec<SeqInput<'_>> = (0..batch)
+            .map(|s| SeqInput { tokens: &tokens[s], cached: args.context, block_table: &tables[s], logits: true })
+            .collect();
+        let step = median(args.reps, || {
+            model.forward_on_device(&seqs, &mut kv)?;
+            Ok(g.synchronize()?)
+        })?;
+        let bytes = weight_bytes + batch as f64 * (args.context + 1) as f64 * kv_token_bytes;
+        let floor = bytes / bandwidth;
+        line(json!({"case": "decode", "batch": batch, "context": args.context, "layers": config.num_layers,
+            "step_ms": round(step * 1e3), "floor_ms": round(floor * 1e3), "floor_over_step": round(floor / step),
+            "output_tokens_per_s": round(batch as f64 / step)}));
+    }
+
+    // Prefill: whole prompts of `context` tokens, logits for each one's last token.
+    let n = args.prefill_tokens.div_ceil(args.context);
+    let tables: Vec<Vec<u32>> = (0..n).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
+    let prompts: Vec<Vec<u32>> =
+        (0..n).map(|s| (0..args.context).map(|t| ((s * 131 + t * 17) % config.vocab_size) as u32).collect()).collect();
+    let seqs: Vec<SeqInput<'_>> =
+        (0..n).map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: true }).collect();
+    let time = median(args.reps.min(5), || {
+        model.forward_on_device(&seqs, &mut kv)?;
+        Ok(g.synchronize()?)
+    })?;
+    let tokens = n * args.context;
+    // Attention scores and values: 2 products of q_width per (query, key) pair, causal.
+    let attention_flops = (config.num_layers * n) as f64 * 4.0 * config.q_width() as f64 * (args.context as f64).powi(2) / 2.0;
+    let flops = 2.0 * matmul_params(&config) as f64 * tokens as f64 + attention_flops;
+    line(json!({"case": "prefill", "tokens": tokens, "sequences": n, "layers": config.num_layers,
+        "time_ms": round(time * 1e3), "tokens_per_s": round(tokens as f64 / time),
+        "flop_per_s": round(flops / time), "fraction_of_matmul_ceiling": round(flops / time / ceiling)}));
+
+    // The attention kernel alone: one layer, decode rows.
+    let shape = AttentionShape {
+        num_heads: config.num_heads,
+        num_kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        block_size: BLOCK,
+        scale: (config.head_dim as f32).powf(-0.5),
+    };
+    for &batch in &args.batches {
+        let starts: Vec<u32> = (0..=batch as u32).collect();
+        let lens = vec![(args.context + 1) as u32; batch];
+        let tables: Vec<u32> = (0..batch * blocks_per_seq).map(|b| b as u32).collect();
+        let (qs, cl, bt) = (g.upload_index(&starts)?, g.upload_index(&lens)?, g.upload_index(&tables)?);
+        let paged = PagedBatch { num_seqs: batch, query_start: &qs, context_lens: &cl, block_tables: &bt, max_blocks_per_seq: blocks_per_seq };
+        let q: CudaBuffer = g.random_buffer(batch * shape.q_width(), 7, 1.0)?;
+        let (k_cache, v_cache) = &kv.layers[0];
+        let time = median(args.reps, || {
+            g.paged_attention(&q, k_cache, v_cache, &paged, &shape)?;
+            Ok(g.synchronize()?)
+        })?;
+        let bytes = batch as f64 * ((args.context + 1) * 2 * shape.kv_width() * 2 + 2 * 2 * shape.q_width()) as f64;
+        let floor = bytes / bandwidth;
+        line(json!({"case": "paged_attention", "batch": batch, "context": args.context + 1,
+            "time_us": round(time * 1e6), "floor_us": round(floor * 1e6), "floor_over_time": round(floor / time)}));
+    }
+    Ok(())
+}
+
+/// The bf16 ceiling: an 8192³ product through the backend's `linear` (cuBLAS).
+fn matmul_ceiling(g: &CudaBackend, reps: usize) -> Result<f64> {
+    let n = 8192;
+    let w = g.random_weight(n, n, 11, 0.02)?;
+    let x = g.random_buffer(n * n, 12, 1.0)?;
+    let t = median(reps, || {
+        g.linear(&x, n, &w, None)?;
+        Ok(g.synchronize()?)
+    })?;
+    Ok(2.0 * (n as f64).powi(3) / t)
+}
+
+fn llama3_8b_config(layers: usize) -> Result<ModelConfig> {
+    let dir = std::env::temp_dir().join(format!("tessera-bench-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("config.json");
+    let config = json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false});
+    std::fs::write(&path, config.to_string())?;
+    let parsed = ModelConfig::from_hf_config(&path)?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(parsed)
+}
+
+/// Parameters every token multiplies through: the layers' matrices and the LM head.
+fn matmul_params(c: &ModelConfig) -> usize {
+    let d = c.hidden_size;
+    let layer = d * (c.q_width() + 2 * c.kv_width()) + c.q_width() * d + 3 * c.intermediate_size * d;
+    c.num_layers * layer + c.vocab_size * d
+}
+
+fn random_model(g: CudaBackend, c: ModelConfig) -> Result<Model<CudaBackend>> {
+    let d = c.hidden_size;
+    let mut seed = 0u64;
+    let mut w = |rows: usize, cols: usize| {
+        seed += 1;
+        // Uniform with variance 1/cols: activations keep their scale through a product.
+        g.random_weight(rows, cols, seed, (3.0 / cols as f32).sqrt())
+    };
+    let ones = vec![1.0f32; d];
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for _ in 0..c.num_layers {
+        layers.push(LayerWeights {
+            attn_norm: g.upload(&ones)?,
+            qkv: w(c.q_width() + 2 * c.kv_width(), d)?,
+            qkv_bias: None,
+            o: w(d, c.q_width())?,
+            ffn_norm: g.upload(&ones)?,
+            gate_up: w(2 * c.intermediate_size, d)?,
+            down: w(d, c.intermediate_size)?,
+        });
+    }
+    let weights = Weights {
+        embed: w(c.vocab_size, d)?,
+        lm_head: Some(w(c.vocab_size, d)?),
+        final_norm: g.upload(&ones)?,
+        layers,
+        inv_freq: g.upload(&c.inv_freq(None))?,
+    };
+    Ok(Model::from_weights(g, c, weights))
+}
+
+/// Median seconds of `reps` runs after two warm-ups.
+fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn round(v: f64) -> f64 {
+    if v.abs() >= 1000.0 { v.round() } else { (v * 1000.0).round() / 1000.0 }
+}

@@ -1,0 +1,712 @@
+//! The CUDA backend: bf16 activations and weights on one GPU, kernels from
+//! `kernels/cuda/*.cu` compiled at start-up by NVRTC, matrix products through cuBLAS.
+//! cudarc loads the driver, NVRTC and cuBLAS at run time, so this builds everywhere;
+//! `CudaBackend::new` fails with one clear line where they or a GPU are missing.
+//!
+//! Buffers hold bf16 except those uploaded from the host, which stay f32: the model
+//! uploads only its small parameters that way (norm weights, biases, RoPE frequencies),
+//! whose precision matters more than their size. Each op takes either kind and
+//! converts on the device where it must.
+
+pub mod compile;
+mod synthetic;
+#[cfg(test)]
+mod tests;
+
+use crate::error::expect_len;
+use crate::paged::HostBatch;
+use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData, quant};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+use std::ops::Deref;
+use std::sync::Arc;
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    /// Multiprocessors: how many blocks a launch needs to fill the GPU.
+    sm_count: usize,
+    /// Tests set this to fill every new output with NaN, so an element a kernel
+    /// forgets to write cannot pass for a right one.
+    poison: bool,
+}
+
+/// A device buffer: bf16 activations, or f32 as uploaded.
+pub struct CudaBuffer(Data);
+
+enum Data {
+    Bf16(CudaSlice<bf16>),
+    F32(CudaSlice<f32>),
+}
+
+impl CudaBuffer {
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Data::Bf16(s) => s.len(),
+            Data::F32(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Indices on the device, with the host copy they came from: every check of ids, slots
+/// and block tables happens on the host before a kernel reads them.
+pub struct CudaIndex {
+    host: Vec<u32>,
+    dev: CudaSlice<u32>,
+}
+
+/// A `[rows, cols]` bf16 weight, row-major.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    data: CudaSlice<bf16>,
+}
+
+/// A device slice borrowed as it is or converted for the op.
+enum Slice<'a, T> {
+    Borrowed(&'a CudaSlice<T>),
+    Owned(CudaSlice<T>),
+}
+
+impl<T> Deref for Slice<'_, T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        match self {
+            Slice::Borrowed(s) => s,
+            Slice::Owned(s) => s,
+        }
+    }
+}
+
+struct Kernels {
+    f32_to_bf16: CudaFunction,
+    bf16_to_f32: CudaFunction,
+    fill_bf16: CudaFunction,
+    fill_random_bf16: CudaFunction,
+    embedding: CudaFunction,
+    rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
+    add_assign: CudaFunction,
+    add_bias: CudaFunction,
+    rope: CudaFunction,
+    silu_mul: CudaFunction,
+    softmax: CudaFunction,
+    copy_columns: CudaFunction,
+    gather_rows: CudaFunction,
+    write_kv: CudaFunction,
+    paged_attention: CudaFunction,
+    /// The grouped, split fast path for head sizes 64, 128 and 256, and its merge.
+    paged_attention_hd: [(usize, CudaFunction); 3],
+    paged_attention_merge: CudaFunction,
+}
+
+/// Threads per block of the elementwise and row kernels.
+const THREADS: u32 = 256;
+/// The attention kernel's block: 4 warps (ATTN_WARPS in attention.cu).
+const ATTN_THREADS: u32 = 128;
+/// Largest head size the attention kernel keeps in registers (32 × ATTN_MAX_R).
+const MAX_HEAD_DIM: usize = 256;
+/// Query heads per KV head the fast attention path handles together (PA_MAX_G).
+const MAX_GROUP: usize = 8;
+/// Fewest keys a split of the fast attention path takes.
+const MIN_SPLIT_KEYS: usize = 128;
+
+fn device_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Device { op, detail: e.to_string() }
+}
+
+fn unavailable(detail: impl Into<String>) -> KernelError {
+    KernelError::Device { op: "cuda", detail: detail.into() }
+}
+
+/// Queues a built launch; its errors (bad configuration, earlier faults) come back
+/// here, those of the kernel itself at the next synchronisation.
+fn launch(l: &mut cudarc::driver::LaunchArgs<'_>, cfg: LaunchConfig, op: &'static str) -> Result<()> {
+    // SAFETY: every caller checked its buffers' sizes against the kernel's indexing.
+    unsafe { l.launch(cfg) }.map(|_| ()).map_err(device_err(op))
+}
+
+/// A launch over `n` items with grid-stride loops.
+fn flat(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
+    if cols == 0 || !len.is_multiple_of(cols) {
+        return Err(KernelError::shape(op, format!("input of {len} elements is not rows of {cols}")));
+    }
+    Ok(len / cols)
+}
+
+fn u32_of(op: &'static str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| KernelError::shape(op, format!("{v} does not fit the kernel's 32-bit sizes")))
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` and compiles the kernels for it (or reads them from the
+    /// disk cache). Fails with a one-line reason where there is no driver, no GPU,
+    /// no NVRTC or no cuBLAS.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: these only probe for the shared libraries; calling into a missing
+        // one would panic instead.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(unavailable("no CUDA driver on this machine (libcuda.so cannot be loaded): no NVIDIA GPU here"));
+        }
+        let count = CudaContext::device_count().map_err(device_err("cuda"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(unavailable(format!("no CUDA device {ordinal}: this machine has {count}")));
+        }
+        if !compile::nvrtc_present() {
+            return Err(unavailable(
+                "NVRTC (libnvrtc.so) cannot be loaded: install the CUDA toolkit or PyPI's nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH",
+            ));
+        }
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(unavailable(
+                "cuBLAS (libcublas.so) cannot be loaded: install the CUDA toolkit or PyPI's nvidia-cublas and put its lib folder on LD_LIBRARY_PATH",
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(device_err("cuda"))?;
+        // One stream: cudarc's per-buffer events would only add work.
+        // SAFETY: nothing here uses a second stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx.compute_capability().map_err(device_err("cuda"))?;
+        let arch = format!("sm_{major}{minor}");
+        let mut modules = Vec::new();
+        for source in &compile::SOURCES {
+            let ptx = compile::ptx_cached(source, &arch).map_err(unavailable)?;
+            modules.push(ctx.load_module(Ptx::from_src(ptx)).map_err(device_err("load_module"))?);
+        }
+        let find = |name: &str| -> Result<CudaFunction> {
+            for m in &modules {
+                if let Ok(f) = m.load_function(name) {
+                    return Ok(f);
+                }
+            }
+            Err(unavailable(format!("kernel {name} is in no CUDA source")))
+        };
+        let k = Kernels {
+            f32_to_bf16: find("f32_to_bf16")?,
+            bf16_to_f32: find("bf16_to_f32")?,
+            fill_bf16: find("fill_bf16")?,
+            fill_random_bf16: find("fill_random_bf16")?,
+            embedding: find("embedding")?,
+            rms_norm: find("rms_norm")?,
+            add_rms_norm: find("add_rms_norm")?,
+            add_assign: find("add_assign")?,
+            add_bias: find("add_bias")?,
+            rope: find("rope")?,
+            silu_mul: find("silu_mul")?,
+            softmax: find("softmax")?,
+            copy_columns: find("copy_columns")?,
+            gather_rows: find("gather_rows")?,
+            write_kv: find("write_kv")?,
+            paged_attention: find("paged_attention")?,
+            paged_attention_hd: [
+                (64, find("paged_attention_hd64")?),
+                (128, find("paged_attention_hd128")?),
+                (256, find("paged_attention_hd256")?),
+            ],
+            paged_attention_merge: find("paged_attention_merge")?,
+        };
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(device_err("cuda"))? as usize;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| unavailable(format!("cuBLAS: {e:?}")))?;
+        Ok(Self { ctx, stream, blas, k, sm_count, poison: false })
+    }
+
+    /// Every new output buffer starts as NaN (for tests).
+    pub fn poisoned(mut self) -> Self {
+        self.poison = true;
+        self
+    }
+
+    /// The GPU's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown CUDA device".into())
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(device_err("memory_info"))
+    }
+
+    /// Waits for all queued work; device faults surface here.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(device_err("synchronize"))
+    }
+
+    /// A new bf16 buffer of `len` elements, its contents undefined (NaN when poisoned).
+    fn alloc(&self, op: &'static str, len: usize) -> Result<CudaSlice<bf16>> {
+        if len == 0 {
+            return self.stream.null().map_err(device_err(op));
+        }
+        // SAFETY: every caller's kernel writes all `len` elements before any read.
+        let mut s = unsafe { self.stream.alloc::<bf16>(len) }.map_err(device_err(op))?;
+        if self.poison {
+            let nan = bf16::NAN;
+            let n = len as u64;
+            let mut b = self.stream.launch_builder(&self.k.fill_bf16);
+            b.arg(&mut s).arg(&nan).arg(&n);
+            launch(&mut b, flat(len), op)?;
+        }
+        Ok(s)
+    }
+
+    /// `b` as bf16: borrowed, or converted from f32.
+    fn act<'a>(&self, op: &'static str, b: &'a CudaBuffer) -> Result<Slice<'a, bf16>> {
+        match &b.0 {
+            Data::Bf16(s) => Ok(Slice::Borrowed(s)),
+            Data::F32(s) => {
+                let mut out = self.alloc(op, s.len())?;
+                if !s.is_empty() {
+                    let n = s.len() as u64;
+                    let mut l = self.stream.launch_builder(&self.k.f32_to_bf16);
+                    l.arg(&mut out).arg(s).arg(&n);
+                    launch(&mut l, flat(s.len()), op)?;
+                }
+                Ok(Slice::Owned(out))
+            }
+        }
+    }
+
+    /// `b` as f32: borrowed, or converted from bf16.
+    fn param<'a>(&self, op: &'static str, b: &'a CudaBuffer) -> Result<Slice<'a, f32>> {
+        match &b.0 {
+            Data::F32(s) => Ok(Slice::Borrowed(s)),
+            Data::Bf16(s) => {
+                if s.is_empty() {
+                    return Ok(Slice::Owned(self.stream.null().map_err(device_err(op))?));
+                }
+                // SAFETY: the conversion below writes every element.
+                let mut out = unsafe { self.stream.alloc::<f32>(s.len()) }.map_err(device_err(op))?;
+                let n = s.len() as u64;
+                let mut l = self.stream.launch_builder(&self.k.bf16_to_f32);
+                l.arg(&mut out).arg(s).arg(&n);
+                launch(&mut l, flat(s.len()), op)?;
+                Ok(Slice::Owned(out))
+            }
+        }
+    }
+
+    /// `b` made bf16 in place, for ops that write into it.
+    fn act_mut<'a>(&self, op: &'static str, b: &'a mut CudaBuffer) -> Result<&'a mut CudaSlice<bf16>> {
+        if let Data::F32(_) = b.0 {
+            let converted = match self.act(op, b)? {
+                Slice::Owned(s) => s,
+                Slice::Borrowed(_) => unreachable!("an f32 buffer converts to a new one"),
+            };
+            b.0 = Data::Bf16(converted);
+        }
+        match &mut b.0 {
+            Data::Bf16(s) => Ok(s),
+            Data::F32(_) => unreachable!("converted above"),
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Index = CudaIndex;
+    type Weight = CudaWeight;
+    const ELEMENT_BYTES: usize = 2;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<CudaBuffer> {
+        if data.is_empty() {
+            return Ok(CudaBuffer(Data::F32(self.stream.null().map_err(device_err("upload"))?)));
+        }
+        Ok(CudaBuffer(Data::F32(self.stream.clone_htod(data).map_err(device_err("upload"))?)))
+    }
+
+    fn upload_index(&self, data: &[u32]) -> Result<CudaIndex> {
+        let dev = if data.is_empty() {
+            self.stream.null().map_err(device_err("upload_index"))?
+        } else {
+            self.stream.clone_htod(data).map_err(device_err("upload_index"))?
+        };
+        Ok(CudaIndex { host: data.to_vec(), dev })
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaBuffer> {
+        if len == 0 {
+            return Ok(CudaBuffer(Data::Bf16(self.stream.null().map_err(device_err("zeros"))?)));
+        }
+        Ok(CudaBuffer(Data::Bf16(self.stream.alloc_zeros(len).map_err(device_err("zeros"))?)))
+    }
+
+    fn download(&self, buf: &CudaBuffer) -> Result<Vec<f32>> {
+        let out = match &buf.0 {
+            _ if buf.is_empty() => Vec::new(),
+            Data::F32(s) => self.stream.clone_dtoh(s).map_err(device_err("download"))?,
+            Data::Bf16(s) => {
+                let v = self.stream.clone_dtoh(s).map_err(device_err("download"))?;
+                v.into_iter().map(f32::from).collect()
+            }
+        };
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    fn upload_weight(&self, w: HostWeight) -> Result<CudaWeight> {
+        let (rows, cols) = (w.rows, w.cols);
+        let data = match w.data {
+            WeightData::F32(data) => data,
+            WeightData::Blocks { ty, bytes } => {
+                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
+                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
+                })?;
+                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
+                quant::dequantize(ty, &bytes)
+            }
+        };
+        expect_len("upload_weight", "weight", data.len(), rows * cols)?;
+        let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+        let data = if host.is_empty() {
+            self.stream.null().map_err(device_err("upload_weight"))?
+        } else {
+            self.stream.clone_htod(&host).map_err(device_err("upload_weight"))?
+        };
+        Ok(CudaWeight { rows, cols, data })
+    }
+
+    fn embedding(&self, ids: &CudaIndex, table: &CudaWeight) -> Result<CudaBuffer> {
+        const OP: &str = "embedding";
+        if let Some(&id) = ids.host.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(KernelError::shape(OP, format!("token id {id} >= vocabulary size {}", table.rows)));
+        }
+        let n = ids.host.len() * table.cols;
+        let mut out = self.alloc(OP, n)?;
+        if n > 0 {
+            let (tokens, dim) = (u32_of(OP, ids.host.len())?, u32_of(OP, table.cols)?);
+            let mut l = self.stream.launch_builder(&self.k.embedding);
+            l.arg(&mut out).arg(&ids.dev).arg(&table.data).arg(&tokens).arg(&dim);
+            launch(&mut l, flat(n), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn linear(&self, x: &CudaBuffer, tokens: usize, w: &CudaWeight, bias: Option<&CudaBuffer>) -> Result<CudaBuffer> {
+        const OP: &str = "linear";
+        expect_len(OP, "input", x.len(), tokens * w.cols)?;
+        if let Some(b) = bias {
+            expect_len(OP, "bias", b.len(), w.rows)?;
+        }
+        let mut out = self.alloc(OP, tokens * w.rows)?;
+        if tokens == 0 || w.rows == 0 {
+            return Ok(CudaBuffer(Data::Bf16(out)));
+        }
+        let xs = self.act(OP, x)?;
+        // Row-major out[tokens, rows] = x[tokens, cols] · w[rows, cols]ᵀ is, in cuBLAS's
+        // column-major terms, out (rows × tokens) = wᵀ-as-stored (op T) · x (op N).
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: u32_of(OP, w.rows)? as i32,
+            n: u32_of(OP, tokens)? as i32,
+            k: u32_of(OP, w.cols)? as i32,
+            alpha: bf16::ONE,
+            lda: w.cols as i32,
+            ldb: w.cols as i32,
+            beta: bf16::ZERO,
+            ldc: w.rows as i32,
+        };
+        // SAFETY: the sizes were checked against the three buffers above.
+        unsafe { self.blas.gemm(cfg, &w.data, &*xs, &mut out) }
+            .map_err(|e| KernelError::Device { op: OP, detail: format!("cuBLAS: {e:?}") })?;
+        if let Some(b) = bias {
+            let b = self.param(OP, b)?;
+            let (r, c) = (tokens as u32, w.rows as u32);
+            let mut l = self.stream.launch_builder(&self.k.add_bias);
+            l.arg(&mut out).arg(&*b).arg(&r).arg(&c);
+            launch(&mut l, flat(tokens * w.rows), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn rms_norm(&self, x: &CudaBuffer, weight: &CudaBuffer, eps: f32) -> Result<CudaBuffer> {
+        const OP: &str = "rms_norm";
+        let rows = rows_of(OP, x.len(), weight.len())?;
+        let mut out = self.alloc(OP, x.len())?;
+        if rows > 0 {
+            let (xs, w) = (self.act(OP, x)?, self.param(OP, weight)?);
+            let dim = u32_of(OP, weight.len())?;
+            let mut l = self.stream.launch_builder(&self.k.rms_norm);
+            l.arg(&mut out).arg(&*xs).arg(&*w).arg(&dim).arg(&eps);
+            launch(&mut l, per_row(rows), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn add_assign(&self, x: &mut CudaBuffer, y: &CudaBuffer) -> Result<()> {
+        const OP: &str = "add_assign";
+        expect_len(OP, "y", y.len(), x.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let ys = self.act(OP, y)?;
+        let xs = self.act_mut(OP, x)?;
+        let n = xs.len() as u64;
+        let mut l = self.stream.launch_builder(&self.k.add_assign);
+        l.arg(&mut *xs).arg(&*ys).arg(&n);
+        launch(&mut l, flat(n as usize), OP)
+    }
+
+    fn add_rms_norm(&self, h: &mut CudaBuffer, y: &CudaBuffer, weight: &CudaBuffer, eps: f32) -> Result<CudaBuffer> {
+        const OP: &str = "add_rms_norm";
+        expect_len(OP, "y", y.len(), h.len())?;
+        let rows = rows_of(OP, h.len(), weight.len())?;
+        let mut out = self.alloc(OP, h.len())?;
+        if rows > 0 {
+            let (ys, w) = (self.act(OP, y)?, self.param(OP, weight)?);
+            let hs = self.act_mut(OP, h)?;
+            let dim = u32_of(OP, weight.len())?;
+            let mut l = self.stream.launch_builder(&self.k.add_rms_norm);
+            l.arg(&mut out).arg(&mut *hs).arg(&*ys).arg(&*w).arg(&dim).arg(&eps);
+            launch(&mut l, per_row(rows), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaBuffer,
+        positions: &CudaIndex,
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &CudaBuffer,
+        style: RopeStyle,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let tokens = positions.host.len();
+        expect_len(OP, "input", x.len(), tokens * heads * head_dim)?;
+        let half = inv_freq.len();
+        if 2 * half > head_dim {
+            return Err(KernelError::shape(OP, format!("{half} frequencies for head_dim {head_dim}")));
+        }
+        let n = tokens * heads * half;
+        if n == 0 {
+            return Ok(());
+        }
+        let freq = self.param(OP, inv_freq)?;
+        let xs = self.act_mut(OP, x)?;
+        let (t, h, d, hf) = (u32_of(OP, tokens)?, u32_of(OP, heads)?, u32_of(OP, head_dim)?, half as u32);
+        let neox = u32::from(style == RopeStyle::Neox);
+        let mut l = self.stream.launch_builder(&self.k.rope);
+        l.arg(&mut *xs).arg(&positions.dev).arg(&*freq).arg(&t).arg(&h).arg(&d).arg(&hf).arg(&neox);
+        launch(&mut l, flat(n), OP)
+    }
+
+    fn silu_mul(&self, gate_up: &CudaBuffer, width: usize) -> Result<CudaBuffer> {
+        const OP: &str = "silu_mul";
+        let rows = rows_of(OP, gate_up.len(), 2 * width)?;
+        let mut out = self.alloc(OP, rows * width)?;
+        if rows > 0 {
+            let g = self.act(OP, gate_up)?;
+            let (r, w) = (u32_of(OP, rows)?, u32_of(OP, width)?);
+            let mut l = self.stream.launch_builder(&self.k.silu_mul);
+            l.arg(&mut out).arg(&*g).arg(&r).arg(&w);
+            launch(&mut l, flat(rows * width), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn softmax(&self, x: &mut CudaBuffer, cols: usize) -> Result<()> {
+        const OP: &str = "softmax";
+        let rows = rows_of(OP, x.len(), cols)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let xs = self.act_mut(OP, x)?;
+        let c = u32_of(OP, cols)?;
+        let mut l = self.stream.launch_builder(&self.k.softmax);
+        l.arg(&mut *xs).arg(&c);
+        launch(&mut l, per_row(rows), OP)
+    }
+
+    fn split_columns(&self, x: &CudaBuffer, widths: &[usize]) -> Result<Vec<CudaBuffer>> {
+        const OP: &str = "split_columns";
+        let total: usize = widths.iter().sum();
+        let rows = rows_of(OP, x.len(), total)?;
+        let xs = self.act(OP, x)?;
+        let mut parts = Vec::with_capacity(widths.len());
+        let mut offset = 0;
+        for &width in widths {
+            let mut out = self.alloc(OP, rows * width)?;
+            if rows * width > 0 {
+                let (r, t, o, w) = (u32_of(OP, rows)?, u32_of(OP, total)?, offset as u32, width as u32);
+                let mut l = self.stream.launch_builder(&self.k.copy_columns);
+                l.arg(&mut out).arg(&*xs).arg(&r).arg(&t).arg(&o).arg(&w);
+                launch(&mut l, flat(rows * width), OP)?;
+            }
+            parts.push(CudaBuffer(Data::Bf16(out)));
+            offset += width;
+        }
+        Ok(parts)
+    }
+
+    fn gather_rows(&self, x: &CudaBuffer, cols: usize, rows: &CudaIndex) -> Result<CudaBuffer> {
+        const OP: &str = "gather_rows";
+        let n = rows_of(OP, x.len(), cols)?;
+        if let Some(&r) = rows.host.iter().find(|&&r| r as usize >= n) {
+            return Err(KernelError::shape(OP, format!("row {r} of {n}")));
+        }
+        let len = rows.host.len() * cols;
+        let mut out = self.alloc(OP, len)?;
+        if len > 0 {
+            let xs = self.act(OP, x)?;
+            let (count, c) = (u32_of(OP, rows.host.len())?, u32_of(OP, cols)?);
+            let mut l = self.stream.launch_builder(&self.k.gather_rows);
+            l.arg(&mut out).arg(&*xs).arg(&rows.dev).arg(&count).arg(&c);
+            launch(&mut l, flat(len), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn write_kv(
+        &self,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        slots: &CudaIndex,
+        shape: &AttentionShape,
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "write_kv";
+        let w = shape.kv_width();
+        let tokens = slots.host.len();
+        expect_len(OP, "keys", k.len(), tokens * w)?;
+        expect_len(OP, "values", v.len(), tokens * w)?;
+        expect_len(OP, "value cache", v_cache.len(), k_cache.len())?;
+        let capacity = k_cache.len() / w.max(1);
+        if let Some(&slot) = slots.host.iter().find(|&&s| s as usize >= capacity) {
+            return Err(KernelError::shape(OP, format!("slot {slot} outside a cache of {capacity}")));
+        }
+        if tokens * w == 0 {
+            return Ok(());
+        }
+        let (ks, vs) = (self.act(OP, k)?, self.act(OP, v)?);
+        let kc = self.act_mut(OP, k_cache)?;
+        let vc = self.act_mut(OP, v_cache)?;
+        let (t, width) = (u32_of(OP, tokens)?, u32_of(OP, w)?);
+        let mut l = self.stream.launch_builder(&self.k.write_kv);
+        l.arg(&mut *kc).arg(&mut *vc).arg(&*ks).arg(&*vs).arg(&slots.dev).arg(&t).arg(&width);
+        launch(&mut l, flat(tokens * w), OP)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        batch: &PagedBatch<'_, Self>,
+        shape: &AttentionShape,
+    ) -> Result<CudaBuffer> {
+        const OP: &str = "paged_attention";
+        let host = HostBatch {
+            num_seqs: batch.num_seqs,
+            query_start: &batch.query_start.host,
+            context_lens: &batch.context_lens.host,
+            block_tables: &batch.block_tables.host,
+            max_blocks_per_seq: batch.max_blocks_per_seq,
+        };
+        let rows = host.validate(q.len(), k_cache.len(), v_cache.len(), shape)?;
+        let max_keys = rows.iter().map(|r| r.keys).max().unwrap_or(0);
+        let rows = rows.len();
+        if shape.head_dim > MAX_HEAD_DIM {
+            return Err(KernelError::shape(OP, format!("head_dim {} above {MAX_HEAD_DIM}", shape.head_dim)));
+        }
+        let mut out = self.alloc(OP, q.len())?;
+        if rows == 0 {
+            return Ok(CudaBuffer(Data::Bf16(out)));
+        }
+        let (qs, kc, vc) = (self.act(OP, q)?, self.act(OP, k_cache)?, self.act(OP, v_cache)?);
+        let group = shape.num_heads / shape.num_kv_heads;
+        let fast = self.k.paged_attention_hd.iter().find(|(hd, _)| *hd == shape.head_dim);
+        if let (Some((_, kernel)), true) = (fast, group <= MAX_GROUP) {
+            // Split the keys over blocks until the grid fills the GPU twice over, each
+            // split keeping at least MIN_SPLIT_KEYS keys.
+            let blocks = rows * shape.num_kv_heads;
+            let splits = (2 * self.sm_count).div_ceil(blocks).min(max_keys.div_ceil(MIN_SPLIT_KEYS)).max(1);
+            let chunk = max_keys.div_ceil(splits).div_ceil(32) * 32;
+            let parts = if splits > 1 { rows * shape.num_heads * splits } else { 1 };
+            // SAFETY: with several splits every entry is written by the split kernel.
+            let alloc = |n: usize| unsafe { self.stream.alloc::<f32>(n) }.map_err(device_err(OP));
+            let (mut pm, mut pl, mut pa) = (alloc(parts)?, alloc(parts)?, alloc(parts * shape.head_dim)?);
+            let args = [
+                u32_of(OP, batch.num_seqs)?,
+                u32_of(OP, batch.max_blocks_per_seq)?,
+                u32_of(OP, shape.num_heads)?,
+                u32_of(OP, shape.num_kv_heads)?,
+                u32_of(OP, shape.block_size)?,
+            ];
+            let (splits32, chunk32) = (u32_of(OP, splits)?, u32_of(OP, chunk)?);
+            let cfg = LaunchConfig {
+                grid_dim: (u32_of(OP, rows)?, u32_of(OP, shape.num_kv_heads)?, splits32),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = self.stream.launch_builder(kernel);
+            l.arg(&mut out).arg(&mut pm).arg(&mut pl).arg(&mut pa).arg(&*qs).arg(&*kc).arg(&*vc);
+            l.arg(&batch.query_start.dev).arg(&batch.context_lens.dev).arg(&batch.block_tables.dev);
+            for a in &args {
+                l.arg(a);
+            }
+            l.arg(&shape.scale).arg(&splits32).arg(&chunk32);
+            launch(&mut l, cfg, OP)?;
+            if splits > 1 {
+                let (heads, hd) = (u32_of(OP, shape.num_heads)?, u32_of(OP, shape.head_dim)?);
+                let cfg = LaunchConfig {
+                    grid_dim: (u32_of(OP, rows)?, heads, 1),
+                    block_dim: (shape.head_dim.min(256) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut l = self.stream.launch_builder(&self.k.paged_attention_merge);
+                l.arg(&mut out).arg(&pm).arg(&pl).arg(&pa).arg(&heads).arg(&hd).arg(&splits32);
+                launch(&mut l, cfg, OP)?;
+            }
+            return Ok(CudaBuffer(Data::Bf16(out)));
+        }
+        let args = [
+            u32_of(OP, batch.num_seqs)?,
+            u32_of(OP, batch.max_blocks_per_seq)?,
+            u32_of(OP, shape.num_heads)?,
+            u32_of(OP, shape.num_kv_heads)?,
+            u32_of(OP, shape.head_dim)?,
+            u32_of(OP, shape.block_size)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, rows)?, u32_of(OP, shape.num_heads)?, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream.launch_builder(&self.k.paged_attention);
+        l.arg(&mut out).arg(&*qs).arg(&*kc).arg(&*vc);
+        l.arg(&batch.query_start.dev).arg(&batch.context_lens.dev).arg(&batch.block_tables.dev);
+        for a in &args {
+            l.arg(a);
+        }
+        l.arg(&shape.scale);
+        launch(&mut l, cfg, OP)?;
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+}

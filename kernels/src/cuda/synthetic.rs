@@ -1,0 +1,55 @@
+//! Device-made data for benchmarks: random bf16 weights and buffers written by a kernel
+//! (an 8B-parameter model is never built on the host), and the copy bandwidth that
+//! memory-bound kernels are judged against.
+
+use super::{CudaBackend, CudaBuffer, CudaWeight, Data, device_err, flat, launch};
+use crate::Result;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+use std::time::Instant;
+
+impl CudaBackend {
+    fn fill_random(&self, s: &mut CudaSlice<bf16>, seed: u64, scale: f32) -> Result<()> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        let (len, n) = (s.len(), s.len() as u64);
+        let mut l = self.stream.launch_builder(&self.k.fill_random_bf16);
+        l.arg(&mut *s).arg(&n).arg(&seed).arg(&scale);
+        launch(&mut l, flat(len), "fill_random")
+    }
+
+    /// A `[rows, cols]` weight of uniform values in `[-scale, scale)`.
+    pub fn random_weight(&self, rows: usize, cols: usize, seed: u64, scale: f32) -> Result<CudaWeight> {
+        let mut data = self.alloc("random_weight", rows * cols)?;
+        self.fill_random(&mut data, seed, scale)?;
+        Ok(CudaWeight { rows, cols, data })
+    }
+
+    /// A bf16 buffer of uniform values in `[-scale, scale)`.
+    pub fn random_buffer(&self, len: usize, seed: u64, scale: f32) -> Result<CudaBuffer> {
+        let mut data = self.alloc("random_buffer", len)?;
+        self.fill_random(&mut data, seed, scale)?;
+        Ok(CudaBuffer(Data::Bf16(data)))
+    }
+
+    /// Device memory bandwidth in bytes/s, counting bytes read plus bytes written, from
+    /// the median of `reps` device-to-device copies of `bytes`.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        let n = bytes / 2;
+        let src = self.random_buffer(n, 1, 1.0)?;
+        let Data::Bf16(src) = &src.0 else { unreachable!("random buffers are bf16") };
+        let mut dst = self.alloc("copy_bandwidth", n)?;
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps + 2 {
+            self.synchronize()?;
+            let t = Instant::now();
+            self.stream.memcpy_dtod(src, &mut dst).map_err(device_err("copy_bandwidth"))?;
+            self.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let mut times = times[2..].to_vec();
+        times.sort_by(f64::total_cmp);
+        Ok(2.0 * (n * 2) as f64 / times[times.len() / 2])
+    }
+}

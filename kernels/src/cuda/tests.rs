@@ -1,0 +1,241 @@
+//! Each CUDA op against the CPU op on fresh random inputs. They need a GPU: without one
+//! they print why and pass, unless `TESSERA_GPU_TESTS=1` makes a missing GPU a failure
+//! (the documented command: `TESSERA_GPU_TESTS=1 cargo test --workspace gpu_`).
+//!
+//! Inputs are rounded to bf16 before either backend sees them, so the two compute the
+//! same function and differ only by bf16 outputs and f32 accumulation order: the bound
+//! on ‖gpu − cpu‖ / ‖cpu‖ is 1e-2 (bf16 keeps 8 bits, 2⁻⁹ ≈ 2e-3 per rounding, and a
+//! few roundings compound). Every output starts as NaN (`poisoned`), so an element a
+//! kernel skips fails the check.
+
+use super::CudaBackend;
+use crate::cpu::CpuBackend;
+use crate::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b.poisoned()),
+        Err(e) => {
+            assert!(std::env::var("TESSERA_GPU_TESTS").as_deref() != Ok("1"), "TESSERA_GPU_TESTS=1 but {e}");
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn rng() -> StdRng {
+    let seed: u64 = StdRng::from_os_rng().random();
+    eprintln!("random seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Random values already representable in bf16.
+fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        eprintln!("element {i} is {}", got[i]);
+        return f64::INFINITY;
+    }
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn check(op: &str, got: &[f32], want: &[f32]) {
+    let err = rel_err(got, want);
+    assert!(err < 1e-2, "{op}: relative error {err}");
+}
+
+#[test]
+fn gpu_linear_matches_cpu_with_and_without_bias() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    for tokens in [1, 7, 64, 300] {
+        let (rows, cols) = (rng.random_range(1..700), rng.random_range(1..700));
+        let w = randn(&mut rng, rows * cols);
+        let x = randn(&mut rng, tokens * cols);
+        let bias = randn(&mut rng, rows);
+        let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
+        let cw = CpuBackend.upload_weight(hw()).unwrap();
+        let gw = g.upload_weight(hw()).unwrap();
+        let want = CpuBackend.linear(&x, tokens, &cw, Some(&bias)).unwrap();
+        let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, Some(&g.upload(&bias).unwrap())).unwrap();
+        check(&format!("linear {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want);
+        let want = CpuBackend.linear(&x, tokens, &cw, None).unwrap();
+        let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
+        check("linear without bias", &g.download(&got).unwrap(), &want);
+    }
+}
+
+#[test]
+fn gpu_norms_and_residual_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (rows, dim) = (rng.random_range(1..40), rng.random_range(1..3000));
+    let x = randn(&mut rng, rows * dim);
+    let y = randn(&mut rng, rows * dim);
+    let w = randn(&mut rng, dim);
+    let want = CpuBackend.rms_norm(&x, &w, 1e-5).unwrap();
+    let got = g.rms_norm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), 1e-5).unwrap();
+    check("rms_norm", &g.download(&got).unwrap(), &want);
+
+    let mut h_cpu = x.clone();
+    let want = CpuBackend.add_rms_norm(&mut h_cpu, &y, &w, 1e-5).unwrap();
+    let mut h = g.upload(&x).unwrap();
+    let got = g.add_rms_norm(&mut h, &g.upload(&y).unwrap(), &g.upload(&w).unwrap(), 1e-5).unwrap();
+    check("add_rms_norm", &g.download(&got).unwrap(), &want);
+    check("add_rms_norm residual", &g.download(&h).unwrap(), &h_cpu);
+
+    let mut h = g.upload(&x).unwrap();
+    g.add_assign(&mut h, &g.upload(&y).unwrap()).unwrap();
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    check("add_assign", &g.download(&h).unwrap(), &sum);
+}
+
+#[test]
+fn gpu_rope_matches_cpu_in_both_styles_at_long_positions() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (tokens, heads, head_dim) = (9, 3, 64);
+    let inv_freq: Vec<f32> = (0..head_dim / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32)).collect();
+    let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..32_000)).collect();
+    for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+        let x = randn(&mut rng, tokens * heads * head_dim);
+        let mut want = x.clone();
+        CpuBackend.rope(&mut want, &positions, heads, head_dim, &inv_freq, style).unwrap();
+        let mut got = g.upload(&x).unwrap();
+        g.rope(&mut got, &g.upload_index(&positions).unwrap(), heads, head_dim, &g.upload(&inv_freq).unwrap(), style)
+            .unwrap();
+        check(&format!("rope {style:?}"), &g.download(&got).unwrap(), &want);
+    }
+}
+
+#[test]
+fn gpu_elementwise_and_row_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (rows, width) = (rng.random_range(1..50), rng.random_range(1..600));
+    let gate_up = randn(&mut rng, rows * 2 * width);
+    let got = g.silu_mul(&g.upload(&gate_up).unwrap(), width).unwrap();
+    check("silu_mul", &g.download(&got).unwrap(), &CpuBackend.silu_mul(&gate_up, width).unwrap());
+
+    let x: Vec<f32> = randn(&mut rng, rows * width).iter().map(|v| v * 8.0).collect();
+    let mut want = x.clone();
+    CpuBackend.softmax(&mut want, width).unwrap();
+    let mut got = g.upload(&x).unwrap();
+    g.softmax(&mut got, width).unwrap();
+    check("softmax", &g.download(&got).unwrap(), &want);
+
+    let widths = [rng.random_range(1..90), rng.random_range(1..90), rng.random_range(1..90)];
+    let x = randn(&mut rng, rows * widths.iter().sum::<usize>());
+    let want = CpuBackend.split_columns(&x, &widths).unwrap();
+    let got = g.split_columns(&g.upload(&x).unwrap(), &widths).unwrap();
+    for (got, want) in got.iter().zip(&want) {
+        assert_eq!(&g.download(got).unwrap(), want, "split_columns copies exactly");
+    }
+
+    let pick: Vec<u32> = (0..7).map(|_| rng.random_range(0..rows as u32)).collect();
+    let got = g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&pick).unwrap()).unwrap();
+    let want = CpuBackend.gather_rows(&x, widths.iter().sum(), &pick).unwrap();
+    assert_eq!(g.download(&got).unwrap(), want, "gather_rows copies exactly");
+    assert!(g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&[rows as u32]).unwrap()).is_err());
+
+    let (vocab, dim) = (rng.random_range(2..500), rng.random_range(1..300));
+    let table = randn(&mut rng, vocab * dim);
+    let hw = || HostWeight { rows: vocab, cols: dim, data: WeightData::F32(table.clone()) };
+    let ids: Vec<u32> = (0..11).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let got = g.embedding(&g.upload_index(&ids).unwrap(), &g.upload_weight(hw()).unwrap()).unwrap();
+    let want = CpuBackend.embedding(&ids, &CpuBackend.upload_weight(hw()).unwrap()).unwrap();
+    assert_eq!(g.download(&got).unwrap(), want, "embedding copies exactly");
+    let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
+    assert!(err.is_err(), "an id past the vocabulary is refused");
+}
+
+/// The same mixed batch as the CPU's reference test — a decode, a whole prefill, a
+/// prefill chunk after a cached prefix, one-token sequences — over scrambled blocks,
+/// and a decode-only batch whose few rows make the fast path split the keys over
+/// blocks. Head sizes 64, 128 and 256 with up to 8 query heads per KV head take the
+/// fast path; 32, 96 and wider groups the general kernel.
+#[test]
+fn gpu_paged_attention_matches_cpu_over_mixed_prefill_and_decode() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let mixed = [(300usize, 1usize), (77, 77), (530, 40), (1, 1), (1000, 1)];
+    let decodes = [(1000usize, 1usize), (333, 1), (2, 1)];
+    for (head_dim, block_size, heads, kv_heads) in
+        [(64, 16, 9, 3), (128, 16, 32, 8), (128, 16, 32, 4), (256, 16, 8, 8), (32, 4, 4, 4), (96, 8, 6, 2), (64, 16, 16, 1)]
+    {
+        let shape =
+            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size, scale: (head_dim as f32).powf(-0.5) };
+        for seqs in [&mixed[..], &decodes[..]] {
+            attention_case(&g, &mut rng, &shape, seqs);
+        }
+    }
+}
+
+fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seqs: &[(usize, usize)]) {
+    let (head_dim, block_size) = (shape.head_dim, shape.block_size);
+    let num_blocks = seqs.iter().map(|s| s.0.div_ceil(block_size)).sum::<usize>() + 7;
+    let w = shape.kv_width();
+    let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+    // A scrambled order, so the result depends on the block tables.
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.random_range(0..=i));
+    }
+    let max_blocks = seqs.iter().map(|s| s.0.div_ceil(block_size)).max().unwrap();
+    let mut k_cpu = vec![0.0f32; num_blocks * shape.block_floats()];
+    let mut v_cpu = k_cpu.clone();
+    let mut k_gpu = g.zeros(k_cpu.len()).unwrap();
+    let mut v_gpu = g.zeros(k_cpu.len()).unwrap();
+    let (mut tables, mut starts, mut ctx) = (vec![], vec![0u32], vec![]);
+    for &(context, q_len) in seqs {
+        let blocks: Vec<u32> = (0..context.div_ceil(block_size)).map(|_| free.pop().unwrap()).collect();
+        let k = randn(rng, context * w);
+        let v = randn(rng, context * w);
+        let slots: Vec<u32> =
+            (0..context).map(|p| blocks[p / block_size] * block_size as u32 + (p % block_size) as u32).collect();
+        CpuBackend.write_kv(&k, &v, &slots, shape, &mut k_cpu, &mut v_cpu).unwrap();
+        let (kg, vg, sg) = (g.upload(&k).unwrap(), g.upload(&v).unwrap(), g.upload_index(&slots).unwrap());
+        g.write_kv(&kg, &vg, &sg, shape, &mut k_gpu, &mut v_gpu).unwrap();
+        let mut table = blocks;
+        table.resize(max_blocks, 0);
+        tables.extend(table);
+        starts.push(starts.last().unwrap() + q_len as u32);
+        ctx.push(context as u32);
+    }
+    check("write_kv keys", &g.download(&k_gpu).unwrap(), &k_cpu);
+    check("write_kv values", &g.download(&v_gpu).unwrap(), &v_cpu);
+    let tokens = *starts.last().unwrap() as usize;
+    // Queries large enough that the softmax is far from uniform.
+    let q: Vec<f32> = randn(rng, tokens * shape.q_width()).iter().map(|v| bf16::from_f32(v * 4.0).to_f32()).collect();
+    let cpu_batch = PagedBatch::<CpuBackend> {
+        num_seqs: seqs.len(),
+        query_start: &starts,
+        context_lens: &ctx,
+        block_tables: &tables,
+        max_blocks_per_seq: max_blocks,
+    };
+    let want = CpuBackend.paged_attention(&q, &k_cpu, &v_cpu, &cpu_batch, shape).unwrap();
+    let (gs, gc, gt) = (g.upload_index(&starts).unwrap(), g.upload_index(&ctx).unwrap(), g.upload_index(&tables).unwrap());
+    let gpu_batch = PagedBatch::<CudaBackend> {
+        num_seqs: seqs.len(),
+        query_start: &gs,
+        context_lens: &gc,
+        block_tables: &gt,
+        max_blocks_per_seq: max_blocks,
+    };
+    let got = g.paged_attention(&g.upload(&q).unwrap(), &k_gpu, &v_gpu, &gpu_batch, shape).unwrap();
+    let label = format!("paged_attention head_dim {head_dim}, {}/{} heads, {} rows", shape.num_heads, shape.num_kv_heads, tokens);
+    check(&label, &g.download(&got).unwrap(), &want);
+
+    let bad = g.upload_index(&vec![num_blocks as u32; tables.len()]).unwrap();
+    let bad_batch = PagedBatch::<CudaBackend> { block_tables: &bad, ..gpu_batch };
+    assert!(g.paged_attention(&g.upload(&q).unwrap(), &k_gpu, &v_gpu, &bad_batch, shape).is_err());
+}
