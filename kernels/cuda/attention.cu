@@ -102,7 +102,7 @@ paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
 }
 
 // ---------------------------------------------------------------------------------
-// The fast path for head sizes 64, 128 and 256 with up to PA_MAX_G query heads per KV
+// The fast path for head sizes 64, 128 and 256 with 1, 2, 4 or 8 query heads per KV
 // head. Grid (query rows, KV heads, key splits), PA_WARPS warps per block:
 //  * the query heads of one KV head are handled together, so each key and value row
 //    is read once for all of them (grouped-query attention reads K/V G times less);
@@ -114,7 +114,6 @@ paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
 //    paged_attention_merge combines them. With one split the block writes the output.
 
 #define PA_WARPS 4
-#define PA_MAX_G 8
 
 __device__ __forceinline__ void unpack8(uint4 raw, float* f) {
     f[0] = __uint_as_float(raw.x << 16); f[1] = __uint_as_float(raw.x & 0xffff0000u);
@@ -138,7 +137,7 @@ __device__ __forceinline__ void load_dims(const bf16* p, float* f) {
     }
 }
 
-template <int HD>
+template <int HD, int G>
 __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* part_l, float* part_acc, const bf16* q,
                                              const bf16* k_cache, const bf16* v_cache, const u32* query_start,
                                              const u32* context_lens, const u32* block_tables, u32 num_seqs,
@@ -146,7 +145,6 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
                                              float scale, u32 splits, u32 chunk) {
     constexpr int DPL = HD / 32;
     const u32 row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-    const u32 G = num_heads / num_kv_heads;
     u32 lo = 0, hi = num_seqs;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -161,16 +159,16 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     const u32* table = block_tables + (unsigned long long)s * max_blocks;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    __shared__ float s_q[PA_MAX_G][HD];
+    __shared__ float s_q[G][HD];
     for (u32 i = threadIdx.x; i < G * HD; i += blockDim.x) {
         u32 g = i / HD, d = i % HD;
         s_q[g][d] = bf2f(q[((unsigned long long)row * num_heads + kvh * G + g) * HD + d]) * scale;
     }
     __syncthreads();
 
-    float m[PA_MAX_G], l[PA_MAX_G], acc[PA_MAX_G][DPL];
+    float m[G], l[G], acc[G][DPL];
 #pragma unroll
-    for (int g = 0; g < PA_MAX_G; g++) {
+    for (int g = 0; g < G; g++) {
         m[g] = NEG_INF;
         l[g] = 0.0f;
 #pragma unroll
@@ -181,70 +179,74 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
         const u32 j = t0 + lane;
         const bool valid = j < end;
         unsigned long long slot = 0;
-        float sc[PA_MAX_G];
+        float sc[G];
 #pragma unroll
-        for (int g = 0; g < PA_MAX_G; g++) sc[g] = 0.0f;
+        for (int g = 0; g < G; g++) sc[g] = 0.0f;
         if (valid) {
             slot = (unsigned long long)table[j / block_size] * block_size + j % block_size;
             const uint4* k4 = (const uint4*)(k_cache + slot * kv_width + kvh * HD);
-#pragma unroll 4
+#pragma unroll 8
             for (int c = 0; c < HD / 8; c++) {
                 float kf[8];
                 unpack8(k4[c], kf);
 #pragma unroll
-                for (int g = 0; g < PA_MAX_G; g++) {
-                    if (g < G) {
+                for (int g = 0; g < G; g++) {
 #pragma unroll
-                        for (int e = 0; e < 8; e++) sc[g] += s_q[g][c * 8 + e] * kf[e];
-                    }
+                    for (int e = 0; e < 8; e++) sc[g] += s_q[g][c * 8 + e] * kf[e];
                 }
             }
         }
         // Online softmax over this tile of 32 keys, per query head.
 #pragma unroll
-        for (int g = 0; g < PA_MAX_G; g++) {
-            if (g < G) {
-                float x = valid ? sc[g] : NEG_INF;
-                float m_new = fmaxf(m[g], warp_max(x));
-                float corr = __expf(m[g] - m_new);
-                float p = valid ? __expf(x - m_new) : 0.0f;
-                l[g] = l[g] * corr + warp_sum(p);
+        for (int g = 0; g < G; g++) {
+            float x = valid ? sc[g] : NEG_INF;
+            float m_new = fmaxf(m[g], warp_max(x));
+            float corr = __expf(m[g] - m_new);
+            float p = valid ? __expf(x - m_new) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(p);
 #pragma unroll
-                for (int e = 0; e < DPL; e++) acc[g][e] *= corr;
-                m[g] = m_new;
-                sc[g] = p;
-            }
+            for (int e = 0; e < DPL; e++) acc[g][e] *= corr;
+            m[g] = m_new;
+            sc[g] = p;
         }
         // Values, dimension-per-lane: lane owns dims lane*DPL .. +DPL of every key.
+        // Eight keys' loads are issued before any is used, so eight are in flight.
         const u32 n = min(32u, end - t0);
-        for (u32 jj = 0; jj < n; jj++) {
-            unsigned long long sl = __shfl_sync(0xffffffffu, slot, jj);
-            float vf[DPL];
-            load_dims<DPL>(v_cache + sl * kv_width + kvh * HD + lane * DPL, vf);
+        for (u32 j0 = 0; j0 < n; j0 += 8) {
+            float vf[8][DPL];
 #pragma unroll
-            for (int g = 0; g < PA_MAX_G; g++) {
-                if (g < G) {
-                    float p = __shfl_sync(0xffffffffu, sc[g], jj);
+            for (int u = 0; u < 8; u++) {
+                unsigned long long sl = __shfl_sync(0xffffffffu, slot, (j0 + u) & 31);
+                if (j0 + u < n) {
+                    load_dims<DPL>(v_cache + sl * kv_width + kvh * HD + lane * DPL, vf[u]);
+                } else {
 #pragma unroll
-                    for (int e = 0; e < DPL; e++) acc[g][e] += p * vf[e];
+                    for (int e = 0; e < DPL; e++) vf[u][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    float p = __shfl_sync(0xffffffffu, sc[g], (j0 + u) & 31);
+#pragma unroll
+                    for (int e = 0; e < DPL; e++) acc[g][e] += p * vf[u][e];
                 }
             }
         }
     }
 
     // Merge the warps.
-    __shared__ float s_m[PA_WARPS][PA_MAX_G], s_l[PA_WARPS][PA_MAX_G];
-    __shared__ float s_acc[PA_WARPS][PA_MAX_G][HD];
+    __shared__ float s_m[PA_WARPS][G], s_l[PA_WARPS][G];
+    __shared__ float s_acc[PA_WARPS][G][HD];
 #pragma unroll
-    for (int g = 0; g < PA_MAX_G; g++) {
-        if (g < G) {
-            if (lane == 0) {
-                s_m[warp][g] = m[g];
-                s_l[warp][g] = l[g];
-            }
-#pragma unroll
-            for (int e = 0; e < DPL; e++) s_acc[warp][g][lane * DPL + e] = acc[g][e];
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            s_m[warp][g] = m[g];
+            s_l[warp][g] = l[g];
         }
+#pragma unroll
+        for (int e = 0; e < DPL; e++) s_acc[warp][g][lane * DPL + e] = acc[g][e];
     }
     __syncthreads();
     for (u32 i = threadIdx.x; i < G * HD; i += blockDim.x) {
@@ -277,19 +279,23 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     }
 }
 
-#define PAGED_ATTENTION_HD(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention_hd##HD(                              \
+// Entry points per head size and group size: the group's arrays live in registers,
+// sized exactly (a run-time group size would size them for the largest).
+#define PAGED_ATTENTION(HD, G)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention_hd##HD##_g##G(                       \
         bf16* out, float* part_m, float* part_l, float* part_acc, const bf16* q, const bf16* k_cache,               \
         const bf16* v_cache, const u32* query_start, const u32* context_lens, const u32* block_tables, u32 num_seqs, \
         u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size, float scale, u32 splits, u32 chunk) {      \
-        attend_split<HD>(out, part_m, part_l, part_acc, q, k_cache, v_cache, query_start, context_lens,             \
-                         block_tables, num_seqs, max_blocks, num_heads, num_kv_heads, block_size, scale, splits,    \
-                         chunk);                                                                                     \
+        attend_split<HD, G>(out, part_m, part_l, part_acc, q, k_cache, v_cache, query_start, context_lens,          \
+                            block_tables, num_seqs, max_blocks, num_heads, num_kv_heads, block_size, scale, splits, \
+                            chunk);                                                                                  \
     }
+#define PAGED_ATTENTION_GROUPS(HD) \
+    PAGED_ATTENTION(HD, 1) PAGED_ATTENTION(HD, 2) PAGED_ATTENTION(HD, 4) PAGED_ATTENTION(HD, 8)
 
-PAGED_ATTENTION_HD(64)
-PAGED_ATTENTION_HD(128)
-PAGED_ATTENTION_HD(256)
+PAGED_ATTENTION_GROUPS(64)
+PAGED_ATTENTION_GROUPS(128)
+PAGED_ATTENTION_GROUPS(256)
 
 // Combines the splits of paged_attention_hd*: grid (query rows, query heads). A split
 // that saw no keys has a zero sum and is skipped.

@@ -103,8 +103,9 @@ struct Kernels {
     gather_rows: CudaFunction,
     write_kv: CudaFunction,
     paged_attention: CudaFunction,
-    /// The grouped, split fast path for head sizes 64, 128 and 256, and its merge.
-    paged_attention_hd: [(usize, CudaFunction); 3],
+    /// The grouped, split fast path by (head size, query heads per KV head), and its
+    /// merge.
+    paged_attention_fast: Vec<((usize, usize), CudaFunction)>,
     paged_attention_merge: CudaFunction,
 }
 
@@ -114,8 +115,6 @@ const THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
 /// Largest head size the attention kernel keeps in registers (32 × ATTN_MAX_R).
 const MAX_HEAD_DIM: usize = 256;
-/// Query heads per KV head the fast attention path handles together (PA_MAX_G).
-const MAX_GROUP: usize = 8;
 /// Fewest keys a split of the fast attention path takes.
 const MIN_SPLIT_KEYS: usize = 128;
 
@@ -217,11 +216,11 @@ impl CudaBackend {
             gather_rows: find("gather_rows")?,
             write_kv: find("write_kv")?,
             paged_attention: find("paged_attention")?,
-            paged_attention_hd: [
-                (64, find("paged_attention_hd64")?),
-                (128, find("paged_attention_hd128")?),
-                (256, find("paged_attention_hd256")?),
-            ],
+            paged_attention_fast: [64, 128, 256]
+                .iter()
+                .flat_map(|&hd| [1, 2, 4, 8].map(|g| (hd, g)))
+                .map(|(hd, g)| Ok(((hd, g), find(&format!("paged_attention_hd{hd}_g{g}"))?)))
+                .collect::<Result<_>>()?,
             paged_attention_merge: find("paged_attention_merge")?,
         };
         let sm_count = ctx
@@ -641,8 +640,8 @@ impl Backend for CudaBackend {
         }
         let (qs, kc, vc) = (self.act(OP, q)?, self.act(OP, k_cache)?, self.act(OP, v_cache)?);
         let group = shape.num_heads / shape.num_kv_heads;
-        let fast = self.k.paged_attention_hd.iter().find(|(hd, _)| *hd == shape.head_dim);
-        if let (Some((_, kernel)), true) = (fast, group <= MAX_GROUP) {
+        let fast = self.k.paged_attention_fast.iter().find(|(key, _)| *key == (shape.head_dim, group));
+        if let Some((_, kernel)) = fast {
             // Split the keys over blocks until the grid fills the GPU twice over, each
             // split keeping at least MIN_SPLIT_KEYS keys.
             let blocks = rows * shape.num_kv_heads;
