@@ -72,10 +72,11 @@ pub fn run(args: Args) -> Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         num_blocks: args.num_blocks,
+        ..EngineConfig::default()
     };
     let new_engine = || -> Result<EngineCore<CpuBackend>> {
         let loaded = load::load_model(CpuBackend, &path)?;
-        Ok(EngineCore::new(loaded.model, loaded.tokenizer, config, &args.model)?)
+        Ok(EngineCore::new(loaded.model, loaded.tokenizer, config.clone(), &args.model)?)
     };
     let mut engine = new_engine()?;
     let tok = engine.tokenizer();

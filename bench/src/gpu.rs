@@ -4,7 +4,7 @@
 //! several batch sizes against the memory-bandwidth floor (weights plus KV read once per
 //! step), prefill against the matrix ceiling, and the paged-attention kernel alone
 //! against its bandwidth floor. Times are medians of host-clocked, synchronised runs
-//! after warm-up, so launch overhead counts (there are no CUDA graphs yet).
+//! after warm-up, so launch overhead counts: decode runs op by op and as a CUDA graph.
 
 use anyhow::{Context, Result};
 use serde_json::json;
@@ -52,13 +52,21 @@ pub fn run(args: Args) -> Result<()> {
     let blocks_per_seq = (args.context + 1).div_ceil(BLOCK);
     let model = random_model(g, config.clone())?;
     let g = model.backend();
-    let kv_floats = max_batch.max(args.prefill_tokens.div_ceil(args.context)) * blocks_per_seq * BLOCK * config.kv_width();
+    // Every sequence's blocks, and one scratch block last for padded graph rows.
+    let seq_blocks = max_batch.max(args.prefill_tokens.div_ceil(args.context)) * blocks_per_seq;
+    let kv_floats = (seq_blocks + 1) * BLOCK * config.kv_width();
     let mut kv = KvCache {
         block_size: BLOCK,
         num_blocks: kv_floats / (BLOCK * config.kv_width()),
         layers: (0..config.num_layers)
-            .map(|l| Ok((g.random_buffer(kv_floats, 1000 + 2 * l as u64, 1.0)?, g.random_buffer(kv_floats, 1001 + 2 * l as u64, 1.0)?)))
+            .map(|l| {
+                Ok((
+                    g.random_buffer(kv_floats, 1000 + 2 * l as u64, 1.0)?,
+                    g.random_buffer(kv_floats, 1001 + 2 * l as u64, 1.0)?,
+                ))
+            })
             .collect::<Result<_>>()?,
+        graphs: None,
     };
     let weight_bytes = 2.0 * matmul_params(&config) as f64;
     let kv_token_bytes = (2 * config.num_layers * config.kv_width() * 2) as f64;
@@ -70,20 +78,31 @@ pub fn run(args: Args) -> Result<()> {
         let seqs: Vec<SeqInput<'_>> = (0..batch)
             .map(|s| SeqInput { tokens: &tokens[s], cached: args.context, block_table: &tables[s], logits: true })
             .collect();
-        let step = median(args.reps, || {
-            model.forward_on_device(&seqs, &mut kv)?;
-            Ok(g.synchronize()?)
-        })?;
         let bytes = weight_bytes + batch as f64 * (args.context + 1) as f64 * kv_token_bytes;
         let floor = bytes / bandwidth;
-        line(json!({"case": "decode", "batch": batch, "context": args.context, "layers": config.num_layers,
-            "step_ms": round(step * 1e3), "floor_ms": round(floor * 1e3), "floor_over_step": round(floor / step),
-            "output_tokens_per_s": round(batch as f64 / step)}));
+        for graphs in [false, true] {
+            if graphs {
+                model.capture_decode_graphs(&mut kv, seq_blocks as u32, &[batch])?;
+            }
+            let step = median(args.reps, || {
+                if graphs {
+                    model.decode_with_graph(&seqs, &mut kv)?.context("no graph for the batch")?;
+                } else {
+                    model.forward_on_device(&seqs, &mut kv)?;
+                }
+                Ok(g.synchronize()?)
+            })?;
+            line(json!({"case": "decode", "batch": batch, "context": args.context, "layers": config.num_layers,
+                "cuda_graph": graphs, "step_ms": round(step * 1e3), "floor_ms": round(floor * 1e3),
+                "floor_over_step": round(floor / step), "output_tokens_per_s": round(batch as f64 / step)}));
+        }
+        kv.graphs = None;
     }
 
     // Prefill: whole prompts of `context` tokens, logits for each one's last token.
     let n = args.prefill_tokens.div_ceil(args.context);
-    let tables: Vec<Vec<u32>> = (0..n).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> =
+        (0..n).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
     let prompts: Vec<Vec<u32>> =
         (0..n).map(|s| (0..args.context).map(|t| ((s * 131 + t * 17) % config.vocab_size) as u32).collect()).collect();
     let seqs: Vec<SeqInput<'_>> =
@@ -94,7 +113,8 @@ pub fn run(args: Args) -> Result<()> {
     })?;
     let tokens = n * args.context;
     // Attention scores and values: 2 products of q_width per (query, key) pair, causal.
-    let attention_flops = (config.num_layers * n) as f64 * 4.0 * config.q_width() as f64 * (args.context as f64).powi(2) / 2.0;
+    let attention_flops =
+        (config.num_layers * n) as f64 * 4.0 * config.q_width() as f64 * (args.context as f64).powi(2) / 2.0;
     let flops = 2.0 * matmul_params(&config) as f64 * tokens as f64 + attention_flops;
     line(json!({"case": "prefill", "tokens": tokens, "sequences": n, "layers": config.num_layers,
         "time_ms": round(time * 1e3), "tokens_per_s": round(tokens as f64 / time),
@@ -113,7 +133,13 @@ pub fn run(args: Args) -> Result<()> {
         let lens = vec![(args.context + 1) as u32; batch];
         let tables: Vec<u32> = (0..batch * blocks_per_seq).map(|b| b as u32).collect();
         let (qs, cl, bt) = (g.upload_index(&starts)?, g.upload_index(&lens)?, g.upload_index(&tables)?);
-        let paged = PagedBatch { num_seqs: batch, query_start: &qs, context_lens: &cl, block_tables: &bt, max_blocks_per_seq: blocks_per_seq };
+        let paged = PagedBatch {
+            num_seqs: batch,
+            query_start: &qs,
+            context_lens: &cl,
+            block_tables: &bt,
+            max_blocks_per_seq: blocks_per_seq,
+        };
         let q: CudaBuffer = g.random_buffer(batch * shape.q_width(), 7, 1.0)?;
         let (k_cache, v_cache) = &kv.layers[0];
         let time = median(args.reps, || {

@@ -142,7 +142,7 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
                                              const bf16* k_cache, const bf16* v_cache, const u32* query_start,
                                              const u32* context_lens, const u32* block_tables, u32 num_seqs,
                                              u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size,
-                                             float scale, u32 splits, u32 chunk) {
+                                             float scale, u32 splits) {
     constexpr int DPL = HD / 32;
     const u32 row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     u32 lo = 0, hi = num_seqs;
@@ -153,7 +153,10 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     const u32 s = lo;
     const u32 q_len = query_start[s + 1] - query_start[s];
     const u32 keys = context_lens[s] - q_len + (row - query_start[s]) + 1;
-    const u32 begin = split * chunk;
+    // This row's share of its keys: whole tiles of 32, so the splits stay balanced
+    // whatever the context (a captured graph fixes only the number of splits).
+    const u32 chunk = ((keys + splits - 1) / splits + 31) / 32 * 32;
+    const u32 begin = min(keys, split * chunk);
     const u32 end = min(keys, begin + chunk);
     const u32 kv_width = num_kv_heads * HD;
     const u32* table = block_tables + (unsigned long long)s * max_blocks;
@@ -285,10 +288,10 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     extern "C" __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention_hd##HD##_g##G(                       \
         bf16* out, float* part_m, float* part_l, float* part_acc, const bf16* q, const bf16* k_cache,               \
         const bf16* v_cache, const u32* query_start, const u32* context_lens, const u32* block_tables, u32 num_seqs, \
-        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size, float scale, u32 splits, u32 chunk) {      \
+        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size, float scale, u32 splits) {                 \
         attend_split<HD, G>(out, part_m, part_l, part_acc, q, k_cache, v_cache, query_start, context_lens,          \
-                            block_tables, num_seqs, max_blocks, num_heads, num_kv_heads, block_size, scale, splits, \
-                            chunk);                                                                                  \
+                            block_tables, num_seqs, max_blocks, num_heads, num_kv_heads, block_size, scale,         \
+                            splits);                                                                                 \
     }
 #define PAGED_ATTENTION_GROUPS(HD) \
     PAGED_ATTENTION(HD, 1) PAGED_ATTENTION(HD, 2) PAGED_ATTENTION(HD, 4) PAGED_ATTENTION(HD, 8)

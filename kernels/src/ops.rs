@@ -81,6 +81,8 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// Bytes one element of a `Buffer` made by the ops takes (what a KV cache costs).
     const ELEMENT_BYTES: usize = 4;
+    /// A recorded sequence of launches, replayed over the same buffers (a CUDA graph).
+    type Graph: Send + Sync;
 
     fn name(&self) -> &'static str;
 
@@ -90,6 +92,22 @@ pub trait Backend: Send + Sync {
     fn download(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
     /// Places a weight on the device, in whatever format it multiplies best.
     fn upload_weight(&self, weight: HostWeight) -> Result<Self::Weight>;
+
+    /// Overwrites `dst` with `data` (the same length) in place, so that a graph that
+    /// recorded its address reads the new values.
+    fn write_index(&self, dst: &mut Self::Index, data: &[u32]) -> Result<()>;
+    /// Copies `src` into `dst` (the same length) in place.
+    fn copy_into(&self, src: &Self::Buffer, dst: &mut Self::Buffer) -> Result<()>;
+
+    /// Records what `f` launches as a graph instead of running it. Backends that cannot
+    /// record (the CPU) return None without calling `f`. Everything `f` allocates it
+    /// must also free; what it writes for later must go into buffers made before.
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>> {
+        let _ = f;
+        Ok(None)
+    }
+    /// Runs a captured graph (asynchronously, like any op).
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
     /// `out[t] = table[ids[t]]`, rows of `table.cols` floats.
     fn embedding(&self, ids: &Self::Index, table: &Self::Weight) -> Result<Self::Buffer>;
@@ -110,7 +128,13 @@ pub trait Backend: Send + Sync {
     fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer) -> Result<()>;
 
     /// `h += y`, then `rms_norm(h)`: the residual add fused with the norm after it.
-    fn add_rms_norm(&self, h: &mut Self::Buffer, y: &Self::Buffer, weight: &Self::Buffer, eps: f32) -> Result<Self::Buffer> {
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Buffer,
+        y: &Self::Buffer,
+        weight: &Self::Buffer,
+        eps: f32,
+    ) -> Result<Self::Buffer> {
         self.add_assign(h, y)?;
         self.rms_norm(h, weight, eps)
     }

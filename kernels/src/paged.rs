@@ -26,7 +26,10 @@ impl HostBatch<'_> {
     pub fn validate(&self, q_len: usize, k_len: usize, v_len: usize, shape: &AttentionShape) -> Result<Vec<Row>> {
         const OP: &str = "paged_attention";
         if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
-            return Err(KernelError::shape(OP, format!("{} heads over {} KV heads", shape.num_heads, shape.num_kv_heads)));
+            return Err(KernelError::shape(
+                OP,
+                format!("{} heads over {} KV heads", shape.num_heads, shape.num_kv_heads),
+            ));
         }
         expect_len(OP, "query_start", self.query_start.len(), self.num_seqs + 1)?;
         expect_len(OP, "context_lens", self.context_lens.len(), self.num_seqs)?;

@@ -1,15 +1,15 @@
 //! `tessera-worker serve`: load a model, start the engine thread, serve gRPC.
 
-use crate::engine::core::{EngineConfig, EngineCore};
+use crate::device;
+use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, EngineConfig, EngineCore};
 use crate::engine::runner::EngineHandle;
 use crate::grpc::{WorkerServer, WorkerService};
 use crate::load::load_model;
 use crate::model::KvCache;
+use crate::model::Model;
 use crate::model_cache;
 use anyhow::Context;
 use std::future::Future;
-use crate::device;
-use crate::model::Model;
 use tessera_kernels::Backend;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::worker as pb;
@@ -35,6 +35,12 @@ pub struct ServeConfig {
     /// Share of the GPU's memory the worker may fill (weights, activations, KV cache).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_fraction: f64,
+    /// Decode batch sizes captured as CUDA graphs at start-up.
+    #[arg(long, value_delimiter = ',', default_values_t = DEFAULT_GRAPH_BATCH_SIZES)]
+    pub cuda_graph_sizes: Vec<usize>,
+    /// Run every step op by op: no CUDA graphs (as vLLM's flag of the same name).
+    #[arg(long)]
+    pub enforce_eager: bool,
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
@@ -49,9 +55,9 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
     eprintln!("tessera-worker device: {}", opened.describe());
     match opened {
         device::Opened::Cpu(b) => build(b, &path, config, |_| {
-            config.kv_cache_bytes.unwrap_or_else(|| {
-                (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64
-            })
+            config
+                .kv_cache_bytes
+                .unwrap_or_else(|| (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64)
         }),
         #[cfg(feature = "cuda")]
         device::Opened::Cuda(b) => build(b, &path, config, |model| match config.kv_cache_bytes {
@@ -103,6 +109,7 @@ fn build<B: Backend + 'static>(
         max_num_batched_tokens: config.max_num_batched_tokens,
         max_num_seqs: config.max_num_seqs,
         num_blocks,
+        graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
     };
     let core = EngineCore::new(loaded.model, loaded.tokenizer, engine_config, &config.model)?;
     Ok(WorkerService::new(EngineHandle::spawn(core), card))

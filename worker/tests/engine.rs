@@ -104,7 +104,7 @@ fn a_shared_thousand_token_prefix_is_computed_once() {
 #[test]
 fn preemption_under_kv_pressure_leaves_outputs_unchanged() {
     let config = EngineConfig::default();
-    let mut roomy = engine(config);
+    let mut roomy = engine(config.clone());
     let prompts = prompts(&roomy, 32);
     let request = |i: usize, p: &Vec<u32>| Request { ignore_eos: true, ..Request::greedy(i as u64, p.clone(), 16) };
     for (i, p) in prompts.iter().enumerate() {

@@ -60,7 +60,8 @@ fn wide() -> Variant {
 fn write_model(v: &Variant, rng: &mut StdRng, root: &Path) -> PathBuf {
     let mut weights = random_weights(&v.config, rng);
     for (name, (shape, data)) in weights.iter_mut() {
-        let scale = if shape.len() == 2 && !name.contains("embed") { (1.0 / shape[1] as f32).sqrt() / 0.23 } else { 1.0 };
+        let scale =
+            if shape.len() == 2 && !name.contains("embed") { (1.0 / shape[1] as f32).sqrt() / 0.23 } else { 1.0 };
         data.iter_mut().for_each(|x| *x = bf16::from_f32(*x * scale).to_f32());
     }
     let dir = root.join(v.name);
@@ -77,8 +78,11 @@ fn temp_root(name: &str) -> PathBuf {
 fn logits<B: Backend>(model: &Model<B>, prompt: &[u32], split: usize) -> Vec<Vec<f32>> {
     let mut kv = model.new_kv_cache(64, 16).unwrap();
     let table: Vec<u32> = (0..64).rev().collect();
-    let mut out =
-        vec![model.forward(&[SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true }], &mut kv).unwrap()];
+    let mut out = vec![
+        model
+            .forward(&[SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true }], &mut kv)
+            .unwrap(),
+    ];
     for pos in split..prompt.len() {
         let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
         out.push(model.forward(&step, &mut kv).unwrap());
@@ -203,4 +207,56 @@ fn cpu_engine_on_the_tiny_byte_model_batches_like_solo_runs_and_reuses_prefixes(
 fn gpu_kv_blocks_cost_two_bytes_per_element() {
     assert_eq!(KvCache::<CudaBackend>::bytes_per_block(2, 64, 16), 2 * 2 * 64 * 16 * 2);
     assert_eq!(KvCache::<CpuBackend>::bytes_per_block(2, 64, 16), 2 * 2 * 64 * 16 * 4);
+}
+
+/// Decode steps through captured graphs (3 sequences padded to a graph of 4) give the
+/// logits of the op-by-op path at every step: the padding row writes only to the
+/// scratch block, and the graph's inputs follow each step's positions and tables.
+#[test]
+fn gpu_decode_graphs_match_op_by_op_steps() {
+    let Some(g) = gpu() else { return };
+    drop(g);
+    let mut rng = rng();
+    let root = temp_root("graphs");
+    let dir = write_model(&wide(), &mut rng, &root);
+    let model = load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model;
+    let prompts: Vec<Vec<u32>> =
+        [5usize, 40, 17].iter().map(|&n| (0..n).map(|_| rng.random_range(0..256)).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (0..8).map(|b| s * 8 + b).collect()).collect();
+    let scratch = 24;
+    let mut eager = model.new_kv_cache(scratch as usize + 1, 16).unwrap();
+    let mut graphed = model.new_kv_cache(scratch as usize + 1, 16).unwrap();
+    for kv in [&mut eager, &mut graphed] {
+        let seqs: Vec<SeqInput<'_>> = (0..3)
+            .map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: false })
+            .collect();
+        model.forward(&seqs, kv).unwrap();
+    }
+    model.capture_decode_graphs(&mut graphed, scratch, &[1, 4]).unwrap();
+    assert_eq!(graphed.graphs.as_ref().unwrap().batch_sizes(), vec![1, 4]);
+    let mut next: Vec<u32> = vec![7, 8, 9];
+    for step in 0..6 {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let seqs: Vec<SeqInput<'_>> = (0..3)
+            .map(|s| SeqInput {
+                tokens: &toks[s],
+                cached: prompts[s].len() + step,
+                block_table: &tables[s],
+                logits: true,
+            })
+            .collect();
+        let want = model.forward_on_device(&seqs, &mut eager).unwrap().unwrap();
+        let want = model.backend().download(&want).unwrap();
+        assert!(model.decode_with_graph(&seqs, &mut graphed).unwrap().is_some(), "step {step} ran as a graph");
+        let got = model.forward(&seqs, &mut graphed).unwrap();
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-2, "step {step}: graph logits differ by {err}");
+        let vocab = model.config.vocab_size;
+        next = (0..3).map(|s| argmax(&want[s * vocab..(s + 1) * vocab])).collect();
+    }
+    let _ = std::fs::remove_dir_all(root);
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap()
 }

@@ -22,6 +22,8 @@ async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
         kv_cache_fraction: 0.2,
         device: Device::Cpu,
         gpu_memory_fraction: 0.9,
+        cuda_graph_sizes: vec![1, 2, 4],
+        enforce_eager: false,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
     };

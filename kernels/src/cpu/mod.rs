@@ -27,6 +27,7 @@ impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Index = Vec<u32>;
     type Weight = CpuWeight;
+    type Graph = ();
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -66,6 +67,22 @@ impl Backend for CpuBackend {
                 })
             }
         }
+    }
+
+    fn write_index(&self, dst: &mut Vec<u32>, data: &[u32]) -> Result<()> {
+        expect_len("write_index", "data", data.len(), dst.len())?;
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn copy_into(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> Result<()> {
+        expect_len("copy_into", "source", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn replay(&self, _graph: &()) -> Result<()> {
+        Err(KernelError::shape("replay", "the CPU backend records no graphs"))
     }
 
     fn embedding(&self, ids: &Vec<u32>, table: &CpuWeight) -> Result<Vec<f32>> {

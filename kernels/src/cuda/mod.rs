@@ -17,11 +17,11 @@ use crate::error::expect_len;
 use crate::paged::HostBatch;
 use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData, quant};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -62,6 +62,15 @@ pub struct CudaIndex {
     host: Vec<u32>,
     dev: CudaSlice<u32>,
 }
+
+/// A captured CUDA graph. cudarc's graph is not thread-safe; the mutex makes each
+/// replay exclusive, and the graph is only ever touched through it.
+pub struct CudaGraphHandle(Mutex<GraphExec>);
+
+struct GraphExec(CudaGraph);
+// SAFETY: the graph's handles may be used from any thread as long as no two use them
+// at once, which the mutex around it guarantees.
+unsafe impl Send for GraphExec {}
 
 /// A `[rows, cols]` bf16 weight, row-major.
 pub struct CudaWeight {
@@ -163,7 +172,9 @@ impl CudaBackend {
         // SAFETY: these only probe for the shared libraries; calling into a missing
         // one would panic instead.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(unavailable("no CUDA driver on this machine (libcuda.so cannot be loaded): no NVIDIA GPU here"));
+            return Err(unavailable(
+                "no CUDA driver on this machine (libcuda.so cannot be loaded): no NVIDIA GPU here",
+            ));
         }
         let count = CudaContext::device_count().map_err(device_err("cuda"))?;
         if ordinal >= count.max(0) as usize {
@@ -183,7 +194,8 @@ impl CudaBackend {
         // One stream: cudarc's per-buffer events would only add work.
         // SAFETY: nothing here uses a second stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured as a graph.
+        let stream = ctx.new_stream().map_err(device_err("cuda"))?;
         let (major, minor) = ctx.compute_capability().map_err(device_err("cuda"))?;
         let arch = format!("sm_{major}{minor}");
         let mut modules = Vec::new();
@@ -325,6 +337,7 @@ impl Backend for CudaBackend {
     type Index = CudaIndex;
     type Weight = CudaWeight;
     const ELEMENT_BYTES: usize = 2;
+    type Graph = CudaGraphHandle;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -386,6 +399,46 @@ impl Backend for CudaBackend {
             self.stream.clone_htod(&host).map_err(device_err("upload_weight"))?
         };
         Ok(CudaWeight { rows, cols, data })
+    }
+
+    fn write_index(&self, dst: &mut CudaIndex, data: &[u32]) -> Result<()> {
+        expect_len("write_index", "data", data.len(), dst.host.len())?;
+        if !data.is_empty() {
+            self.stream.memcpy_htod(data, &mut dst.dev).map_err(device_err("write_index"))?;
+        }
+        dst.host.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn copy_into(&self, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
+        const OP: &str = "copy_into";
+        expect_len(OP, "source", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let s = self.act(OP, src)?;
+        let d = self.act_mut(OP, dst)?;
+        self.stream.memcpy_dtod(&*s, d).map_err(device_err(OP))
+    }
+
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaGraphHandle>> {
+        self.synchronize()?;
+        // Thread-local: another thread's CUDA calls neither join nor break the capture.
+        self.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(device_err("capture"))?;
+        let recorded = f();
+        // The capture ends whatever `f` did, or the stream would stay unusable.
+        let graph = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph.map_err(device_err("capture"))?.ok_or_else(|| unavailable("the capture recorded nothing"))?;
+        graph.upload().map_err(device_err("capture"))?;
+        Ok(Some(CudaGraphHandle(Mutex::new(GraphExec(graph)))))
+    }
+
+    fn replay(&self, graph: &CudaGraphHandle) -> Result<()> {
+        let exec = graph.0.lock().map_err(|_| unavailable("a graph replay panicked"))?;
+        exec.0.launch().map_err(device_err("replay"))
     }
 
     fn embedding(&self, ids: &CudaIndex, table: &CudaWeight) -> Result<CudaBuffer> {
@@ -646,7 +699,6 @@ impl Backend for CudaBackend {
             // split keeping at least MIN_SPLIT_KEYS keys.
             let blocks = rows * shape.num_kv_heads;
             let splits = (2 * self.sm_count).div_ceil(blocks).min(max_keys.div_ceil(MIN_SPLIT_KEYS)).max(1);
-            let chunk = max_keys.div_ceil(splits).div_ceil(32) * 32;
             let parts = if splits > 1 { rows * shape.num_heads * splits } else { 1 };
             // SAFETY: with several splits every entry is written by the split kernel.
             let alloc = |n: usize| unsafe { self.stream.alloc::<f32>(n) }.map_err(device_err(OP));
@@ -658,7 +710,7 @@ impl Backend for CudaBackend {
                 u32_of(OP, shape.num_kv_heads)?,
                 u32_of(OP, shape.block_size)?,
             ];
-            let (splits32, chunk32) = (u32_of(OP, splits)?, u32_of(OP, chunk)?);
+            let splits32 = u32_of(OP, splits)?;
             let cfg = LaunchConfig {
                 grid_dim: (u32_of(OP, rows)?, u32_of(OP, shape.num_kv_heads)?, splits32),
                 block_dim: (ATTN_THREADS, 1, 1),
@@ -670,7 +722,7 @@ impl Backend for CudaBackend {
             for a in &args {
                 l.arg(a);
             }
-            l.arg(&shape.scale).arg(&splits32).arg(&chunk32);
+            l.arg(&shape.scale).arg(&splits32);
             launch(&mut l, cfg, OP)?;
             if splits > 1 {
                 let (heads, hd) = (u32_of(OP, shape.num_heads)?, u32_of(OP, shape.head_dim)?);

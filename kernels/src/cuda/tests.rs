@@ -145,7 +145,9 @@ fn gpu_elementwise_and_row_ops_match_cpu() {
     let got = g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&pick).unwrap()).unwrap();
     let want = CpuBackend.gather_rows(&x, widths.iter().sum(), &pick).unwrap();
     assert_eq!(g.download(&got).unwrap(), want, "gather_rows copies exactly");
-    assert!(g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&[rows as u32]).unwrap()).is_err());
+    assert!(
+        g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&[rows as u32]).unwrap()).is_err()
+    );
 
     let (vocab, dim) = (rng.random_range(2..500), rng.random_range(1..300));
     let table = randn(&mut rng, vocab * dim);
@@ -169,11 +171,23 @@ fn gpu_paged_attention_matches_cpu_over_mixed_prefill_and_decode() {
     let mut rng = rng();
     let mixed = [(300usize, 1usize), (77, 77), (530, 40), (1, 1), (1000, 1)];
     let decodes = [(1000usize, 1usize), (333, 1), (2, 1)];
-    for (head_dim, block_size, heads, kv_heads) in
-        [(64, 16, 9, 3), (64, 16, 8, 4), (128, 16, 32, 8), (128, 16, 32, 4), (256, 16, 8, 8), (32, 4, 4, 4), (96, 8, 6, 2), (64, 16, 16, 1)]
-    {
-        let shape =
-            AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size, scale: (head_dim as f32).powf(-0.5) };
+    for (head_dim, block_size, heads, kv_heads) in [
+        (64, 16, 9, 3),
+        (64, 16, 8, 4),
+        (128, 16, 32, 8),
+        (128, 16, 32, 4),
+        (256, 16, 8, 8),
+        (32, 4, 4, 4),
+        (96, 8, 6, 2),
+        (64, 16, 16, 1),
+    ] {
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            block_size,
+            scale: (head_dim as f32).powf(-0.5),
+        };
         for seqs in [&mixed[..], &decodes[..]] {
             attention_case(&g, &mut rng, &shape, seqs);
         }
@@ -223,7 +237,8 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         max_blocks_per_seq: max_blocks,
     };
     let want = CpuBackend.paged_attention(&q, &k_cpu, &v_cpu, &cpu_batch, shape).unwrap();
-    let (gs, gc, gt) = (g.upload_index(&starts).unwrap(), g.upload_index(&ctx).unwrap(), g.upload_index(&tables).unwrap());
+    let (gs, gc, gt) =
+        (g.upload_index(&starts).unwrap(), g.upload_index(&ctx).unwrap(), g.upload_index(&tables).unwrap());
     let gpu_batch = PagedBatch::<CudaBackend> {
         num_seqs: seqs.len(),
         query_start: &gs,
@@ -232,7 +247,10 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         max_blocks_per_seq: max_blocks,
     };
     let got = g.paged_attention(&g.upload(&q).unwrap(), &k_gpu, &v_gpu, &gpu_batch, shape).unwrap();
-    let label = format!("paged_attention head_dim {head_dim}, {}/{} heads, {} rows", shape.num_heads, shape.num_kv_heads, tokens);
+    let label = format!(
+        "paged_attention head_dim {head_dim}, {}/{} heads, {} rows",
+        shape.num_heads, shape.num_kv_heads, tokens
+    );
     check(&label, &g.download(&got).unwrap(), &want);
 
     let bad = g.upload_index(&vec![num_blocks as u32; tables.len()]).unwrap();

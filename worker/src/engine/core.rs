@@ -20,17 +20,28 @@ pub const MAX_STOP_STRINGS: usize = 4;
 /// Most completions one request may ask for (OpenAI's limit).
 pub const MAX_N: usize = 128;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
     /// KV-cache blocks of `BLOCK_TOKENS` tokens.
     pub num_blocks: usize,
+    /// Decode batch sizes captured as graphs at start-up where the backend can (CUDA);
+    /// a decode batch runs padded to the nearest one at or above it.
+    pub graph_batch_sizes: Vec<usize>,
 }
+
+/// vLLM's default capture sizes, up to 256.
+pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 11] = [1, 2, 4, 8, 16, 24, 32, 64, 128, 192, 256];
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { max_num_batched_tokens: 2048, max_num_seqs: 256, num_blocks: 2048 }
+        Self {
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            num_blocks: 2048,
+            graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
+        }
     }
 }
 
@@ -146,7 +157,11 @@ impl<B: Backend> EngineCore<B> {
         config: EngineConfig,
         model_name: &str,
     ) -> Result<Self, EngineError> {
-        let kv = model.new_kv_cache(config.num_blocks, BLOCK_TOKENS)?;
+        // One block more than the pool hands out: padded graph rows write there.
+        let mut kv = model.new_kv_cache(config.num_blocks + 1, BLOCK_TOKENS)?;
+        let sizes: Vec<usize> =
+            config.graph_batch_sizes.iter().copied().filter(|&s| s <= config.max_num_seqs).collect();
+        model.capture_decode_graphs(&mut kv, config.num_blocks as u32, &sizes)?;
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,

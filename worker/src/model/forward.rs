@@ -28,15 +28,29 @@ pub struct SeqInput<'a> {
 }
 
 /// The batch flattened into the index arrays the kernels read.
-struct Flat {
-    token_ids: Vec<u32>,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    query_start: Vec<u32>,
-    context_lens: Vec<u32>,
-    block_tables: Vec<u32>,
-    max_blocks: usize,
-    logit_rows: Vec<u32>,
+#[derive(Default)]
+pub(super) struct Flat {
+    pub(super) token_ids: Vec<u32>,
+    pub(super) positions: Vec<u32>,
+    pub(super) slots: Vec<u32>,
+    pub(super) query_start: Vec<u32>,
+    pub(super) context_lens: Vec<u32>,
+    pub(super) block_tables: Vec<u32>,
+    pub(super) max_blocks: usize,
+    pub(super) logit_rows: Vec<u32>,
+}
+
+/// `Flat` on the device.
+pub(super) struct DeviceFlat<B: Backend> {
+    pub(super) tokens: usize,
+    pub(super) token_ids: B::Index,
+    pub(super) positions: B::Index,
+    pub(super) slots: B::Index,
+    pub(super) query_start: B::Index,
+    pub(super) context_lens: B::Index,
+    pub(super) block_tables: B::Index,
+    pub(super) logit_rows: Option<B::Index>,
+    pub(super) num_logits: usize,
 }
 
 impl<B: Backend> Model<B> {
@@ -54,7 +68,7 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    fn attention_shape(&self, block_size: usize) -> AttentionShape {
+    pub(super) fn attention_shape(&self, block_size: usize) -> AttentionShape {
         let c = &self.config;
         AttentionShape {
             num_heads: c.num_heads,
@@ -70,11 +84,18 @@ impl<B: Backend> Model<B> {
         let layers = (0..self.config.num_layers)
             .map(|_| Ok((self.backend.zeros(floats)?, self.backend.zeros(floats)?)))
             .collect::<Result<_, ModelError>>()?;
-        Ok(KvCache { block_size, num_blocks, layers })
+        Ok(KvCache { block_size, num_blocks, layers, graphs: None })
     }
 
     /// Runs the batch; returns `[n, vocab]` logits for the `n` sequences that asked.
+    /// A batch of single-token decodes runs as a captured graph when the cache holds
+    /// one big enough (see `capture_decode_graphs`).
     pub fn forward(&self, seqs: &[SeqInput<'_>], kv: &mut KvCache<B>) -> Result<Vec<f32>, ModelError> {
+        if let Some(logits) = self.decode_with_graph(seqs, kv)? {
+            let mut all = self.backend.download(logits)?;
+            all.truncate(seqs.len() * self.config.vocab_size);
+            return Ok(all);
+        }
         match self.forward_on_device(seqs, kv)? {
             Some(logits) => Ok(self.backend.download(&logits)?),
             None => Ok(Vec::new()),
@@ -87,24 +108,48 @@ impl<B: Backend> Model<B> {
         seqs: &[SeqInput<'_>],
         kv: &mut KvCache<B>,
     ) -> Result<Option<B::Buffer>, ModelError> {
-        let flat = self.flatten(seqs, kv)?;
+        let flat = self.flatten(seqs, kv.block_size)?;
+        let inputs = self.upload(&flat)?;
+        self.run(&inputs, seqs.len(), flat.max_blocks, kv)
+    }
+
+    /// The flattened batch's index arrays, on the device.
+    pub(super) fn upload(&self, f: &Flat) -> Result<DeviceFlat<B>, ModelError> {
+        let b = &self.backend;
+        Ok(DeviceFlat {
+            tokens: f.token_ids.len(),
+            token_ids: b.upload_index(&f.token_ids)?,
+            positions: b.upload_index(&f.positions)?,
+            slots: b.upload_index(&f.slots)?,
+            query_start: b.upload_index(&f.query_start)?,
+            context_lens: b.upload_index(&f.context_lens)?,
+            block_tables: b.upload_index(&f.block_tables)?,
+            logit_rows: (!f.logit_rows.is_empty()).then(|| b.upload_index(&f.logit_rows)).transpose()?,
+            num_logits: f.logit_rows.len(),
+        })
+    }
+
+    /// The forward itself, over index arrays already on the device: nothing here
+    /// copies between host and device, so a decode step can be captured as a graph.
+    pub(super) fn run(
+        &self,
+        d: &DeviceFlat<B>,
+        num_seqs: usize,
+        max_blocks: usize,
+        kv: &mut KvCache<B>,
+    ) -> Result<Option<B::Buffer>, ModelError> {
         let (b, w, c) = (&self.backend, &self.weights, &self.config);
         let shape = self.attention_shape(kv.block_size);
-        let tokens = flat.token_ids.len();
-        let positions = b.upload_index(&flat.positions)?;
-        let slots = b.upload_index(&flat.slots)?;
-        let query_start = b.upload_index(&flat.query_start)?;
-        let context_lens = b.upload_index(&flat.context_lens)?;
-        let block_tables = b.upload_index(&flat.block_tables)?;
+        let tokens = d.tokens;
         let batch = PagedBatch {
-            num_seqs: seqs.len(),
-            query_start: &query_start,
-            context_lens: &context_lens,
-            block_tables: &block_tables,
-            max_blocks_per_seq: flat.max_blocks,
+            num_seqs,
+            query_start: &d.query_start,
+            context_lens: &d.context_lens,
+            block_tables: &d.block_tables,
+            max_blocks_per_seq: max_blocks,
         };
 
-        let mut h = b.embedding(&b.upload_index(&flat.token_ids)?, &w.embed)?;
+        let mut h = b.embedding(&d.token_ids, &w.embed)?;
         let Some(first) = w.layers.first() else {
             return Err(ModelError::Input("the model has no layers".into()));
         };
@@ -116,9 +161,9 @@ impl<B: Backend> Model<B> {
                 .split_columns(&qkv, &[c.q_width(), c.kv_width(), c.kv_width()])?
                 .try_into()
                 .map_err(|_| ModelError::Input("split_columns returned the wrong number of parts".into()))?;
-            b.rope(&mut q, &positions, c.num_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
-            b.rope(&mut k, &positions, c.num_kv_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
-            b.write_kv(&k, &v, &slots, &shape, k_cache, v_cache)?;
+            b.rope(&mut q, &d.positions, c.num_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
+            b.rope(&mut k, &d.positions, c.num_kv_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
+            b.write_kv(&k, &v, &d.slots, &shape, k_cache, v_cache)?;
             let attn = b.paged_attention(&q, k_cache, v_cache, &batch, &shape)?;
             let attn_out = b.linear(&attn, tokens, &layer.o, None)?;
             let x_ffn = b.add_rms_norm(&mut h, &attn_out, &layer.ffn_norm, c.rms_norm_eps)?;
@@ -131,16 +176,13 @@ impl<B: Backend> Model<B> {
                 None => b.add_assign(&mut h, &mlp_out)?,
             }
         }
-        if flat.logit_rows.is_empty() {
-            return Ok(None);
-        }
-        let last = b.gather_rows(&h, c.hidden_size, &b.upload_index(&flat.logit_rows)?)?;
+        let Some(rows) = &d.logit_rows else { return Ok(None) };
+        let last = b.gather_rows(&h, c.hidden_size, rows)?;
         let x = b.rms_norm(&last, &w.final_norm, c.rms_norm_eps)?;
-        Ok(Some(b.linear(&x, flat.logit_rows.len(), w.lm_head(), None)?))
+        Ok(Some(b.linear(&x, d.num_logits, w.lm_head(), None)?))
     }
 
-    fn flatten(&self, seqs: &[SeqInput<'_>], kv: &KvCache<B>) -> Result<Flat, ModelError> {
-        let bs = kv.block_size;
+    pub(super) fn flatten(&self, seqs: &[SeqInput<'_>], bs: usize) -> Result<Flat, ModelError> {
         let max_blocks = seqs.iter().map(|s| (s.cached + s.tokens.len()).div_ceil(bs)).max().unwrap_or(0);
         let mut f = Flat {
             token_ids: Vec::new(),

@@ -9,6 +9,8 @@ pub struct KvCache<B: Backend> {
     pub num_blocks: usize,
     /// (keys, values) per layer.
     pub layers: Vec<(B::Buffer, B::Buffer)>,
+    /// Decode steps captured over this cache, when the backend can capture.
+    pub graphs: Option<super::graphs::DecodeGraphs<B>>,
 }
 
 impl<B: Backend> KvCache<B> {

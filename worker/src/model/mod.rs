@@ -3,11 +3,13 @@
 
 pub mod config;
 mod forward;
+mod graphs;
 mod kv_cache;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
 pub use forward::{Model, SeqInput};
+pub use graphs::DecodeGraphs;
 pub use kv_cache::KvCache;
 
 use crate::loader::LoadError;

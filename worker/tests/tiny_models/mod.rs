@@ -119,8 +119,10 @@ pub fn write_byte_tokenizer(dir: &Path) {
     let added: Vec<Value> = ["<|im_start|>", "<|im_end|>"]
         .iter()
         .enumerate()
-        .map(|(i, t)| json!({"id": 256 + i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-            "normalized": false, "special": true}))
+        .map(|(i, t)| {
+            json!({"id": 256 + i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+            "normalized": false, "special": true})
+        })
         .collect();
     let tokenizer = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
