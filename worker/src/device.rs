@@ -16,7 +16,7 @@ pub enum Device {
 pub enum Opened {
     Cpu(CpuBackend),
     #[cfg(feature = "cuda")]
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
 }
 
 /// Opens the backend `device` names; `--device cuda` without a usable GPU is an error
@@ -31,7 +31,7 @@ pub fn open(device: Device) -> anyhow::Result<Opened> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda() -> Result<Opened, String> {
-    CudaBackend::new(0).map(Opened::Cuda).map_err(|e| e.to_string())
+    CudaBackend::new(0).map(|b| Opened::Cuda(Box::new(b))).map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]

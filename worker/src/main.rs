@@ -77,7 +77,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     match device::open(args.device)? {
         Opened::Cpu(b) => generate_on(b, args),
         #[cfg(feature = "cuda")]
-        Opened::Cuda(b) => generate_on(b, args),
+        Opened::Cuda(b) => generate_on(*b, args),
     }
 }
 

@@ -60,7 +60,7 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                 .unwrap_or_else(|| (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64)
         }),
         #[cfg(feature = "cuda")]
-        device::Opened::Cuda(b) => build(b, &path, config, |model| match config.kv_cache_bytes {
+        device::Opened::Cuda(b) => build(*b, &path, config, |model| match config.kv_cache_bytes {
             Some(bytes) => bytes,
             None => gpu_kv_budget(model, config),
         }),

@@ -51,7 +51,7 @@ pub fn compile(source: &Source, arch: &str) -> Result<Compiled, String> {
     let name = CString::new(source.name).expect("source names have no NUL");
     let prog = result::create_program(&text, Some(name.as_c_str())).map_err(|e| format!("{}: {e:?}", source.name))?;
     // SAFETY: `prog` is a live program, destroyed once below whatever happens.
-    let out = unsafe {
+    unsafe {
         let compiled = result::compile_program(prog, &options(arch));
         let log = result::get_program_log(prog).map(|raw| c_chars(&raw)).unwrap_or_default();
         let out = match compiled {
@@ -62,8 +62,7 @@ pub fn compile(source: &Source, arch: &str) -> Result<Compiled, String> {
         };
         let _ = result::destroy_program(prog);
         out
-    };
-    out
+    }
 }
 
 fn c_chars(raw: &[std::ffi::c_char]) -> String {
