@@ -5,6 +5,7 @@
 //! the way a kernel launch does: nothing here allocates behind the caller's back except
 //! where an op returns a new buffer, so a GPU backend can map each op to one launch.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -4,14 +4,20 @@
 use super::ModelError;
 use super::config::ModelConfig;
 use super::kv_cache::KvCache;
+use super::shard::Shard;
 use super::weights::{self, Weights};
 use crate::loader::TensorSource;
+use std::sync::Arc;
+use tessera_kernels::collective::AllReduce;
 use tessera_kernels::{AttentionShape, Backend, PagedBatch};
 
 pub struct Model<B: Backend> {
+    /// The shape this model runs: a tensor-parallel rank's share of the heads and MLP.
     pub config: ModelConfig,
     backend: B,
     weights: Weights<B>,
+    /// The other ranks, when this is one rank of a tensor-parallel group.
+    comm: Option<Arc<dyn AllReduce<B>>>,
 }
 
 /// One sequence's part of a batch.
@@ -55,13 +61,27 @@ pub(super) struct DeviceFlat<B: Backend> {
 
 impl<B: Backend> Model<B> {
     pub fn load(backend: B, config: ModelConfig, source: &dyn TensorSource) -> Result<Self, ModelError> {
-        let weights = weights::load(&backend, &config, source)?;
-        Ok(Self { config, backend, weights })
+        let weights = weights::load(&backend, &config, source, Shard::WHOLE)?;
+        Ok(Self { config, backend, weights, comm: None })
+    }
+
+    /// Rank `comm.rank()` of a tensor-parallel group of `comm.size()`: its slice of the
+    /// weights, and `comm` to sum the row-parallel products with the other ranks.
+    pub fn load_shard(
+        backend: B,
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        comm: Arc<dyn AllReduce<B>>,
+    ) -> Result<Self, ModelError> {
+        let shard = Shard { rank: comm.rank(), size: comm.size() };
+        let rank_config = config.shard(shard.size)?;
+        let weights = weights::load(&backend, &config, source, shard)?;
+        Ok(Self { config: rank_config, backend, weights, comm: Some(comm) })
     }
 
     /// A model over weights already on the device (benchmarks build random ones there).
     pub fn from_weights(backend: B, config: ModelConfig, weights: Weights<B>) -> Self {
-        Self { config, backend, weights }
+        Self { config, backend, weights, comm: None }
     }
 
     pub fn backend(&self) -> &B {
@@ -165,12 +185,14 @@ impl<B: Backend> Model<B> {
             b.rope(&mut k, &d.positions, c.num_kv_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
             b.write_kv(&k, &v, &d.slots, &shape, k_cache, v_cache)?;
             let attn = b.paged_attention(&q, k_cache, v_cache, &batch, &shape)?;
-            let attn_out = b.linear(&attn, tokens, &layer.o, None)?;
+            let mut attn_out = b.linear(&attn, tokens, &layer.o, None)?;
+            self.all_reduce(&mut attn_out)?;
             let x_ffn = b.add_rms_norm(&mut h, &attn_out, &layer.ffn_norm, c.rms_norm_eps)?;
 
             let gate_up = b.linear(&x_ffn, tokens, &layer.gate_up, None)?;
             let act = b.silu_mul(&gate_up, c.intermediate_size)?;
-            let mlp_out = b.linear(&act, tokens, &layer.down, None)?;
+            let mut mlp_out = b.linear(&act, tokens, &layer.down, None)?;
+            self.all_reduce(&mut mlp_out)?;
             match w.layers.get(i + 1) {
                 Some(next) => x = b.add_rms_norm(&mut h, &mlp_out, &next.attn_norm, c.rms_norm_eps)?,
                 None => b.add_assign(&mut h, &mlp_out)?,
@@ -180,6 +202,14 @@ impl<B: Backend> Model<B> {
         let last = b.gather_rows(&h, c.hidden_size, rows)?;
         let x = b.rms_norm(&last, &w.final_norm, c.rms_norm_eps)?;
         Ok(Some(b.linear(&x, d.num_logits, w.lm_head(), None)?))
+    }
+
+    /// Sums a row-parallel product over the tensor-parallel ranks (nothing alone).
+    fn all_reduce(&self, x: &mut B::Buffer) -> Result<(), ModelError> {
+        match &self.comm {
+            Some(c) => Ok(c.all_reduce_sum(&self.backend, x)?),
+            None => Ok(()),
+        }
     }
 
     pub(super) fn flatten(&self, seqs: &[SeqInput<'_>], bs: usize) -> Result<Flat, ModelError> {

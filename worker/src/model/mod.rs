@@ -5,6 +5,7 @@ pub mod config;
 mod forward;
 mod graphs;
 mod kv_cache;
+pub mod shard;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};

@@ -3,6 +3,7 @@
 
 use super::ModelError;
 use super::config::{LayerTensor, ModelConfig, Tensor};
+use super::shard::{self, Shard};
 use crate::loader::{LoadError, TensorSource};
 use tessera_kernels::{Backend, HostWeight, WeightData};
 
@@ -89,10 +90,13 @@ impl Reader<'_> {
     }
 }
 
+/// Loads `shard`'s part of the weights (all of them for `Shard::WHOLE`), checking each
+/// tensor against the full model's `config`.
 pub fn load<B: Backend>(
     backend: &B,
     config: &ModelConfig,
     source: &dyn TensorSource,
+    shard: Shard,
 ) -> Result<Weights<B>, ModelError> {
     let r = Reader { config, source };
     let (d, q, kv, ffn) = (config.hidden_size, config.q_width(), config.kv_width(), config.intermediate_size);
@@ -104,23 +108,42 @@ pub fn load<B: Backend>(
     };
     let divisors = if r.has(Tensor::RopeFreqs) { Some(r.read(Tensor::RopeFreqs)?) } else { None };
     let inv_freq = backend.upload(&config.inv_freq(divisors.as_deref()))?;
+    // The rows of each part that belong to this rank, stacked: Q, K, V or gate, up.
+    let row_parts = |parts: &[(Tensor, usize)]| -> Result<HostWeight, LoadError> {
+        if shard == Shard::WHOLE {
+            let tensors: Vec<Tensor> = parts.iter().map(|p| p.0).collect();
+            return r.matrix(&tensors, parts.iter().map(|p| p.1).sum(), d);
+        }
+        let sliced = parts
+            .iter()
+            .map(|&(t, n)| Ok(shard::rows(r.matrix(&[t], n, d)?, shard.range(n))))
+            .collect::<Result<Vec<_>, LoadError>>()?;
+        Ok(shard::stack(sliced))
+    };
+    // This rank's columns of a row-parallel projection.
+    let column_part = |t: Tensor, cols: usize| -> Result<HostWeight, LoadError> {
+        let w = r.matrix(&[t], d, cols)?;
+        Ok(if shard == Shard::WHOLE { w } else { shard::columns(w, shard.range(cols)) })
+    };
+    let bias_part = |t: Tensor, n: usize| -> Result<Vec<f32>, LoadError> { Ok(r.read(t)?[shard.range(n)].to_vec()) };
     let mut layers = Vec::with_capacity(config.num_layers);
     for l in 0..config.num_layers {
         let t = |p| Tensor::Layer(l, p);
         use LayerTensor::*;
         let qkv_bias = if config.attention_bias {
-            Some(backend.upload(&r.concat(&[t(QBias), t(KBias), t(VBias)])?)?)
+            let bias = [bias_part(t(QBias), q)?, bias_part(t(KBias), kv)?, bias_part(t(VBias), kv)?].concat();
+            Some(backend.upload(&bias)?)
         } else {
             None
         };
         layers.push(LayerWeights {
             attn_norm: backend.upload(&r.read(t(AttnNorm))?)?,
-            qkv: backend.upload_weight(r.matrix(&[t(Q), t(K), t(V)], q + 2 * kv, d)?)?,
+            qkv: backend.upload_weight(row_parts(&[(t(Q), q), (t(K), kv), (t(V), kv)])?)?,
             qkv_bias,
-            o: backend.upload_weight(r.matrix(&[t(O)], d, q)?)?,
+            o: backend.upload_weight(column_part(t(O), q)?)?,
             ffn_norm: backend.upload(&r.read(t(FfnNorm))?)?,
-            gate_up: backend.upload_weight(r.matrix(&[t(Gate), t(Up)], 2 * ffn, d)?)?,
-            down: backend.upload_weight(r.matrix(&[t(Down)], d, ffn)?)?,
+            gate_up: backend.upload_weight(row_parts(&[(t(Gate), ffn), (t(Up), ffn)])?)?,
+            down: backend.upload_weight(column_part(t(Down), ffn)?)?,
         });
     }
     Ok(Weights { embed, lm_head, final_norm: backend.upload(&r.read(Tensor::FinalNorm)?)?, layers, inv_freq })

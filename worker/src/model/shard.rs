@@ -1,0 +1,150 @@
+//! Tensor parallelism, Megatron style: rank r of n holds heads r·H/n .. (r+1)·H/n of
+//! the attention (their Q, K and V rows and the matching columns of the output
+//! projection) and the same slice of the MLP's columns (gate and up rows, down
+//! columns). The output and down projections are row-parallel: each rank's product is
+//! a partial sum, added across ranks by an all-reduce. Embeddings, norms and the LM
+//! head are replicated.
+
+use super::ModelError;
+use super::config::ModelConfig;
+use std::ops::Range;
+use tessera_kernels::quant;
+use tessera_kernels::{HostWeight, WeightData};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Shard {
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1 };
+
+    /// This rank's part of `n` items split evenly.
+    pub fn range(&self, n: usize) -> Range<usize> {
+        let per = n / self.size;
+        self.rank * per..(self.rank + 1) * per
+    }
+}
+
+impl ModelConfig {
+    /// The shape one rank of `size` runs: its heads and its MLP columns.
+    pub fn shard(&self, size: usize) -> Result<ModelConfig, ModelError> {
+        let even = |what: &str, n: usize| {
+            if size == 0 || !n.is_multiple_of(size) {
+                Err(ModelError::Input(format!("{n} {what} do not split over {size} tensor-parallel ranks")))
+            } else {
+                Ok(n / size)
+            }
+        };
+        Ok(ModelConfig {
+            num_heads: even("attention heads", self.num_heads)?,
+            num_kv_heads: even("KV heads", self.num_kv_heads)?,
+            intermediate_size: even("MLP columns", self.intermediate_size)?,
+            ..self.clone()
+        })
+    }
+}
+
+/// Rows `rows` of `w`.
+pub(super) fn rows(w: HostWeight, rows: Range<usize>) -> HostWeight {
+    let cols = w.cols;
+    let data = match w.data {
+        WeightData::F32(v) => WeightData::F32(v[rows.start * cols..rows.end * cols].to_vec()),
+        WeightData::Blocks { ty, bytes } => {
+            let rb = ty.bytes_for(cols).expect("a block weight's rows are whole blocks");
+            WeightData::Blocks { ty, bytes: bytes[rows.start * rb..rows.end * rb].to_vec() }
+        }
+    };
+    HostWeight { rows: rows.len(), cols, data }
+}
+
+/// Columns `cols` of `w`; block rows are cut at block boundaries when the range falls
+/// on them, else dequantised first.
+pub(super) fn columns(w: HostWeight, cols: Range<usize>) -> HostWeight {
+    let HostWeight { rows, cols: width, data } = w;
+    let data = match data {
+        WeightData::Blocks { ty, bytes } => match (ty.bytes_for(cols.start), ty.bytes_for(cols.len())) {
+            (Some(skip), Some(take)) => {
+                let rb = ty.bytes_for(width).expect("a block weight's rows are whole blocks");
+                let bytes =
+                    (0..rows).flat_map(|r| bytes[r * rb + skip..r * rb + skip + take].iter().copied()).collect();
+                return HostWeight { rows, cols: cols.len(), data: WeightData::Blocks { ty, bytes } };
+            }
+            _ => quant::dequantize(ty, &bytes),
+        },
+        WeightData::F32(v) => v,
+    };
+    let out = (0..rows).flat_map(|r| data[r * width + cols.start..r * width + cols.end].iter().copied()).collect();
+    HostWeight { rows, cols: cols.len(), data: WeightData::F32(out) }
+}
+
+/// The row-wise concatenation of matrices of one width; in f32 unless all share one
+/// block format.
+pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
+    let cols = parts[0].cols;
+    let rows = parts.iter().map(|p| p.rows).sum();
+    let one_format = match &parts[0].data {
+        WeightData::Blocks { ty, .. } => {
+            parts.iter().all(|p| matches!(&p.data, WeightData::Blocks { ty: t, .. } if t == ty)).then_some(*ty)
+        }
+        WeightData::F32(_) => None,
+    };
+    let data = match one_format {
+        Some(ty) => WeightData::Blocks {
+            ty,
+            bytes: parts
+                .into_iter()
+                .flat_map(|p| match p.data {
+                    WeightData::Blocks { bytes, .. } => bytes,
+                    WeightData::F32(_) => unreachable!("all parts are blocks"),
+                })
+                .collect(),
+        },
+        None => WeightData::F32(
+            parts
+                .into_iter()
+                .flat_map(|p| match p.data {
+                    WeightData::F32(v) => v,
+                    WeightData::Blocks { ty, bytes } => quant::dequantize(ty, &bytes),
+                })
+                .collect(),
+        ),
+    };
+    HostWeight { rows, cols, data }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(w: &HostWeight) -> Vec<f32> {
+        match &w.data {
+            WeightData::F32(v) => v.clone(),
+            WeightData::Blocks { ty, bytes } => quant::dequantize(*ty, bytes),
+        }
+    }
+
+    #[test]
+    fn slices_of_f32_and_block_weights_agree() {
+        let (r, c) = (4, 64);
+        let v: Vec<f32> = (0..r * c).map(|i| (i % 17) as f32 - 8.0).collect();
+        let w = HostWeight { rows: r, cols: c, data: WeightData::F32(v.clone()) };
+        let top = rows(w.clone(), 1..3);
+        assert_eq!(f32s(&top), v[c..3 * c].to_vec());
+        let right = columns(w.clone(), 32..64);
+        assert_eq!(f32s(&right), (0..r).flat_map(|i| v[i * c + 32..(i + 1) * c].to_vec()).collect::<Vec<_>>());
+        let odd = columns(w.clone(), 5..9);
+        assert_eq!(f32s(&odd)[..4], v[5..9]);
+        let both = stack(vec![rows(w.clone(), 0..1), rows(w, 3..4)]);
+        assert_eq!(both.rows, 2);
+        assert_eq!(f32s(&both), [&v[..c], &v[3 * c..]].concat());
+    }
+
+    #[test]
+    fn shards_split_heads_and_columns_or_refuse() {
+        let s = Shard { rank: 1, size: 4 };
+        assert_eq!(s.range(12), 3..6);
+        assert_eq!(Shard::WHOLE.range(7), 0..7);
+    }
+}

@@ -1,0 +1,107 @@
+//! Tensor parallelism on the CPU backend, one thread per rank with the in-process
+//! all-reduce: n ranks give the logits of one, on tiny random models of the decoder
+//! variants (f32 weights, sizes 2 and 4) and on the real SmolLM2 (Q4_1 blocks cut at
+//! block boundaries, size 3), through a prefill and single-token decodes.
+
+mod common;
+mod tiny_models;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use tessera_kernels::collective::ThreadGroup;
+use tessera_kernels::cpu::CpuBackend;
+use tessera_worker::loader::TensorSource;
+use tessera_worker::loader::gguf::GgufFile;
+use tessera_worker::loader::safetensors_dir::SafetensorsDir;
+use tessera_worker::model::{Model, ModelConfig, SeqInput};
+use tiny_models::{random_weights, variants, write_dir};
+
+/// Logits of a prefill of `prompt[..split]`, then of one decode per remaining token.
+fn steps(model: &Model<CpuBackend>, prompt: &[u32], split: usize) -> Vec<Vec<f32>> {
+    let mut kv = model.new_kv_cache(16, 4).unwrap();
+    let table: Vec<u32> = (0..16).rev().collect();
+    let mut out = vec![
+        model
+            .forward(&[SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true }], &mut kv)
+            .unwrap(),
+    ];
+    for pos in split..prompt.len() {
+        let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
+        out.push(model.forward(&step, &mut kv).unwrap());
+    }
+    out
+}
+
+/// Runs `steps` on `size` ranks at once; returns every rank's logits.
+fn tensor_parallel(
+    size: usize,
+    config: &ModelConfig,
+    open: &(dyn Fn() -> Box<dyn TensorSource> + Sync),
+    prompt: &[u32],
+    split: usize,
+) -> Vec<Vec<Vec<f32>>> {
+    std::thread::scope(|scope| {
+        let ranks: Vec<_> = ThreadGroup::new(size)
+            .into_iter()
+            .map(|rank| {
+                scope.spawn(move || {
+                    let model = Model::load_shard(CpuBackend, config.clone(), &*open(), Arc::new(rank)).unwrap();
+                    assert_eq!(model.config.num_heads * size, config.num_heads);
+                    steps(&model, prompt, split)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn check(name: &str, size: usize, whole: &[Vec<f32>], ranks: &[Vec<Vec<f32>>], tolerance: f32) {
+    for (r, logits) in ranks.iter().enumerate() {
+        assert_eq!(logits, &ranks[0], "{name}: rank {r} disagrees with rank 0");
+    }
+    for (step, (got, want)) in ranks[0].iter().zip(whole).enumerate() {
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= tolerance * scale, "{name}, {size} ranks, step {step}: logits differ by {err} (max {scale})");
+    }
+}
+
+#[test]
+fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
+    let seed: u64 = StdRng::from_os_rng().random();
+    eprintln!("random seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let root = std::env::temp_dir().join(format!("tessera-tp-{}", std::process::id()));
+    let prompt: Vec<u32> = (0..13).map(|_| rng.random_range(0..64)).collect();
+    let mut checked = 0;
+    for v in variants() {
+        let dir = root.join(v.name);
+        write_dir(&dir, &v.config, &random_weights(&v.config, &mut rng));
+        let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
+        let whole =
+            steps(&Model::load(CpuBackend, config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(), &prompt, 9);
+        let open = || Box::new(SafetensorsDir::open(&dir).unwrap()) as Box<dyn TensorSource>;
+        for size in [2, 4] {
+            if config.shard(size).is_err() {
+                continue; // fewer KV heads than ranks (Mistral's one)
+            }
+            check(v.name, size, &whole, &tensor_parallel(size, &config, &open, &prompt, 9), 1e-4);
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "only {checked} variant/size pairs could be split");
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn three_ranks_of_smollm2_compute_its_logits() {
+    let path = common::smollm2_path();
+    let config = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let whole_model = &common::smollm2().model;
+    let prompt: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 260, 1345, 30, 2, 198, 1, 520];
+    let whole = steps(whole_model, &prompt, 10);
+    let open = || Box::new(GgufFile::open(&path).unwrap()) as Box<dyn TensorSource>;
+    check("smollm2", 3, &whole, &tensor_parallel(3, &config, &open, &prompt, 10), 1e-3);
+    assert!(config.shard(2).is_err(), "9 heads do not split over 2 ranks");
+}
