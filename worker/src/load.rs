@@ -1,6 +1,7 @@
 //! Opening a model on disk — a GGUF file or a Hugging Face directory — into the
 //! decoder, its tokenizer and its chat template.
 
+use crate::loader::TensorSource;
 use crate::loader::gguf::GgufFile;
 use crate::loader::safetensors_dir::SafetensorsDir;
 use crate::model::{Model, ModelConfig, ModelError};
@@ -14,15 +15,21 @@ pub struct LoadedModel<B: Backend> {
 }
 
 pub fn load_model<B: Backend>(backend: B, path: &Path) -> Result<LoadedModel<B>, ModelError> {
+    let (config, tokenizer, source) = open(path)?;
+    Ok(LoadedModel { model: Model::load(backend, config, &*source)?, tokenizer })
+}
+
+/// A model on disk, opened but not loaded: its shape, its tokenizer, and its tensors to
+/// read (wholly, or one tensor-parallel shard at a time).
+pub fn open(path: &Path) -> Result<(ModelConfig, ModelTokenizer, Box<dyn TensorSource>), ModelError> {
     if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
         let tokenizer = ModelTokenizer::from_hf_dir(path)?;
-        let weights = SafetensorsDir::open(path)?;
-        Ok(LoadedModel { model: Model::load(backend, config, &weights)?, tokenizer })
+        Ok((config, tokenizer, Box::new(SafetensorsDir::open(path)?)))
     } else {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = ModelTokenizer::from_gguf(&file)?;
-        Ok(LoadedModel { model: Model::load(backend, config, &file)?, tokenizer })
+        Ok((config, tokenizer, Box::new(file)))
     }
 }

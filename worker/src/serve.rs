@@ -4,13 +4,18 @@ use crate::device;
 use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, EngineConfig, EngineCore};
 use crate::engine::runner::EngineHandle;
 use crate::grpc::{WorkerServer, WorkerService};
-use crate::load::load_model;
+use crate::load;
+use crate::loader::TensorSource;
 use crate::model::KvCache;
 use crate::model::Model;
+use crate::model::ModelConfig;
 use crate::model_cache;
 use anyhow::Context;
 use std::future::Future;
+use std::sync::Arc;
 use tessera_kernels::Backend;
+use tessera_kernels::collective::ThreadGroup;
+use tessera_kernels::cpu::CpuBackend;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::worker as pb;
 use tokio::net::TcpListener;
@@ -32,6 +37,10 @@ pub struct ServeConfig {
     /// cpu, cuda, or auto: the GPU when one can be opened.
     #[arg(long, value_enum, default_value_t = device::Device::Auto)]
     pub device: device::Device,
+    /// Ranks the model is split over (Megatron-style): attention heads and MLP columns
+    /// divided, one thread per rank.
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub tensor_parallel_size: usize,
     /// Share of the GPU's memory the worker may fill (weights, activations, KV cache).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_fraction: f64,
@@ -52,18 +61,46 @@ pub struct ServeConfig {
 pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
     let path = model_cache::resolve(&config.model)?;
     let opened = device::open(config.device)?;
-    eprintln!("tessera-worker device: {}", opened.describe());
+    let tp = config.tensor_parallel_size;
+    eprintln!("tessera-worker device: {}, tensor parallel size {tp}", opened.describe());
     match opened {
-        device::Opened::Cpu(b) => build(b, &path, config, |_| {
-            config
-                .kv_cache_bytes
-                .unwrap_or_else(|| (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64)
-        }),
+        device::Opened::Cpu(b) => build(
+            &path,
+            config,
+            |model_config, source| {
+                if tp == 1 {
+                    return Ok(vec![Model::load(b, model_config.clone(), source)?]);
+                }
+                // One thread per rank, summing through the in-process all-reduce.
+                ThreadGroup::new(tp)
+                    .into_iter()
+                    .map(|rank| Ok(Model::load_shard(CpuBackend, model_config.clone(), source, Arc::new(rank))?))
+                    .collect()
+            },
+            |_| {
+                // The ranks share the machine's memory.
+                let budget = config.kv_cache_bytes.unwrap_or_else(|| {
+                    (available_memory().unwrap_or(4 << 30) as f64 * config.kv_cache_fraction) as u64
+                });
+                budget / tp as u64
+            },
+        ),
         #[cfg(feature = "cuda")]
-        device::Opened::Cuda(b) => build(*b, &path, config, |model| match config.kv_cache_bytes {
-            Some(bytes) => bytes,
-            None => gpu_kv_budget(model, config),
-        }),
+        device::Opened::Cuda(b) => {
+            anyhow::ensure!(
+                tp == 1,
+                "--tensor-parallel-size {tp} on CUDA needs NCCL across GPUs, which this worker does not have yet"
+            );
+            build(
+                &path,
+                config,
+                |model_config, source| Ok(vec![Model::load(*b, model_config.clone(), source)?]),
+                |model| match config.kv_cache_bytes {
+                    Some(bytes) => bytes,
+                    None => gpu_kv_budget(model, config),
+                },
+            )
+        }
     }
 }
 
@@ -80,19 +117,25 @@ fn gpu_kv_budget(model: &Model<tessera_kernels::cuda::CudaBackend>, config: &Ser
     (allowed - activations as i64).max(0) as u64
 }
 
+/// Opens the model at `path`, loads its ranks with `load_ranks` (one model, or the
+/// shards of a tensor-parallel group, rank 0 first), sizes each rank's KV cache from
+/// `kv_budget` (bytes per rank) and starts the engine.
 fn build<B: Backend + 'static>(
-    backend: B,
     path: &std::path::Path,
     config: &ServeConfig,
+    load_ranks: impl FnOnce(&ModelConfig, &dyn TensorSource) -> anyhow::Result<Vec<Model<B>>>,
     kv_budget: impl FnOnce(&Model<B>) -> u64,
 ) -> anyhow::Result<WorkerService> {
-    let loaded = load_model(backend, path).with_context(|| format!("loading {}", path.display()))?;
-    let c = &loaded.model.config;
-    let block_bytes = KvCache::<B>::bytes_per_block(c.num_layers, c.kv_width(), BLOCK_TOKENS) as u64;
-    let budget = kv_budget(&loaded.model);
+    let (model_config, tokenizer, source) = load::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let ranks = load_ranks(&model_config, &*source).with_context(|| format!("loading {}", path.display()))?;
+    let rank0 = ranks.first().context("no ranks")?;
+    let block_bytes =
+        KvCache::<B>::bytes_per_block(rank0.config.num_layers, rank0.config.kv_width(), BLOCK_TOKENS) as u64;
+    let budget = kv_budget(rank0);
     let num_blocks = (budget / block_bytes) as usize;
     anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");
-    let tok = &loaded.tokenizer;
+    let c = &model_config;
+    let tok = &tokenizer;
     let card = pb::ModelCard {
         model: config.model.clone(),
         tokenizer_json: tok.json.clone(),
@@ -111,7 +154,12 @@ fn build<B: Backend + 'static>(
         num_blocks,
         graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
     };
-    let core = EngineCore::new(loaded.model, loaded.tokenizer, engine_config, &config.model)?;
+    let core = if ranks.len() == 1 {
+        let model = ranks.into_iter().next().context("no ranks")?;
+        EngineCore::new(model, tokenizer, engine_config, &config.model)?
+    } else {
+        EngineCore::tensor_parallel(ranks, tokenizer, engine_config, &config.model)?
+    };
     Ok(WorkerService::new(EngineHandle::spawn(core), card))
 }
 

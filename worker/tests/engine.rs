@@ -191,7 +191,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
 #[test]
 fn bad_requests_are_refused_with_a_reason() {
     let mut e = engine(EngineConfig::default());
-    let ctx = e.model().config.context_length;
+    let ctx = e.config().context_length;
     let cases: Vec<(Request, &str)> = vec![
         (Request::greedy(1, vec![], 4), "prompt is empty"),
         (Request::greedy(2, vec![5; ctx], 4), "context"),

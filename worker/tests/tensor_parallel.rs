@@ -105,3 +105,44 @@ fn three_ranks_of_smollm2_compute_its_logits() {
     check("smollm2", 3, &whole, &tensor_parallel(3, &config, &open, &prompt, 10), 1e-3);
     assert!(config.shard(2).is_err(), "9 heads do not split over 2 ranks");
 }
+
+/// The engine over two ranks serves a batch of greedy requests with the tokens the
+/// engine over one model gives.
+#[test]
+fn an_engine_over_two_ranks_generates_what_one_model_generates() {
+    use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
+    use tessera_worker::load::{load_model, open};
+    let mut rng = StdRng::seed_from_u64(7);
+    let root = std::env::temp_dir().join(format!("tessera-tp-engine-{}", std::process::id()));
+    let wide = serde_json::json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": false});
+    write_dir(&root, &wide, &random_weights(&wide, &mut rng));
+    tiny_models::write_byte_tokenizer(&root);
+    let run = |mut e: EngineCore<CpuBackend>| {
+        for i in 0..12u64 {
+            let prompt = e.tokenizer().encode(&format!("request {i}: {}", "abc".repeat(i as usize))).unwrap();
+            e.add_request(Request::greedy(i, prompt, 10)).unwrap();
+        }
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); 12];
+        while e.has_work() {
+            for Output { id, token, .. } in e.step().unwrap() {
+                out[id as usize].extend(token.map(|t| t.token));
+            }
+        }
+        out
+    };
+    let single = load_model(CpuBackend, &root).unwrap();
+    let want = run(EngineCore::new(single.model, single.tokenizer, EngineConfig::default(), "tp").unwrap());
+    let (config, tokenizer, source) = open(&root).unwrap();
+    let ranks: Vec<Model<CpuBackend>> = ThreadGroup::new(2)
+        .into_iter()
+        .map(|rank| Model::load_shard(CpuBackend, config.clone(), &*source, Arc::new(rank)).unwrap())
+        .collect();
+    let engine = EngineCore::tensor_parallel(ranks, tokenizer, EngineConfig::default(), "tp").unwrap();
+    assert_eq!(engine.config().num_heads, 2, "each rank runs half the heads");
+    let got = run(engine);
+    assert!(want.iter().all(|t| !t.is_empty()), "every request produced tokens");
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(root);
+}

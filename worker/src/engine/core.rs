@@ -4,14 +4,15 @@
 //! is all a server needs around it.
 
 use super::detokenizer::Detokenizer;
+use super::executor::Executor;
 use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
-use crate::model::{KvCache, Model, ModelError, SeqInput};
+use crate::model::{Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
 use std::collections::HashMap;
 use tessera_kernels::Backend;
-use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
+use tessera_proto::block_hash::BlockHasher;
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -33,6 +34,13 @@ pub struct EngineConfig {
 
 /// vLLM's default capture sizes, up to 256.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 11] = [1, 2, 4, 8, 16, 24, 32, 64, 128, 192, 256];
+
+impl EngineConfig {
+    /// The graph sizes worth capturing: none above `max_num_seqs`.
+    fn graph_sizes(&self) -> Vec<usize> {
+        self.graph_batch_sizes.iter().copied().filter(|&s| s <= self.max_num_seqs).collect()
+    }
+}
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -137,8 +145,7 @@ pub struct EngineStats {
 }
 
 pub struct EngineCore<B: Backend> {
-    model: Model<B>,
-    kv: KvCache<B>,
+    exec: Executor<B>,
     tokenizer: ModelTokenizer,
     scheduler: Scheduler,
     /// By sequence id.
@@ -150,18 +157,36 @@ pub struct EngineCore<B: Backend> {
     stats: EngineStats,
 }
 
-impl<B: Backend> EngineCore<B> {
+impl<B: Backend + 'static> EngineCore<B> {
     pub fn new(
         model: Model<B>,
         tokenizer: ModelTokenizer,
         config: EngineConfig,
         model_name: &str,
     ) -> Result<Self, EngineError> {
-        // One block more than the pool hands out: padded graph rows write there.
-        let mut kv = model.new_kv_cache(config.num_blocks + 1, BLOCK_TOKENS)?;
-        let sizes: Vec<usize> =
-            config.graph_batch_sizes.iter().copied().filter(|&s| s <= config.max_num_seqs).collect();
-        model.capture_decode_graphs(&mut kv, config.num_blocks as u32, &sizes)?;
+        let exec = Executor::single(model, config.num_blocks, &config.graph_sizes())?;
+        Self::with_executor(exec, tokenizer, config, model_name)
+    }
+
+    /// An engine over the ranks of a tensor-parallel group (rank 0 first).
+    pub fn tensor_parallel(
+        ranks: Vec<Model<B>>,
+        tokenizer: ModelTokenizer,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Self, EngineError> {
+        let exec = Executor::parallel(ranks, config.num_blocks, &config.graph_sizes())?;
+        Self::with_executor(exec, tokenizer, config, model_name)
+    }
+}
+
+impl<B: Backend> EngineCore<B> {
+    fn with_executor(
+        exec: Executor<B>,
+        tokenizer: ModelTokenizer,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Self, EngineError> {
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
@@ -172,8 +197,7 @@ impl<B: Backend> EngineCore<B> {
         );
         let eos = tokenizer.eos.iter().map(|t| t.id).collect();
         Ok(Self {
-            model,
-            kv,
+            exec,
             tokenizer,
             scheduler,
             requests: HashMap::new(),
@@ -184,8 +208,9 @@ impl<B: Backend> EngineCore<B> {
         })
     }
 
-    pub fn model(&self) -> &Model<B> {
-        &self.model
+    /// The model's shape (with tensor parallelism, one rank's heads and MLP).
+    pub fn config(&self) -> &ModelConfig {
+        self.exec.config()
     }
 
     pub fn tokenizer(&self) -> &ModelTokenizer {
@@ -245,7 +270,7 @@ impl<B: Backend> EngineCore<B> {
 
     fn validate(&self, req: &Request) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        let (context, vocab) = (self.model.config.context_length, self.model.config.vocab_size);
+        let (context, vocab) = (self.exec.config().context_length, self.exec.config().vocab_size);
         if req.prompt.is_empty() {
             return bad("the prompt is empty".into());
         }
@@ -344,7 +369,7 @@ impl<B: Backend> EngineCore<B> {
                     }
                 })
                 .collect();
-            self.model.forward(&inputs, &mut self.kv)?
+            self.exec.forward(&inputs)?
         };
         for s in &step.scheduled {
             let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
@@ -357,7 +382,7 @@ impl<B: Backend> EngineCore<B> {
             ids.iter().map(|id| (*id, self.requests.remove(id).expect("scheduled requests exist"))).collect();
         let sampled = {
             let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
-            sample_batch(&mut logits, self.model.config.vocab_size, &mut states)
+            sample_batch(&mut logits, self.exec.config().vocab_size, &mut states)
         };
         let mut outputs = Vec::with_capacity(taken.len());
         for ((seq_id, mut state), s) in taken.into_iter().zip(sampled) {
@@ -399,7 +424,7 @@ impl<B: Backend> EngineCore<B> {
                 finish = Some(FinishReason::Stop);
             }
         }
-        if finish.is_none() && (num_output >= state.max_tokens || total >= self.model.config.context_length) {
+        if finish.is_none() && (num_output >= state.max_tokens || total >= self.exec.config().context_length) {
             finish = Some(FinishReason::Length);
         }
         if finish.is_some() {

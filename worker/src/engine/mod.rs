@@ -2,11 +2,13 @@
 //! chunked prefill (`scheduler`), a paged KV cache with prefix caching (`block_pool`),
 //! sampling (`sampler`), incremental detokenization with stop strings
 //! (`detokenizer`), tied together one step at a time by `core::EngineCore`, which
-//! `runner::EngineHandle` runs on its own thread for the async world.
+//! `runner::EngineHandle` runs on its own thread for the async world. `executor` runs
+//! the batches: one model, or the ranks of a tensor-parallel group.
 
 pub mod block_pool;
 pub mod core;
 pub mod detokenizer;
+pub mod executor;
 pub mod runner;
 pub mod sampler;
 pub mod scheduler;

@@ -204,6 +204,13 @@ impl<B: Backend> Model<B> {
         Ok(Some(b.linear(&x, d.num_logits, w.lm_head(), None)?))
     }
 
+    /// Fails the other ranks' pending all-reduces: this rank will not join them.
+    pub fn abort_group(&self) {
+        if let Some(c) = &self.comm {
+            c.abort();
+        }
+    }
+
     /// Sums a row-parallel product over the tensor-parallel ranks (nothing alone).
     fn all_reduce(&self, x: &mut B::Buffer) -> Result<(), ModelError> {
         match &self.comm {

@@ -1,0 +1,194 @@
+//! What runs the engine's batches: one model over its KV cache, or a tensor-parallel
+//! group, one thread per rank, each with its shard of the weights and of the KV cache
+//! (its KV heads of every block). The engine's thread hands every rank the same batch
+//! and takes rank 0's logits; the ranks meet in their all-reduces.
+
+use crate::model::{KvCache, Model, ModelConfig, ModelError, SeqInput};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+use tessera_kernels::Backend;
+use tessera_proto::block_hash::BLOCK_TOKENS;
+
+pub enum Executor<B: Backend> {
+    Single { model: Model<B>, kv: KvCache<B> },
+    Parallel(TensorParallel),
+}
+
+impl<B: Backend + 'static> Executor<B> {
+    /// One model, its KV cache of `num_blocks` (plus a scratch block for padded graph
+    /// rows) and its decode graphs.
+    pub fn single(model: Model<B>, num_blocks: usize, graph_sizes: &[usize]) -> Result<Self, ModelError> {
+        let kv = cache_with_graphs(&model, num_blocks, graph_sizes)?;
+        Ok(Executor::Single { model, kv })
+    }
+
+    /// The ranks of a tensor-parallel group, rank 0 first.
+    pub fn parallel(ranks: Vec<Model<B>>, num_blocks: usize, graph_sizes: &[usize]) -> Result<Self, ModelError> {
+        Ok(Executor::Parallel(TensorParallel::spawn(ranks, num_blocks, graph_sizes)?))
+    }
+}
+
+impl<B: Backend> Executor<B> {
+    /// The model's shape (heads and MLP: rank 0's share).
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Executor::Single { model, .. } => &model.config,
+            Executor::Parallel(tp) => &tp.config,
+        }
+    }
+
+    pub fn forward(&mut self, seqs: &[SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
+        match self {
+            Executor::Single { model, kv } => model.forward(seqs, kv),
+            Executor::Parallel(tp) => tp.forward(seqs),
+        }
+    }
+}
+
+fn cache_with_graphs<B: Backend>(
+    model: &Model<B>,
+    num_blocks: usize,
+    graph_sizes: &[usize],
+) -> Result<KvCache<B>, ModelError> {
+    let mut kv = model.new_kv_cache(num_blocks + 1, BLOCK_TOKENS)?;
+    model.capture_decode_graphs(&mut kv, num_blocks as u32, graph_sizes)?;
+    Ok(kv)
+}
+
+/// A batch as the rank threads receive it.
+struct OwnedSeq {
+    tokens: Vec<u32>,
+    cached: usize,
+    block_table: Vec<u32>,
+    logits: bool,
+}
+
+struct Rank {
+    jobs: Option<Sender<Arc<Vec<OwnedSeq>>>>,
+    results: Receiver<Result<Vec<f32>, ModelError>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub struct TensorParallel {
+    config: ModelConfig,
+    ranks: Vec<Rank>,
+}
+
+impl TensorParallel {
+    fn spawn<B: Backend + 'static>(
+        models: Vec<Model<B>>,
+        num_blocks: usize,
+        graph_sizes: &[usize],
+    ) -> Result<Self, ModelError> {
+        let config = models.first().ok_or_else(|| ModelError::Input("no ranks".into()))?.config.clone();
+        let ranks: Vec<Rank> = models
+            .into_iter()
+            .enumerate()
+            .map(|(i, model)| {
+                let (job_tx, job_rx) = channel::<Arc<Vec<OwnedSeq>>>();
+                let (result_tx, result_rx) = channel();
+                let sizes = graph_sizes.to_vec();
+                let thread = std::thread::Builder::new()
+                    .name(format!("tp-rank-{i}"))
+                    .spawn(move || rank_loop(model, num_blocks, &sizes, job_rx, result_tx))
+                    .map_err(|e| ModelError::Input(format!("starting rank {i}: {e}")))?;
+                Ok(Rank { jobs: Some(job_tx), results: result_rx, thread: Some(thread) })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        let tp = TensorParallel { config, ranks };
+        // Each rank reports once its cache (and graphs, captured together) is ready.
+        tp.collect()?;
+        Ok(tp)
+    }
+
+    fn forward(&mut self, seqs: &[SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
+        let batch: Arc<Vec<OwnedSeq>> = Arc::new(
+            seqs.iter()
+                .map(|s| OwnedSeq {
+                    tokens: s.tokens.to_vec(),
+                    cached: s.cached,
+                    block_table: s.block_table.to_vec(),
+                    logits: s.logits,
+                })
+                .collect(),
+        );
+        for r in &self.ranks {
+            let sent = r.jobs.as_ref().is_some_and(|tx| tx.send(batch.clone()).is_ok());
+            if !sent {
+                return Err(ModelError::Input("a tensor-parallel rank has stopped".into()));
+            }
+        }
+        self.collect()
+    }
+
+    /// Every rank's answer; rank 0's logits, or the first error.
+    fn collect(&self) -> Result<Vec<f32>, ModelError> {
+        let mut first = None;
+        let mut error = None;
+        for r in &self.ranks {
+            match r.results.recv() {
+                Ok(Ok(logits)) => {
+                    first.get_or_insert(logits);
+                }
+                Ok(Err(e)) => {
+                    error.get_or_insert(e);
+                }
+                Err(_) => {
+                    error.get_or_insert(ModelError::Input("a tensor-parallel rank has stopped".into()));
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(first.unwrap_or_default()),
+        }
+    }
+}
+
+fn rank_loop<B: Backend>(
+    model: Model<B>,
+    num_blocks: usize,
+    graph_sizes: &[usize],
+    jobs: Receiver<Arc<Vec<OwnedSeq>>>,
+    results: Sender<Result<Vec<f32>, ModelError>>,
+) {
+    let mut kv = match cache_with_graphs(&model, num_blocks, graph_sizes) {
+        Ok(kv) => kv,
+        Err(e) => {
+            model.abort_group();
+            let _ = results.send(Err(e));
+            return;
+        }
+    };
+    if results.send(Ok(Vec::new())).is_err() {
+        return;
+    }
+    while let Ok(batch) = jobs.recv() {
+        let seqs: Vec<SeqInput<'_>> = batch
+            .iter()
+            .map(|s| SeqInput { tokens: &s.tokens, cached: s.cached, block_table: &s.block_table, logits: s.logits })
+            .collect();
+        let out = model.forward(&seqs, &mut kv);
+        if out.is_err() {
+            // The other ranks may be waiting for this one in an all-reduce.
+            model.abort_group();
+        }
+        if results.send(out).is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for TensorParallel {
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            r.jobs = None;
+        }
+        for r in &mut self.ranks {
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
