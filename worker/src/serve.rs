@@ -38,7 +38,7 @@ pub struct ServeConfig {
     #[arg(long, value_enum, default_value_t = device::Device::Auto)]
     pub device: device::Device,
     /// Ranks the model is split over (Megatron-style): attention heads and MLP columns
-    /// divided, one thread per rank.
+    /// divided, one thread per rank; on CUDA one GPU per rank, summing through NCCL.
     #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub tensor_parallel_size: usize,
     /// Share of the GPU's memory the worker may fill (weights, activations, KV cache).
@@ -86,21 +86,32 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
             },
         ),
         #[cfg(feature = "cuda")]
-        device::Opened::Cuda(b) => {
-            anyhow::ensure!(
-                tp == 1,
-                "--tensor-parallel-size {tp} on CUDA needs NCCL across GPUs, which this worker does not have yet"
-            );
-            build(
-                &path,
-                config,
-                |model_config, source| Ok(vec![Model::load(*b, model_config.clone(), source)?]),
-                |model| match config.kv_cache_bytes {
-                    Some(bytes) => bytes,
-                    None => gpu_kv_budget(model, config),
-                },
-            )
-        }
+        device::Opened::Cuda(b) => build(
+            &path,
+            config,
+            |model_config, source| {
+                if tp == 1 {
+                    return Ok(vec![Model::load(*b, model_config.clone(), source)?]);
+                }
+                // One GPU per rank, summing through NCCL.
+                let mut backends = vec![*b];
+                for gpu in 1..tp {
+                    backends.push(tessera_kernels::cuda::CudaBackend::new(gpu).with_context(|| format!("rank {gpu}"))?);
+                }
+                let comms = tessera_kernels::cuda::NcclRank::group(&backends.iter().collect::<Vec<_>>())?;
+                backends
+                    .into_iter()
+                    .zip(comms)
+                    .map(|(backend, comm)| {
+                        Ok(Model::load_shard(backend, model_config.clone(), source, Arc::new(comm))?)
+                    })
+                    .collect()
+            },
+            |model| match config.kv_cache_bytes {
+                Some(bytes) => bytes,
+                None => gpu_kv_budget(model, config),
+            },
+        ),
     }
 }
 

@@ -260,3 +260,41 @@ fn gpu_decode_graphs_match_op_by_op_steps() {
 fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap()
 }
+
+/// Tensor parallelism over NCCL, one GPU per rank: as many ranks as there are GPUs (up
+/// to 4, the wide model's KV heads allow 2) give the logits of the unsplit model. With
+/// one GPU the group has one rank, which still runs every NCCL all-reduce.
+#[test]
+fn gpu_tensor_parallel_over_nccl_matches_one_model() {
+    use std::sync::Arc;
+    use tessera_kernels::cuda::NcclRank;
+    use tessera_worker::load::open;
+    let Some(g) = gpu() else { return };
+    drop(g);
+    let size = CudaBackend::device_count().clamp(1, 2);
+    let mut rng = rng();
+    let root = temp_root("nccl");
+    let dir = write_model(&wide(), &mut rng, &root);
+    let whole = load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model;
+    let prompt: Vec<u32> = (0..30).map(|_| rng.random_range(0..256)).collect();
+    let want = logits(&whole, &prompt, 20);
+    drop(whole);
+    let (config, _, source) = open(&dir).unwrap();
+    let backends: Vec<CudaBackend> = (0..size).map(|i| CudaBackend::new(i).unwrap()).collect();
+    let comms = NcclRank::group(&backends.iter().collect::<Vec<_>>()).unwrap();
+    let ranks: Vec<Model<CudaBackend>> = backends
+        .into_iter()
+        .zip(comms)
+        .map(|(b, c)| Model::load_shard(b, config.clone(), &*source, Arc::new(c)).unwrap())
+        .collect();
+    let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks.iter().map(|m| scope.spawn(|| logits(m, &prompt, 20))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    eprintln!("{size} NCCL ranks");
+    for (step, (g, w)) in got[0].iter().zip(&want).enumerate() {
+        let err = rel_err(g, w);
+        assert!(err < 2e-2, "{size} ranks, step {step}: logits differ by {err}");
+    }
+    let _ = std::fs::remove_dir_all(root);
+}

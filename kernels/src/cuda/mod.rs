@@ -9,6 +9,7 @@
 //! converts on the device where it must.
 
 pub mod compile;
+mod nccl;
 mod synthetic;
 #[cfg(test)]
 mod tests;
@@ -22,6 +23,8 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
+
+pub use nccl::NcclRank;
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -240,6 +243,15 @@ impl CudaBackend {
             .map_err(device_err("cuda"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| unavailable(format!("cuBLAS: {e:?}")))?;
         Ok(Self { ctx, stream, blas, k, sm_count, poison: false })
+    }
+
+    /// CUDA devices on this machine (0 without a driver).
+    pub fn device_count() -> usize {
+        // SAFETY: only probes for the driver library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
     }
 
     /// Every new output buffer starts as NaN (for tests).
