@@ -44,7 +44,7 @@ pub struct ThreadRank {
 
 impl ThreadGroup {
     /// A group of `size` ranks: one handle per rank, in rank order.
-    pub fn new(size: usize) -> Vec<ThreadRank> {
+    pub fn ranks(size: usize) -> Vec<ThreadRank> {
         let group = Arc::new(ThreadGroup {
             size,
             state: Mutex::new(Round { parts: vec![None; size], ..Round::default() }),
@@ -127,7 +127,7 @@ mod tests {
 
     #[test]
     fn every_rank_gets_the_sum_round_after_round() {
-        let ranks = ThreadGroup::new(3);
+        let ranks = ThreadGroup::ranks(3);
         let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = ranks
                 .iter()
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn an_aborted_group_fails_the_waiting_ranks() {
-        let ranks = ThreadGroup::new(2);
+        let ranks = ThreadGroup::ranks(2);
         std::thread::scope(|scope| {
             let waiting = scope.spawn(|| ranks[0].all_reduce_sum(&CpuBackend, &mut vec![1.0]));
             ranks[1].abort();

@@ -72,7 +72,7 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                     return Ok(vec![Model::load(b, model_config.clone(), source)?]);
                 }
                 // One thread per rank, summing through the in-process all-reduce.
-                ThreadGroup::new(tp)
+                ThreadGroup::ranks(tp)
                     .into_iter()
                     .map(|rank| Ok(Model::load_shard(CpuBackend, model_config.clone(), source, Arc::new(rank))?))
                     .collect()

@@ -42,7 +42,7 @@ fn tensor_parallel(
     split: usize,
 ) -> Vec<Vec<Vec<f32>>> {
     std::thread::scope(|scope| {
-        let ranks: Vec<_> = ThreadGroup::new(size)
+        let ranks: Vec<_> = ThreadGroup::ranks(size)
             .into_iter()
             .map(|rank| {
                 scope.spawn(move || {
@@ -135,7 +135,7 @@ fn an_engine_over_two_ranks_generates_what_one_model_generates() {
     let single = load_model(CpuBackend, &root).unwrap();
     let want = run(EngineCore::new(single.model, single.tokenizer, EngineConfig::default(), "tp").unwrap());
     let (config, tokenizer, source) = open(&root).unwrap();
-    let ranks: Vec<Model<CpuBackend>> = ThreadGroup::new(2)
+    let ranks: Vec<Model<CpuBackend>> = ThreadGroup::ranks(2)
         .into_iter()
         .map(|rank| Model::load_shard(CpuBackend, config.clone(), &*source, Arc::new(rank)).unwrap())
         .collect();
