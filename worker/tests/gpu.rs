@@ -298,3 +298,67 @@ fn gpu_tensor_parallel_over_nccl_matches_one_model() {
     }
     let _ = std::fs::remove_dir_all(root);
 }
+
+/// Greedy decoding on the GPU picks the CPU sampler's token with its log-probability
+/// and top alternatives, under repetition, frequency and presence penalties and logit
+/// bias, for rows that ask for 0, 5 or 20 alternatives or none.
+#[test]
+fn gpu_greedy_pick_matches_the_cpu_sampler() {
+    use tessera_kernels::cuda::GreedyRow;
+    use tessera_worker::engine::sampler::{SamplerState, SamplingParams, sample};
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    for vocab in [5000usize, 128_256] {
+        let rows = 8;
+        let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.random_range(-8.0f32..8.0)).collect();
+        let mut params = Vec::new();
+        let mut gpu_rows = Vec::new();
+        let mut want = Vec::new();
+        for r in 0..rows {
+            let p = SamplingParams {
+                repetition_penalty: [1.0, 1.3][r % 2],
+                frequency_penalty: [0.0, 0.5, 1.5][r % 3],
+                presence_penalty: [0.0, 0.8][(r / 2) % 2],
+                logit_bias: if r % 4 == 1 { vec![(rng.random_range(0..vocab as u32), 30.0), (7, -100.0)] } else { vec![] },
+                logprobs: [None, Some(0), Some(5), Some(20)][r % 4],
+                ..SamplingParams::greedy()
+            };
+            let prompt: Vec<u32> = (0..50).map(|_| rng.random_range(0..vocab as u32)).collect();
+            let output: Vec<u32> = (0..20).map(|_| rng.random_range(0..vocab as u32)).collect();
+            let mut state = SamplerState::new(p.clone(), &prompt);
+            output.iter().for_each(|&t| state.push(t));
+            let mut history: Vec<(u32, u32, bool)> = Vec::new();
+            for &t in prompt.iter().chain(&output) {
+                if !history.iter().any(|h| h.0 == t) {
+                    let count = output.iter().filter(|&&o| o == t).count() as u32;
+                    history.push((t, count, true));
+                }
+            }
+            let mut row = logits[r * vocab..(r + 1) * vocab].to_vec();
+            want.push(sample(&mut row, &mut state));
+            gpu_rows.push(GreedyRow {
+                repetition_penalty: p.repetition_penalty,
+                frequency_penalty: p.frequency_penalty,
+                presence_penalty: p.presence_penalty,
+                history,
+                logit_bias: p.logit_bias.clone(),
+                top_logprobs: p.logprobs,
+            });
+            params.push(p);
+        }
+        let got = g.greedy_pick(&g.upload(&logits).unwrap(), vocab, &gpu_rows).unwrap();
+        for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(got.token, want.token, "vocab {vocab} row {r} ({:?})", params[r]);
+            match (got.logprob, want.logprob) {
+                (Some(a), Some(b)) => assert!((a - b).abs() < 1e-3, "row {r}: logprob {a} vs {b}"),
+                (a, b) => assert_eq!(a.is_some(), b.is_some(), "row {r}"),
+            }
+            assert_eq!(got.top_logprobs.len(), want.top_logprobs.len(), "row {r}");
+            for ((ta, la), (tb, lb)) in got.top_logprobs.iter().zip(&want.top_logprobs) {
+                assert_eq!(ta, tb, "row {r}: top tokens");
+                assert!((la - lb).abs() < 1e-3, "row {r}: top logprob {la} vs {lb}");
+            }
+        }
+    }
+    assert!(g.greedy_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[GreedyRow { top_logprobs: Some(21), ..Default::default() }]).is_err());
+}

@@ -10,6 +10,7 @@
 
 pub mod compile;
 mod nccl;
+mod sampling;
 mod synthetic;
 #[cfg(test)]
 mod tests;
@@ -25,6 +26,7 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 pub use nccl::NcclRank;
+pub use sampling::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -119,6 +121,12 @@ struct Kernels {
     /// merge.
     paged_attention_fast: Vec<((usize, usize), CudaFunction)>,
     paged_attention_merge: CudaFunction,
+    apply_penalties: CudaFunction,
+    add_at: CudaFunction,
+    row_argmax: CudaFunction,
+    row_max_lse: CudaFunction,
+    row_topk: CudaFunction,
+    gather_f32: CudaFunction,
 }
 
 /// Threads per block of the elementwise and row kernels.
@@ -237,6 +245,12 @@ impl CudaBackend {
                 .map(|(hd, g)| Ok(((hd, g), find(&format!("paged_attention_hd{hd}_g{g}"))?)))
                 .collect::<Result<_>>()?,
             paged_attention_merge: find("paged_attention_merge")?,
+            apply_penalties: find("apply_penalties")?,
+            add_at: find("add_at")?,
+            row_argmax: find("row_argmax")?,
+            row_max_lse: find("row_max_lse")?,
+            row_topk: find("row_topk")?,
+            gather_f32: find("gather_f32")?,
         };
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
