@@ -10,6 +10,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+pub mod greedy;
 mod ops;
 mod paged;
 pub mod quant;

@@ -304,7 +304,7 @@ fn gpu_tensor_parallel_over_nccl_matches_one_model() {
 /// bias, for rows that ask for 0, 5 or 20 alternatives or none.
 #[test]
 fn gpu_greedy_pick_matches_the_cpu_sampler() {
-    use tessera_kernels::cuda::GreedyRow;
+    use tessera_kernels::greedy::GreedyRow;
     use tessera_worker::engine::sampler::{SamplerState, SamplingParams, sample};
     let Some(g) = gpu() else { return };
     let mut rng = rng();
@@ -319,7 +319,11 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
                 repetition_penalty: [1.0, 1.3][r % 2],
                 frequency_penalty: [0.0, 0.5, 1.5][r % 3],
                 presence_penalty: [0.0, 0.8][(r / 2) % 2],
-                logit_bias: if r % 4 == 1 { vec![(rng.random_range(0..vocab as u32), 30.0), (7, -100.0)] } else { vec![] },
+                logit_bias: if r % 4 == 1 {
+                    vec![(rng.random_range(0..vocab as u32), 30.0), (7, -100.0)]
+                } else {
+                    vec![]
+                },
                 logprobs: [None, Some(0), Some(5), Some(20)][r % 4],
                 ..SamplingParams::greedy()
             };
@@ -346,7 +350,8 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
             });
             params.push(p);
         }
-        let got = g.greedy_pick(&g.upload(&logits).unwrap(), vocab, &gpu_rows).unwrap();
+        let got =
+            g.greedy_pick(&g.upload(&logits).unwrap(), vocab, &gpu_rows).unwrap().expect("CUDA picks on the device");
         for (r, (got, want)) in got.iter().zip(&want).enumerate() {
             assert_eq!(got.token, want.token, "vocab {vocab} row {r} ({:?})", params[r]);
             match (got.logprob, want.logprob) {
@@ -360,5 +365,8 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
             }
         }
     }
-    assert!(g.greedy_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[GreedyRow { top_logprobs: Some(21), ..Default::default() }]).is_err());
+    assert!(
+        g.greedy_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[GreedyRow { top_logprobs: Some(21), ..Default::default() }])
+            .is_err()
+    );
 }

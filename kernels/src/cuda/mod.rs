@@ -25,8 +25,8 @@ use half::bf16;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
+pub use crate::greedy::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
 pub use nccl::NcclRank;
-pub use sampling::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -460,6 +460,10 @@ impl Backend for CudaBackend {
         let graph = graph.map_err(device_err("capture"))?.ok_or_else(|| unavailable("the capture recorded nothing"))?;
         graph.upload().map_err(device_err("capture"))?;
         Ok(Some(CudaGraphHandle(Mutex::new(GraphExec(graph)))))
+    }
+
+    fn greedy_pick(&self, logits: &CudaBuffer, vocab: usize, rows: &[GreedyRow]) -> Result<Option<Vec<Picked>>> {
+        self.pick_greedily(logits, vocab, rows).map(Some)
     }
 
     fn replay(&self, graph: &CudaGraphHandle) -> Result<()> {

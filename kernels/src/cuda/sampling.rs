@@ -4,49 +4,10 @@
 
 use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch};
 use crate::error::expect_len;
+use crate::greedy::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
 use crate::{KernelError, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-/// How one row is decoded greedily (the engine's sampling parameters at temperature 0).
-#[derive(Debug, Clone)]
-pub struct GreedyRow {
-    pub repetition_penalty: f32,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    /// The sequence's history, each token once: (token, times in the output, whether
-    /// the repetition penalty applies to it, i.e. it is in the prompt or the output).
-    pub history: Vec<(u32, u32, bool)>,
-    pub logit_bias: Vec<(u32, f32)>,
-    /// How many alternatives to return with log-probabilities (0..=20); None for no
-    /// log-probabilities at all.
-    pub top_logprobs: Option<u32>,
-}
-
-impl Default for GreedyRow {
-    /// No penalty, no bias, no log-probabilities.
-    fn default() -> Self {
-        Self {
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            history: Vec::new(),
-            logit_bias: Vec::new(),
-            top_logprobs: None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Picked {
-    pub token: u32,
-    /// log P(token) under the raw logits, before penalties and bias.
-    pub logprob: Option<f32>,
-    /// The most likely tokens with their log-probabilities, most likely first.
-    pub top_logprobs: Vec<(u32, f32)>,
-}
-
-/// Most alternatives `top_logprobs` may ask for (TOPK_MAX in sampling.cu).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
 const ROW_THREADS: u32 = 1024;
 
 fn per_row(rows: usize) -> LaunchConfig {
@@ -55,14 +16,15 @@ fn per_row(rows: usize) -> LaunchConfig {
 
 impl CudaBackend {
     /// Picks each row's token greedily from `logits` (`[rows.len(), vocab]`).
-    pub fn greedy_pick(&self, logits: &CudaBuffer, vocab: usize, rows: &[GreedyRow]) -> Result<Vec<Picked>> {
+    pub(super) fn pick_greedily(&self, logits: &CudaBuffer, vocab: usize, rows: &[GreedyRow]) -> Result<Vec<Picked>> {
         const OP: &str = "greedy_pick";
         expect_len(OP, "logits", logits.len(), rows.len() * vocab)?;
         if rows.is_empty() {
             return Ok(Vec::new());
         }
         for (i, r) in rows.iter().enumerate() {
-            let bad = r.history.iter().map(|h| h.0).chain(r.logit_bias.iter().map(|b| b.0)).find(|&t| t as usize >= vocab);
+            let bad =
+                r.history.iter().map(|h| h.0).chain(r.logit_bias.iter().map(|b| b.0)).find(|&t| t as usize >= vocab);
             if let Some(t) = bad {
                 return Err(KernelError::shape(OP, format!("row {i}: token {t} outside a vocabulary of {vocab}")));
             }
@@ -148,7 +110,13 @@ impl CudaBackend {
     }
 
     /// `raw` with each row's penalties and bias applied, as a new buffer.
-    fn penalise(&self, op: &'static str, raw: &CudaSlice<f32>, vocab: u32, rows: &[GreedyRow]) -> Result<CudaSlice<f32>> {
+    fn penalise(
+        &self,
+        op: &'static str,
+        raw: &CudaSlice<f32>,
+        vocab: u32,
+        rows: &[GreedyRow],
+    ) -> Result<CudaSlice<f32>> {
         let mut work = self.stream.clone_dtod(raw).map_err(device_err(op))?;
         let (mut r_idx, mut tok, mut cnt, mut seen) = (vec![], vec![], vec![], vec![]);
         let (mut b_idx, mut b_tok, mut b_val) = (vec![], vec![], vec![]);

@@ -8,10 +8,11 @@ use super::executor::Executor;
 use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
-use crate::model::{Model, ModelConfig, ModelError, SeqInput};
+use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
 use std::collections::HashMap;
 use tessera_kernels::Backend;
+use tessera_kernels::greedy::GreedyRow;
 use tessera_proto::block_hash::BlockHasher;
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's limit).
@@ -355,7 +356,14 @@ impl<B: Backend> EngineCore<B> {
             return Ok(Vec::new());
         }
         self.stats.steps += 1;
-        let mut logits = {
+        // When every sampled row decodes greedily the device may pick the tokens itself.
+        let greedy: Option<Vec<GreedyRow>> = step
+            .scheduled
+            .iter()
+            .filter(|s| s.sample)
+            .map(|s| self.requests.get(&s.id).and_then(|r| r.sampler.greedy_row()))
+            .collect();
+        let forwarded = {
             let inputs: Vec<SeqInput<'_>> = step
                 .scheduled
                 .iter()
@@ -369,7 +377,10 @@ impl<B: Backend> EngineCore<B> {
                     }
                 })
                 .collect();
-            self.exec.forward(&inputs)?
+            match &greedy {
+                Some(rows) => self.exec.forward_greedy(&inputs, rows)?,
+                None => Forwarded::Logits(self.exec.forward(&inputs)?),
+            }
         };
         for s in &step.scheduled {
             let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
@@ -380,9 +391,15 @@ impl<B: Backend> EngineCore<B> {
         let ids: Vec<SeqId> = step.scheduled.iter().filter(|s| s.sample).map(|s| s.id).collect();
         let mut taken: Vec<(SeqId, RequestState)> =
             ids.iter().map(|id| (*id, self.requests.remove(id).expect("scheduled requests exist"))).collect();
-        let sampled = {
-            let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
-            sample_batch(&mut logits, self.exec.config().vocab_size, &mut states)
+        let sampled = match forwarded {
+            Forwarded::Picked(picks) => picks
+                .into_iter()
+                .map(|p| Sampled { token: p.token, logprob: p.logprob, top_logprobs: p.top_logprobs })
+                .collect(),
+            Forwarded::Logits(mut logits) => {
+                let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
+                sample_batch(&mut logits, self.exec.config().vocab_size, &mut states)
+            }
         };
         let mut outputs = Vec::with_capacity(taken.len());
         for ((seq_id, mut state), s) in taken.into_iter().zip(sampled) {

@@ -3,11 +3,12 @@
 //! (its KV heads of every block). The engine's thread hands every rank the same batch
 //! and takes rank 0's logits; the ranks meet in their all-reduces.
 
-use crate::model::{KvCache, Model, ModelConfig, ModelError, SeqInput};
+use crate::model::{Forwarded, KvCache, Model, ModelConfig, ModelError, SeqInput};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use tessera_kernels::Backend;
+use tessera_kernels::greedy::GreedyRow;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 
 pub enum Executor<B: Backend> {
@@ -42,6 +43,15 @@ impl<B: Backend> Executor<B> {
         match self {
             Executor::Single { model, kv } => model.forward(seqs, kv),
             Executor::Parallel(tp) => tp.forward(seqs),
+        }
+    }
+
+    /// `forward` for greedy rows: picked on the device where the backend can (a
+    /// tensor-parallel group hands back rank 0's logits instead).
+    pub fn forward_greedy(&mut self, seqs: &[SeqInput<'_>], rows: &[GreedyRow]) -> Result<Forwarded, ModelError> {
+        match self {
+            Executor::Single { model, kv } => model.forward_greedy(seqs, kv, rows),
+            Executor::Parallel(tp) => Ok(Forwarded::Logits(tp.forward(seqs)?)),
         }
     }
 }

@@ -7,6 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use std::collections::HashMap;
+use tessera_kernels::greedy::GreedyRow;
 
 /// How one sequence samples. Defaults are "off" for every filter and penalty.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +74,28 @@ impl SamplerState {
         let seen =
             if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
         Self { params, rng, output_counts: HashMap::new(), seen }
+    }
+
+    /// The row a device can decode greedily for this sequence; None unless it samples
+    /// at temperature 0.
+    pub fn greedy_row(&self) -> Option<GreedyRow> {
+        let p = &self.params;
+        if p.temperature > 0.0 {
+            return None;
+        }
+        let mut history = Vec::new();
+        if p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            history.extend(self.output_counts.iter().map(|(&t, &c)| (t, c, self.seen.contains_key(&t))));
+            history.extend(self.seen.keys().filter(|t| !self.output_counts.contains_key(t)).map(|&t| (t, 0, true)));
+        }
+        Some(GreedyRow {
+            repetition_penalty: p.repetition_penalty,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            history,
+            logit_bias: p.logit_bias.clone(),
+            top_logprobs: p.logprobs,
+        })
     }
 
     /// Records a token the sequence produced.

@@ -9,6 +9,7 @@ use super::weights::{self, Weights};
 use crate::loader::TensorSource;
 use std::sync::Arc;
 use tessera_kernels::collective::AllReduce;
+use tessera_kernels::greedy::{GreedyRow, Picked};
 use tessera_kernels::{AttentionShape, Backend, PagedBatch};
 
 pub struct Model<B: Backend> {
@@ -18,6 +19,13 @@ pub struct Model<B: Backend> {
     weights: Weights<B>,
     /// The other ranks, when this is one rank of a tensor-parallel group.
     comm: Option<Arc<dyn AllReduce<B>>>,
+}
+
+/// What a forward hands the sampler: tokens the device picked, or `[n, vocab]` logits.
+#[derive(Debug)]
+pub enum Forwarded {
+    Picked(Vec<Picked>),
+    Logits(Vec<f32>),
 }
 
 /// One sequence's part of a batch.
@@ -111,7 +119,7 @@ impl<B: Backend> Model<B> {
     /// A batch of single-token decodes runs as a captured graph when the cache holds
     /// one big enough (see `capture_decode_graphs`).
     pub fn forward(&self, seqs: &[SeqInput<'_>], kv: &mut KvCache<B>) -> Result<Vec<f32>, ModelError> {
-        if let Some(logits) = self.decode_with_graph(seqs, kv)? {
+        if let Some((logits, _)) = self.decode_with_graph(seqs, kv)? {
             let mut all = self.backend.download(logits)?;
             all.truncate(seqs.len() * self.config.vocab_size);
             return Ok(all);
@@ -120,6 +128,40 @@ impl<B: Backend> Model<B> {
             Some(logits) => Ok(self.backend.download(&logits)?),
             None => Ok(Vec::new()),
         }
+    }
+
+    /// `forward` for a batch whose sampled rows all decode greedily, `rows` holding one
+    /// entry per sequence that asks for logits: the backend picks the tokens on its
+    /// device when it can, and only the picks leave it.
+    pub fn forward_greedy(
+        &self,
+        seqs: &[SeqInput<'_>],
+        kv: &mut KvCache<B>,
+        rows: &[GreedyRow],
+    ) -> Result<Forwarded, ModelError> {
+        let b = &self.backend;
+        let vocab = self.config.vocab_size;
+        if let Some((logits, batch)) = self.decode_with_graph(seqs, kv)? {
+            // The graph's padding rows are picked too, then dropped.
+            let mut padded = rows.to_vec();
+            padded.resize(batch, GreedyRow::default());
+            return Ok(match b.greedy_pick(logits, vocab, &padded)? {
+                Some(mut picks) => {
+                    picks.truncate(rows.len());
+                    Forwarded::Picked(picks)
+                }
+                None => {
+                    let mut all = b.download(logits)?;
+                    all.truncate(rows.len() * vocab);
+                    Forwarded::Logits(all)
+                }
+            });
+        }
+        let Some(logits) = self.forward_on_device(seqs, kv)? else { return Ok(Forwarded::Logits(Vec::new())) };
+        Ok(match b.greedy_pick(&logits, vocab, rows)? {
+            Some(picks) => Forwarded::Picked(picks),
+            None => Forwarded::Logits(b.download(&logits)?),
+        })
     }
 
     /// `forward`, leaving the logits on the device (None when no sequence asked).

@@ -81,12 +81,12 @@ impl<B: Backend> Model<B> {
 
     /// Runs `seqs` through a captured graph when they are all single-token decodes
     /// that want logits and a graph is large enough; returns the graph's logits buffer
-    /// (padded rows last), or None for the ordinary path.
+    /// and its row count (padded rows last), or None for the ordinary path.
     pub fn decode_with_graph<'k>(
         &self,
         seqs: &[SeqInput<'_>],
         kv: &'k mut KvCache<B>,
-    ) -> Result<Option<&'k B::Buffer>, ModelError> {
+    ) -> Result<Option<(&'k B::Buffer, usize)>, ModelError> {
         let Some(graphs) = &mut kv.graphs else { return Ok(None) };
         if seqs.is_empty() || seqs.iter().any(|s| s.tokens.len() != 1 || !s.logits) {
             return Ok(None);
@@ -114,7 +114,7 @@ impl<B: Backend> Model<B> {
         b.write_index(&mut d.context_lens, &padded.context_lens)?;
         b.write_index(&mut d.block_tables, &padded.block_tables)?;
         b.replay(&g.graph)?;
-        Ok(Some(&g.logits))
+        Ok(Some((&g.logits, g.batch)))
     }
 }
 

@@ -9,7 +9,7 @@ pub mod shard;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
-pub use forward::{Model, SeqInput};
+pub use forward::{Forwarded, Model, SeqInput};
 pub use graphs::DecodeGraphs;
 pub use kv_cache::KvCache;
 
