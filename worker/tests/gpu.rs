@@ -25,14 +25,7 @@ use tessera_worker::model::{KvCache, Model, SeqInput};
 use tiny_models::{Variant, random_weights, variants, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            assert!(std::env::var("TESSERA_GPU_TESTS").as_deref() != Ok("1"), "TESSERA_GPU_TESTS=1 but {e}");
-            eprintln!("skipped: {e}");
-            None
-        }
-    }
+    CudaBackend::for_tests()
 }
 
 fn rng() -> StdRng {
@@ -76,18 +69,7 @@ fn temp_root(name: &str) -> PathBuf {
 
 /// Logits of a prefill of `prompt[..split]` then one decode per remaining token.
 fn logits<B: Backend>(model: &Model<B>, prompt: &[u32], split: usize) -> Vec<Vec<f32>> {
-    let mut kv = model.new_kv_cache(64, 16).unwrap();
-    let table: Vec<u32> = (0..64).rev().collect();
-    let mut out = vec![
-        model
-            .forward(&[SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true }], &mut kv)
-            .unwrap(),
-    ];
-    for pos in split..prompt.len() {
-        let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
-        out.push(model.forward(&step, &mut kv).unwrap());
-    }
-    out
+    tiny_models::prefill_then_decode(model, prompt, split, 16)
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
@@ -369,4 +351,34 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
         g.greedy_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[GreedyRow { top_logprobs: Some(21), ..Default::default() }])
             .is_err()
     );
+}
+
+/// `--device cuda` without a usable GPU stops with one line that says why; `--device
+/// auto` then runs on the CPU. (On a GPU machine both run on the GPU.)
+#[test]
+fn device_flags_name_the_missing_gpu_in_one_line_and_auto_falls_back() {
+    let root = temp_root("device-flags");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    let run = |device: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tessera-worker"))
+            .args(["generate", "--prompt", "hi", "--max-tokens", "3", "--json", "--device", device, "--model"])
+            .arg(&dir)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap()
+    };
+    let auto = run("auto");
+    assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
+    let out: serde_json::Value = serde_json::from_slice(&auto.stdout).unwrap();
+    assert_eq!(out["output_token_ids"].as_array().unwrap().len(), 3);
+    let cuda = run("cuda");
+    if CudaBackend::device_count() == 0 {
+        let stderr = String::from_utf8_lossy(&cuda.stderr);
+        assert!(!cuda.status.success());
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        assert!(stderr.contains("--device cuda") && stderr.contains("CUDA"), "{stderr}");
+    } else {
+        assert!(cuda.status.success(), "{}", String::from_utf8_lossy(&cuda.stderr));
+    }
+    let _ = std::fs::remove_dir_all(root);
 }

@@ -14,23 +14,12 @@ use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::loader::TensorSource;
 use tessera_worker::loader::gguf::GgufFile;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
-use tessera_worker::model::{Model, ModelConfig, SeqInput};
+use tessera_worker::model::{Model, ModelConfig};
 use tiny_models::{random_weights, variants, write_dir};
 
 /// Logits of a prefill of `prompt[..split]`, then of one decode per remaining token.
 fn steps(model: &Model<CpuBackend>, prompt: &[u32], split: usize) -> Vec<Vec<f32>> {
-    let mut kv = model.new_kv_cache(16, 4).unwrap();
-    let table: Vec<u32> = (0..16).rev().collect();
-    let mut out = vec![
-        model
-            .forward(&[SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true }], &mut kv)
-            .unwrap(),
-    ];
-    for pos in split..prompt.len() {
-        let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
-        out.push(model.forward(&step, &mut kv).unwrap());
-    }
-    out
+    tiny_models::prefill_then_decode(model, prompt, split, 4)
 }
 
 /// Runs `steps` on `size` ranks at once; returns every rank's logits.

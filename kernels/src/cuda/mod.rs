@@ -259,6 +259,19 @@ impl CudaBackend {
         Ok(Self { ctx, stream, blas, k, sm_count, poison: false })
     }
 
+    /// GPU 0 for a test, or None, with the reason printed, where it cannot be opened;
+    /// `TESSERA_GPU_TESTS=1` makes that a failure (the documented GPU test command).
+    pub fn for_tests() -> Option<Self> {
+        match Self::new(0) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                assert!(std::env::var("TESSERA_GPU_TESTS").as_deref() != Ok("1"), "TESSERA_GPU_TESTS=1 but {e}");
+                eprintln!("skipped: {e}");
+                None
+            }
+        }
+    }
+
     /// CUDA devices on this machine (0 without a driver).
     pub fn device_count() -> usize {
         // SAFETY: only probes for the driver library.

@@ -16,14 +16,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b.poisoned()),
-        Err(e) => {
-            assert!(std::env::var("TESSERA_GPU_TESTS").as_deref() != Ok("1"), "TESSERA_GPU_TESTS=1 but {e}");
-            eprintln!("skipped: {e}");
-            None
-        }
-    }
+    CudaBackend::for_tests().map(CudaBackend::poisoned)
 }
 
 fn rng() -> StdRng {

@@ -11,6 +11,8 @@ use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
+use tessera_kernels::Backend;
+use tessera_worker::model::{Model, SeqInput};
 
 pub type Weights = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
@@ -137,4 +139,23 @@ pub fn write_byte_tokenizer(dir: &Path) {
     let config = json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
         "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+}
+
+/// Logits of a prefill of `prompt[..split]`, then of one decode per remaining token,
+/// over a cache of 64 blocks of `block_size` handed out back to front.
+pub fn prefill_then_decode<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    split: usize,
+    block_size: usize,
+) -> Vec<Vec<f32>> {
+    let mut kv = model.new_kv_cache(64, block_size).unwrap();
+    let table: Vec<u32> = (0..64).rev().collect();
+    let first = SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true };
+    let mut out = vec![model.forward(&[first], &mut kv).unwrap()];
+    for pos in split..prompt.len() {
+        let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
+        out.push(model.forward(&step, &mut kv).unwrap());
+    }
+    out
 }
