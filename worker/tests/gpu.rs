@@ -313,23 +313,9 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
             let output: Vec<u32> = (0..20).map(|_| rng.random_range(0..vocab as u32)).collect();
             let mut state = SamplerState::new(p.clone(), &prompt);
             output.iter().for_each(|&t| state.push(t));
-            let mut history: Vec<(u32, u32, bool)> = Vec::new();
-            for &t in prompt.iter().chain(&output) {
-                if !history.iter().any(|h| h.0 == t) {
-                    let count = output.iter().filter(|&&o| o == t).count() as u32;
-                    history.push((t, count, true));
-                }
-            }
             let mut row = logits[r * vocab..(r + 1) * vocab].to_vec();
+            gpu_rows.push(state.greedy_row().expect("a greedy row"));
             want.push(sample(&mut row, &mut state));
-            gpu_rows.push(GreedyRow {
-                repetition_penalty: p.repetition_penalty,
-                frequency_penalty: p.frequency_penalty,
-                presence_penalty: p.presence_penalty,
-                history,
-                logit_bias: p.logit_bias.clone(),
-                top_logprobs: p.logprobs,
-            });
             params.push(p);
         }
         let got =

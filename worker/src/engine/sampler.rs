@@ -232,6 +232,29 @@ fn top_k_indices(v: &[f32], k: usize) -> Vec<usize> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn greedy_rows_carry_the_history_the_penalties_read() {
+        let params = SamplingParams {
+            repetition_penalty: 1.2,
+            frequency_penalty: 0.5,
+            logit_bias: vec![(4, 2.0)],
+            logprobs: Some(3),
+            ..SamplingParams::greedy()
+        };
+        let mut state = SamplerState::new(params, &[1, 2, 2]);
+        [2, 3, 3].iter().for_each(|&t| state.push(t));
+        let row = state.greedy_row().unwrap();
+        let mut history = row.history.clone();
+        history.sort_unstable();
+        assert_eq!(history, vec![(1, 0, true), (2, 1, true), (3, 2, true)]);
+        assert_eq!((row.repetition_penalty, row.frequency_penalty, row.presence_penalty), (1.2, 0.5, 0.0));
+        assert_eq!((row.logit_bias.clone(), row.top_logprobs), (vec![(4, 2.0)], Some(3)));
+        // Without penalties nothing of the history is needed; sampling rows have none.
+        let plain = SamplerState::new(SamplingParams::greedy(), &[1, 2]);
+        assert!(plain.greedy_row().unwrap().history.is_empty());
+        assert!(SamplerState::new(SamplingParams::default(), &[1]).greedy_row().is_none());
+    }
+
     /// Logits whose softmax is exactly `probs`.
     fn logits_of(probs: &[f32]) -> Vec<f32> {
         probs.iter().map(|p| p.ln()).collect()
