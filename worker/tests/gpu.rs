@@ -20,6 +20,7 @@ use tessera_kernels::Backend;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_kernels::cuda::CudaBackend;
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
+use tessera_worker::engine::sampler::argmax;
 use tessera_worker::load::load_model;
 use tessera_worker::model::{KvCache, Model, SeqInput};
 use tiny_models::{Variant, random_weights, variants, write_byte_tokenizer, write_dir};
@@ -234,13 +235,9 @@ fn gpu_decode_graphs_match_op_by_op_steps() {
         let err = rel_err(&got, &want);
         assert!(err < 1e-2, "step {step}: graph logits differ by {err}");
         let vocab = model.config.vocab_size;
-        next = (0..3).map(|s| argmax(&want[s * vocab..(s + 1) * vocab])).collect();
+        next = (0..3).map(|s| argmax(&want[s * vocab..(s + 1) * vocab]) as u32).collect();
     }
     let _ = std::fs::remove_dir_all(root);
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap()
 }
 
 /// Tensor parallelism over NCCL, one GPU per rank: as many ranks as there are GPUs (up

@@ -159,9 +159,9 @@ fn flat(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// One block per row.
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+/// One block of `threads` per row.
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
@@ -302,6 +302,16 @@ impl CudaBackend {
         self.stream.synchronize().map_err(device_err("synchronize"))
     }
 
+    /// `data` copied to a new device slice (an empty one where `data` is empty, which
+    /// the driver cannot allocate).
+    fn htod<T: cudarc::driver::DeviceRepr>(&self, op: &'static str, data: &[T]) -> Result<CudaSlice<T>> {
+        if data.is_empty() {
+            self.stream.null().map_err(device_err(op))
+        } else {
+            self.stream.clone_htod(data).map_err(device_err(op))
+        }
+    }
+
     /// A new bf16 buffer of `len` elements, its contents undefined (NaN when poisoned).
     fn alloc(&self, op: &'static str, len: usize) -> Result<CudaSlice<bf16>> {
         if len == 0 {
@@ -383,19 +393,11 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32]) -> Result<CudaBuffer> {
-        if data.is_empty() {
-            return Ok(CudaBuffer(Data::F32(self.stream.null().map_err(device_err("upload"))?)));
-        }
-        Ok(CudaBuffer(Data::F32(self.stream.clone_htod(data).map_err(device_err("upload"))?)))
+        Ok(CudaBuffer(Data::F32(self.htod("upload", data)?)))
     }
 
     fn upload_index(&self, data: &[u32]) -> Result<CudaIndex> {
-        let dev = if data.is_empty() {
-            self.stream.null().map_err(device_err("upload_index"))?
-        } else {
-            self.stream.clone_htod(data).map_err(device_err("upload_index"))?
-        };
-        Ok(CudaIndex { host: data.to_vec(), dev })
+        Ok(CudaIndex { host: data.to_vec(), dev: self.htod("upload_index", data)? })
     }
 
     fn zeros(&self, len: usize) -> Result<CudaBuffer> {
@@ -432,12 +434,7 @@ impl Backend for CudaBackend {
         };
         expect_len("upload_weight", "weight", data.len(), rows * cols)?;
         let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
-        let data = if host.is_empty() {
-            self.stream.null().map_err(device_err("upload_weight"))?
-        } else {
-            self.stream.clone_htod(&host).map_err(device_err("upload_weight"))?
-        };
-        Ok(CudaWeight { rows, cols, data })
+        Ok(CudaWeight { rows, cols, data: self.htod("upload_weight", &host)? })
     }
 
     fn write_index(&self, dst: &mut CudaIndex, data: &[u32]) -> Result<()> {
@@ -547,7 +544,7 @@ impl Backend for CudaBackend {
             let dim = u32_of(OP, weight.len())?;
             let mut l = self.stream.launch_builder(&self.k.rms_norm);
             l.arg(&mut out).arg(&*xs).arg(&*w).arg(&dim).arg(&eps);
-            launch(&mut l, per_row(rows), OP)?;
+            launch(&mut l, per_row(rows, THREADS), OP)?;
         }
         Ok(CudaBuffer(Data::Bf16(out)))
     }
@@ -577,7 +574,7 @@ impl Backend for CudaBackend {
             let dim = u32_of(OP, weight.len())?;
             let mut l = self.stream.launch_builder(&self.k.add_rms_norm);
             l.arg(&mut out).arg(&mut *hs).arg(&*ys).arg(&*w).arg(&dim).arg(&eps);
-            launch(&mut l, per_row(rows), OP)?;
+            launch(&mut l, per_row(rows, THREADS), OP)?;
         }
         Ok(CudaBuffer(Data::Bf16(out)))
     }
@@ -635,7 +632,7 @@ impl Backend for CudaBackend {
         let c = u32_of(OP, cols)?;
         let mut l = self.stream.launch_builder(&self.k.softmax);
         l.arg(&mut *xs).arg(&c);
-        launch(&mut l, per_row(rows), OP)
+        launch(&mut l, per_row(rows, THREADS), OP)
     }
 
     fn split_columns(&self, x: &CudaBuffer, widths: &[usize]) -> Result<Vec<CudaBuffer>> {

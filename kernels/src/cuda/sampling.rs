@@ -2,17 +2,13 @@
 //! log-probabilities computed where the logits are, so only a few numbers per row
 //! cross to the host instead of the whole `[rows, vocab]` matrix.
 
-use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch};
+use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch, per_row};
 use crate::error::expect_len;
 use crate::greedy::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
 use crate::{KernelError, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 const ROW_THREADS: u32 = 1024;
-
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
-}
 
 impl CudaBackend {
     /// Picks each row's token greedily from `logits` (`[rows.len(), vocab]`).
@@ -44,11 +40,11 @@ impl CudaBackend {
         if want_logprobs {
             let mut l = self.stream.launch_builder(&self.k.row_max_lse);
             l.arg(&raw).arg(&v).arg(&mut maxes).arg(&mut lses);
-            launch(&mut l, per_row(n), OP)?;
+            launch(&mut l, per_row(n, ROW_THREADS), OP)?;
             if k > 0 {
                 let mut l = self.stream.launch_builder(&self.k.row_topk);
                 l.arg(&raw).arg(&v).arg(&k).arg(&mut top);
-                launch(&mut l, per_row(n), OP)?;
+                launch(&mut l, per_row(n, ROW_THREADS), OP)?;
             }
         }
         let penalised = rows.iter().any(|r| !r.history.is_empty() || !r.logit_bias.is_empty());
@@ -56,7 +52,7 @@ impl CudaBackend {
         let mut tokens = self.stream.alloc_zeros::<u32>(n).map_err(device_err(OP))?;
         let mut l = self.stream.launch_builder(&self.k.row_argmax);
         l.arg(work.as_ref().unwrap_or(&raw)).arg(&v).arg(&mut tokens);
-        launch(&mut l, per_row(n), OP)?;
+        launch(&mut l, per_row(n, ROW_THREADS), OP)?;
 
         let tokens = self.stream.clone_dtoh(&tokens).map_err(device_err(OP))?;
         let (maxes, lses, top) = if want_logprobs {
@@ -133,23 +129,21 @@ impl CudaBackend {
                 b_val.push(b);
             }
         }
-        let per_row = |f: fn(&GreedyRow) -> f32| -> Vec<f32> { rows.iter().map(f).collect() };
+        let each_row = |f: fn(&GreedyRow) -> f32| -> Vec<f32> { rows.iter().map(f).collect() };
         if !r_idx.is_empty() {
-            let up_u = |v: &[u32]| self.stream.clone_htod(v).map_err(device_err(op));
-            let up_f = |v: &[f32]| self.stream.clone_htod(v).map_err(device_err(op));
+            let up_u = |v: &[u32]| self.htod(op, v);
+            let up_f = |v: &[f32]| self.htod(op, v);
             let (ri, ti, ci, si) = (up_u(&r_idx)?, up_u(&tok)?, up_u(&cnt)?, up_u(&seen)?);
-            let rep = up_f(&per_row(|r| r.repetition_penalty))?;
-            let freq = up_f(&per_row(|r| r.frequency_penalty))?;
-            let pres = up_f(&per_row(|r| r.presence_penalty))?;
+            let rep = up_f(&each_row(|r| r.repetition_penalty))?;
+            let freq = up_f(&each_row(|r| r.frequency_penalty))?;
+            let pres = up_f(&each_row(|r| r.presence_penalty))?;
             let n = r_idx.len() as u32;
             let mut l = self.stream.launch_builder(&self.k.apply_penalties);
             l.arg(&mut work).arg(&vocab).arg(&ri).arg(&ti).arg(&ci).arg(&si).arg(&rep).arg(&freq).arg(&pres).arg(&n);
             launch(&mut l, flat(r_idx.len()), op)?;
         }
         if !b_idx.is_empty() {
-            let ri = self.stream.clone_htod(&b_idx).map_err(device_err(op))?;
-            let ti = self.stream.clone_htod(&b_tok).map_err(device_err(op))?;
-            let vi = self.stream.clone_htod(&b_val).map_err(device_err(op))?;
+            let (ri, ti, vi) = (self.htod(op, &b_idx)?, self.htod(op, &b_tok)?, self.htod(op, &b_val)?);
             let n = b_idx.len() as u32;
             let mut l = self.stream.launch_builder(&self.k.add_at);
             l.arg(&mut work).arg(&vocab).arg(&ri).arg(&ti).arg(&vi).arg(&n);
@@ -163,7 +157,7 @@ impl CudaBackend {
         if at.is_empty() {
             return Ok(Vec::new());
         }
-        let idx = self.stream.clone_htod(at).map_err(device_err(op))?;
+        let idx = self.htod(op, at)?;
         let mut out = self.stream.alloc_zeros::<f32>(at.len()).map_err(device_err(op))?;
         let n = at.len() as u64;
         let mut l = self.stream.launch_builder(&self.k.gather_f32);

@@ -120,9 +120,7 @@ impl<B: Backend> Model<B> {
     /// one big enough (see `capture_decode_graphs`).
     pub fn forward(&self, seqs: &[SeqInput<'_>], kv: &mut KvCache<B>) -> Result<Vec<f32>, ModelError> {
         if let Some((logits, _)) = self.decode_with_graph(seqs, kv)? {
-            let mut all = self.backend.download(logits)?;
-            all.truncate(seqs.len() * self.config.vocab_size);
-            return Ok(all);
+            return self.download_rows(logits, seqs.len());
         }
         match self.forward_on_device(seqs, kv)? {
             Some(logits) => Ok(self.backend.download(&logits)?),
@@ -150,11 +148,7 @@ impl<B: Backend> Model<B> {
                     picks.truncate(rows.len());
                     Forwarded::Picked(picks)
                 }
-                None => {
-                    let mut all = b.download(logits)?;
-                    all.truncate(rows.len() * vocab);
-                    Forwarded::Logits(all)
-                }
+                None => Forwarded::Logits(self.download_rows(logits, rows.len())?),
             });
         }
         let Some(logits) = self.forward_on_device(seqs, kv)? else { return Ok(Forwarded::Logits(Vec::new())) };
@@ -162,6 +156,13 @@ impl<B: Backend> Model<B> {
             Some(picks) => Forwarded::Picked(picks),
             None => Forwarded::Logits(b.download(&logits)?),
         })
+    }
+
+    /// The first `rows` rows of a graph's padded logits, on the host.
+    fn download_rows(&self, logits: &B::Buffer, rows: usize) -> Result<Vec<f32>, ModelError> {
+        let mut all = self.backend.download(logits)?;
+        all.truncate(rows * self.config.vocab_size);
+        Ok(all)
     }
 
     /// `forward`, leaving the logits on the device (None when no sequence asked).
