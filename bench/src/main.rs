@@ -5,6 +5,7 @@ mod forward;
 mod gateway;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod kernels;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -22,6 +23,8 @@ enum Command {
     Forward(forward::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
+    /// The CPU backend's matrix products and paged attention on SmolLM2-135M's shapes.
+    Kernels(kernels::Args),
     /// The latency the control plane adds over the worker's gRPC (needs the release
     /// `tessera` and `tessera-worker` binaries).
     Gateway(gateway::Args),
@@ -36,6 +39,7 @@ fn main() -> Result<()> {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
         Command::Gateway(args) => gateway::run(args),
+        Command::Kernels(args) => kernels::run(args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(args),
     }

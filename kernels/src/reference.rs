@@ -230,15 +230,18 @@ fn attention_ref(q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>], q_lens: &[usize], 
 #[test]
 fn paged_attention_matches_dense_reference_over_mixed_prefill_and_decode() {
     let mut rng = rng();
-    // 64 and 128 take the kernel's compile-time head sizes, 32 the run-time one.
-    for head_dim in [32, 64, 128] {
-        paged_attention_case(&mut rng, head_dim);
+    // Head sizes in whole value chunks of 32 and not; query heads per KV head in threes
+    // and with one or two left over.
+    for head_dim in [24, 32, 64, 128] {
+        for (num_heads, num_kv_heads) in [(6, 2), (8, 2), (5, 1), (2, 2)] {
+            paged_attention_case(&mut rng, head_dim, num_heads, num_kv_heads);
+        }
     }
 }
 
-fn paged_attention_case(rng: &mut StdRng, head_dim: usize) {
+fn paged_attention_case(rng: &mut StdRng, head_dim: usize, num_heads: usize, num_kv_heads: usize) {
     let scale = (head_dim as f32).powf(-0.5);
-    let shape = AttentionShape { num_heads: 6, num_kv_heads: 2, head_dim, block_size: 4, scale };
+    let shape = AttentionShape { num_heads, num_kv_heads, head_dim, block_size: 4, scale };
     // (context length, query rows): a decode, a whole prefill, a prefill chunk after a
     // cached prefix, and a one-token sequence.
     let seqs = [(13usize, 1usize), (9, 9), (21, 7), (1, 1)];
@@ -280,7 +283,7 @@ fn paged_attention_case(rng: &mut StdRng, head_dim: usize) {
     };
     let got = CpuBackend.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap();
     let err = max_abs_diff(&got, &attention_ref(&q, &ks, &vs, &q_lens, &shape));
-    assert!(err < 1e-5, "head_dim {head_dim}: error {err}");
+    assert!(err < 1e-5, "head_dim {head_dim}, {num_heads} heads over {num_kv_heads}: error {err}");
 }
 
 #[test]

@@ -6,8 +6,7 @@
 //! values. A row's result does not depend on the other rows of the batch.
 
 use super::CpuBackend;
-use super::matmul::dot;
-use super::simd::multiversion;
+use super::simd::{exp, multiversion};
 use crate::error::expect_len;
 use crate::paged::{HostBatch, Row};
 use crate::{AttentionShape, KernelError, PagedBatch, Result};
@@ -79,81 +78,319 @@ struct Attend<'a> {
 
 multiversion! {
     /// Attention of flattened (query row, KV head) `i` into `o`: the query heads that
-    /// share that KV head, together, so each key is read once for all of them. The
-    /// common head sizes get a compile-time size, which keeps a head's running sum in
-    /// registers.
+    /// share that KV head, together, so each key and value is read once for all of
+    /// them. Two passes: the scores and their softmax, then the weighted sum of values.
     fn attend_group(t: &Attend<'_>, i: usize, o: &mut [f32]) -> () {
-        match t.shape.head_dim {
-            64 => attend::<64>(t, i, o),
-            128 => attend::<128>(t, i, o),
-            _ => attend::<0>(t, i, o),
+        let shape = t.shape;
+        let (hd, kv_heads, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
+        let group = shape.num_heads / kv_heads;
+        let (row, kv_head) = (&t.rows[i / kv_heads], i % kv_heads);
+        let queries = &t.q[i * group * hd..(i + 1) * group * hd];
+        let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
+        // Where each key position's vector for this KV head starts.
+        let mut offsets = Vec::with_capacity(row.keys);
+        for pos in 0..row.keys {
+            offsets.push(((table[pos / bs] as usize * bs + pos % bs) * kv_heads + kv_head) * hd);
+        }
+        let mut scores = vec![0.0f32; group * row.keys];
+        key_scores(queries, hd, t.k_cache, &offsets, shape.scale, &mut scores);
+        // No closures below: they would be compiled without the AVX2 this body gets.
+        let mut sums = Vec::with_capacity(group);
+        for scores in scores.chunks_exact_mut(row.keys) {
+            sums.push(softmax_numerators(scores));
+        }
+        weighted_sums(&scores, &offsets, t.v_cache, hd, o);
+        for (out, sum) in o.chunks_exact_mut(hd).zip(sums) {
+            let inv = 1.0 / sum;
+            for v in out.iter_mut() {
+                *v *= inv;
+            }
         }
     }
 }
 
-/// `attend_group` for a head size of `HD` (0: the shape's, at run time). Two passes
-/// per head: the scores and their maximum, then the softmax-weighted sum of values.
-/// No closures here: they would be compiled without the AVX2 the caller gets.
+/// `exp(s - max)` in place; returns their sum (eight lanes, then `pairwise`).
 #[inline(always)]
-fn attend<const HD: usize>(t: &Attend<'_>, i: usize, o: &mut [f32]) {
-    let shape = t.shape;
-    let hd = if HD > 0 { HD } else { shape.head_dim };
-    let (group, kv_heads, bs) = (shape.num_heads / shape.num_kv_heads, shape.num_kv_heads, shape.block_size);
-    let (row, kv_head) = (&t.rows[i / kv_heads], i % kv_heads);
-    let queries = &t.q[i * group * hd..(i + 1) * group * hd];
-    let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
-    let keys = row.keys;
-    // Where each key position's vector for this KV head starts.
-    let mut offsets = Vec::with_capacity(keys);
-    for pos in 0..keys {
-        let slot = table[pos / bs] as usize * bs + pos % bs;
-        offsets.push((slot * kv_heads + kv_head) * hd);
+fn softmax_numerators(scores: &mut [f32]) -> f32 {
+    let mut max = f32::NEG_INFINITY;
+    for s in scores.iter() {
+        max = max.max(*s);
     }
-    let mut scores = vec![0.0f32; group * keys];
-    for (pos, &at) in offsets.iter().enumerate() {
-        let key = &t.k_cache[at..at + hd];
-        for h in 0..group {
-            scores[h * keys + pos] = dot(&queries[h * hd..(h + 1) * hd], key) * shape.scale;
+    for s in scores.iter_mut() {
+        *s = exp(*s - max);
+    }
+    let mut lanes = [0.0f32; LANES];
+    let chunks = scores.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..LANES {
+            lanes[l] += c[l];
         }
     }
-    for h in 0..group {
-        let scores = &mut scores[h * keys..(h + 1) * keys];
-        let mut max = f32::NEG_INFINITY;
-        for s in scores.iter() {
-            max = max.max(*s);
-        }
-        let mut sum = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let out = &mut o[h * hd..(h + 1) * hd];
-        weighted_sum::<HD>(scores, &offsets, t.v_cache, out);
-        let inv = 1.0 / sum;
-        for v in out.iter_mut() {
-            *v *= inv;
+    pairwise(&lanes) + tail
+}
+
+/// Values a pass of `weighted_sums` accumulates per query head: four AVX2 registers.
+const VALUE_CHUNK: usize = 32;
+
+/// `out[h] = Σ_p scores[h][p] · value(p)` for the group's heads, each element a fused
+/// chain in key order. Three heads at a time share each load of a value chunk.
+#[inline(always)]
+fn weighted_sums(scores: &[f32], offsets: &[usize], v_cache: &[f32], hd: usize, out: &mut [f32]) {
+    let keys = offsets.len().max(1);
+    for (scores, out) in scores.chunks(3 * keys).zip(out.chunks_mut(3 * hd)) {
+        match (hd % VALUE_CHUNK, out.len() / hd) {
+            (0, 3) => head_sums::<3>(scores, offsets, v_cache, out),
+            (0, 2) => head_sums::<2>(scores, offsets, v_cache, out),
+            (0, _) => head_sums::<1>(scores, offsets, v_cache, out),
+            _ => {
+                for (scores, out) in scores.chunks(keys).zip(out.chunks_mut(hd)) {
+                    out.fill(0.0);
+                    for (s, &at) in scores.iter().zip(offsets) {
+                        for (o, v) in out.iter_mut().zip(&v_cache[at..at + hd]) {
+                            *o = s.mul_add(*v, *o);
+                        }
+                    }
+                }
+            }
         }
     }
 }
 
-/// `out = Σ scores[p] · value(p)`, each element a fused chain in key order.
+/// `weighted_sums` for `H` heads and a head size that is a multiple of `VALUE_CHUNK`.
 #[inline(always)]
-fn weighted_sum<const HD: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
-    if HD > 0 {
-        let mut acc = [0.0f32; HD];
-        for (s, &at) in scores.iter().zip(offsets) {
-            let value: &[f32; HD] = v_cache[at..at + HD].try_into().expect("one head");
-            for d in 0..HD {
-                acc[d] = s.mul_add(value[d], acc[d]);
+fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::head_sums::<H>(scores, offsets, v_cache, out) };
+        return;
+    }
+    portable_head_sums::<H>(scores, offsets, v_cache, out);
+}
+
+#[inline(always)]
+fn portable_head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    let (keys, hd) = (offsets.len(), out.len() / H);
+    for d0 in (0..hd).step_by(VALUE_CHUNK) {
+        let mut acc = [[0.0f32; VALUE_CHUNK]; H];
+        for (p, &at) in offsets.iter().enumerate() {
+            let value = &v_cache[at + d0..at + d0 + VALUE_CHUNK];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let s = scores[h * keys + p];
+                for d in 0..VALUE_CHUNK {
+                    acc[d] = s.mul_add(value[d], acc[d]);
+                }
             }
         }
-        out.copy_from_slice(&acc);
-    } else {
-        let hd = out.len();
-        for (s, &at) in scores.iter().zip(offsets) {
-            for (o, v) in out.iter_mut().zip(&v_cache[at..at + hd]) {
-                *o = s.mul_add(*v, *o);
+        for (h, acc) in acc.iter().enumerate() {
+            out[h * hd + d0..h * hd + d0 + VALUE_CHUNK].copy_from_slice(acc);
+        }
+    }
+}
+
+/// `scores[h * keys + p] = scale · (query h · key p)` for the group's query heads and
+/// the keys starting at `offsets`. Each product is eight lanes — lane `l` a fused chain
+/// over `d ≡ l (mod 8)` in increasing `d` — added in the tree of `pairwise`, then the
+/// `head_dim mod 8` leftovers in order: the same operations for a key whichever keys
+/// are computed beside it, on either path.
+fn key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], scale: f32, scores: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(LANES) && super::simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::key_scores(queries, hd, k_cache, offsets, scale, scores) };
+        return;
+    }
+    portable_key_scores(queries, hd, k_cache, offsets, scale, scores);
+}
+
+/// `key_scores` one key and one head at a time, for any CPU and head size.
+#[inline(always)]
+fn portable_key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], scale: f32, scores: &mut [f32]) {
+    let keys = offsets.len();
+    let whole = hd / LANES * LANES;
+    for (p, &at) in offsets.iter().enumerate() {
+        let key = &k_cache[at..at + hd];
+        for (h, query) in queries.chunks_exact(hd).enumerate() {
+            let mut lanes = [0.0f32; LANES];
+            for d in (0..whole).step_by(LANES) {
+                for l in 0..LANES {
+                    lanes[l] = query[d + l].mul_add(key[d + l], lanes[l]);
+                }
+            }
+            let mut sum = pairwise(&lanes);
+            for d in whole..hd {
+                sum = query[d].mul_add(key[d], sum);
+            }
+            scores[h * keys + p] = sum * scale;
+        }
+    }
+}
+
+const LANES: usize = 8;
+
+/// Eight lanes added in the tree AVX2's horizontal adds form.
+#[inline(always)]
+fn pairwise(l: &[f32; LANES]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{LANES, VALUE_CHUNK, pairwise};
+    use std::arch::x86_64::*;
+
+    /// `super::head_sums` with each head's chunk of sums in four registers.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+        let (keys, hd) = (offsets.len(), out.len() / H);
+        assert!(hd.is_multiple_of(VALUE_CHUNK) && scores.len() >= H * keys);
+        assert!(offsets.iter().all(|&at| at + hd <= v_cache.len()), "a value outside the cache");
+        const REGS: usize = VALUE_CHUNK / LANES;
+        for d0 in (0..hd).step_by(VALUE_CHUNK) {
+            let mut acc = [[_mm256_setzero_ps(); REGS]; H];
+            for (p, &at) in offsets.iter().enumerate() {
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let s = _mm256_set1_ps(scores[h * keys + p]);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: at + d0 + 32 <= at + hd, inside the cache (asserted).
+                        *a = _mm256_fmadd_ps(
+                            s,
+                            unsafe { _mm256_loadu_ps(v_cache.as_ptr().add(at + d0 + r * LANES)) },
+                            *a,
+                        );
+                    }
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                for (r, a) in acc.iter().enumerate() {
+                    let o = &mut out[h * hd + d0 + r * LANES..h * hd + d0 + (r + 1) * LANES];
+                    // SAFETY: `o` holds 8 floats.
+                    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *a) };
+                }
             }
         }
+    }
+
+    /// `super::key_scores` for a head size that is a multiple of 8: eight keys at a
+    /// time, their lanes reduced together by horizontal adds; the eight keys stay in L1
+    /// while every query head of the group reads them.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn key_scores(
+        queries: &[f32],
+        hd: usize,
+        k_cache: &[f32],
+        offsets: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let (keys, group) = (offsets.len(), queries.len() / hd);
+        assert!(hd.is_multiple_of(LANES) && scores.len() >= group * keys);
+        assert!(offsets.iter().all(|&at| at + hd <= k_cache.len()), "a key outside the cache");
+        let scale_v = _mm256_set1_ps(scale);
+        let whole = keys / LANES * LANES;
+        let mut p = 0;
+        while p < whole {
+            for h in 0..group {
+                let mut acc = [_mm256_setzero_ps(); LANES];
+                for d in (0..hd).step_by(LANES) {
+                    // SAFETY: query h spans [h*hd, (h+1)*hd) of `queries` and every key
+                    // [at, at+hd) of the cache, asserted above; d + 8 <= hd.
+                    unsafe {
+                        let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + j] + d)), *a);
+                        }
+                    }
+                }
+                let sums = _mm256_mul_ps(reduce8(&acc), scale_v);
+                // SAFETY: h*keys + p + 8 <= group*keys, asserted above.
+                unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(h * keys + p), sums) };
+            }
+            p += LANES;
+        }
+        for p in whole..keys {
+            for h in 0..group {
+                let mut acc = _mm256_setzero_ps();
+                for d in (0..hd).step_by(LANES) {
+                    // SAFETY: as above.
+                    unsafe {
+                        let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
+                        acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
+                    }
+                }
+                let mut lanes = [0.0f32; LANES];
+                // SAFETY: `lanes` holds 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+                scores[h * keys + p] = pairwise(&lanes) * scale;
+            }
+        }
+    }
+
+    /// Lane `j` of the result is `pairwise` of `a[j]`'s lanes.
+    #[target_feature(enable = "avx2")]
+    fn reduce8(a: &[__m256; LANES]) -> __m256 {
+        let t01 = _mm256_hadd_ps(a[0], a[1]);
+        let t23 = _mm256_hadd_ps(a[2], a[3]);
+        let t45 = _mm256_hadd_ps(a[4], a[5]);
+        let t67 = _mm256_hadd_ps(a[6], a[7]);
+        // Keys 0..4 (4..8): their low halves' sums in the low 128 bits, high in the high.
+        let u0 = _mm256_hadd_ps(t01, t23);
+        let u1 = _mm256_hadd_ps(t45, t67);
+        let low = _mm256_permute2f128_ps::<0x20>(u0, u1);
+        let high = _mm256_permute2f128_ps::<0x31>(u0, u1);
+        _mm256_add_ps(low, high)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn a_keys_score_has_the_same_bits_alone_among_others_and_on_either_path() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (group, keys) = (3, 21);
+        for hd in [64, 24, 20] {
+            let queries: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let cache: Vec<f32> = (0..(keys + 5) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            // Keys scattered through the cache, as block tables leave them.
+            let offsets: Vec<usize> = (0..keys).map(|p| ((p * 7) % (keys + 5)) * hd).collect();
+            let mut all = vec![0.0f32; group * keys];
+            key_scores(&queries, hd, &cache, &offsets, 0.125, &mut all);
+            let mut slow = vec![0.0f32; group * keys];
+            portable_key_scores(&queries, hd, &cache, &offsets, 0.125, &mut slow);
+            assert_eq!(bits(&all), bits(&slow), "head_dim {hd}: the paths differ");
+            for p in 0..keys {
+                let mut one = vec![0.0f32; group];
+                key_scores(&queries, hd, &cache, &offsets[p..p + 1], 0.125, &mut one);
+                for h in 0..group {
+                    assert_eq!(one[h].to_bits(), all[h * keys + p].to_bits(), "head_dim {hd}: key {p} head {h}");
+                    let want: f64 = (0..hd).map(|d| queries[h * hd + d] as f64 * cache[offsets[p] + d] as f64).sum();
+                    assert!((one[h] as f64 - 0.125 * want).abs() < 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn value_sums_agree_bit_for_bit_on_either_path() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (keys, hd) = (19, 64);
+        let scores: Vec<f32> = (0..3 * keys).map(|_| rng.random_range(0.0..1.0)).collect();
+        let cache: Vec<f32> = (0..(keys + 3) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let offsets: Vec<usize> = (0..keys).map(|p| ((p * 5) % (keys + 3)) * hd).collect();
+        let (mut fast, mut slow) = (vec![0.0f32; 3 * hd], vec![0.0f32; 3 * hd]);
+        head_sums::<3>(&scores, &offsets, &cache, &mut fast);
+        portable_head_sums::<3>(&scores, &offsets, &cache, &mut slow);
+        assert_eq!(bits(&fast), bits(&slow));
+        let want: f64 = (0..keys).map(|p| scores[2 * keys + p] as f64 * cache[offsets[p] + 5] as f64).sum();
+        assert!((fast[2 * hd + 5] as f64 - want).abs() < 1e-5);
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 }

@@ -1,6 +1,7 @@
 //! Row-wise and elementwise ops: embedding, RMSNorm, RoPE, SiLU·up, softmax, gather.
 
 use super::CpuWeight;
+use super::simd::{exp, multiversion};
 use crate::error::expect_len;
 use crate::{KernelError, Result, RopeStyle};
 use rayon::prelude::*;
@@ -98,11 +99,18 @@ pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
     let mut out = vec![0.0; rows * width];
     zip_rows(&mut out, width, gate_up, 2 * width, |o, row| {
         let (gate, up) = row.split_at(width);
-        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
+        silu_row(o, gate, up);
     });
     Ok(out)
+}
+
+multiversion! {
+    /// `o = silu(gate) · up`, vectorised through `simd::exp`.
+    fn silu_row(o: &mut [f32], gate: &[f32], up: &[f32]) -> () {
+        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + exp(-g)) * u;
+        }
+    }
 }
 
 pub(super) fn softmax(x: &mut [f32], cols: usize) -> Result<()> {

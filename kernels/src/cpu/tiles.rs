@@ -11,9 +11,10 @@
 //! they agree bit for bit.
 
 pub(super) const LANES: usize = 8;
-/// Tile edge: 3×3 accumulators of 8 lanes plus 3 + 3 operands fit the 16 vector
-/// registers of AVX2.
-const EDGE: usize = 3;
+/// Tile shape: 4 × 3 accumulators of 8 lanes plus the 3 inputs' operands fill the 16
+/// vector registers of AVX2 (weights are read as memory operands of the FMAs).
+const ROW_EDGE: usize = 4;
+const INPUT_EDGE: usize = 3;
 
 /// `out[r * stride + t] = w_r · x_t` for every row `w_r` of `w` and `x_t` of `x`, both
 /// `k` wide.
@@ -29,20 +30,23 @@ pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: 
     tile_loop!(micro, w, x, k, out, stride);
 }
 
-/// Walks `w` and `x` in tiles of up to `EDGE` × `EDGE`, calling `$micro::<R, T>` on each.
+/// Walks `w` and `x` in tiles of up to `ROW_EDGE` × `INPUT_EDGE`, calling `$micro::<R, T>` on each.
 macro_rules! tile_loop {
     ($micro:ident, $w:expr, $x:expr, $k:expr, $out:expr, $stride:expr) => {{
         let (w, x, k, out, stride): (&[f32], &[f32], usize, &mut [f32], usize) = ($w, $x, $k, $out, $stride);
         let (rows, tokens) = (w.len() / k, x.len() / k);
         let mut t = 0;
         while t < tokens {
-            let tt = (tokens - t).min(EDGE);
+            let tt = (tokens - t).min(INPUT_EDGE);
             let xs = &x[t * k..(t + tt) * k];
             let mut r = 0;
             while r < rows {
-                let rr = (rows - r).min(EDGE);
+                let rr = (rows - r).min(ROW_EDGE);
                 let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[r * stride + t..]);
                 match (rr, tt) {
+                    (4, 3) => $micro::<4, 3>(ws, xs, k, o, stride),
+                    (4, 2) => $micro::<4, 2>(ws, xs, k, o, stride),
+                    (4, 1) => $micro::<4, 1>(ws, xs, k, o, stride),
                     (3, 3) => $micro::<3, 3>(ws, xs, k, o, stride),
                     (3, 2) => $micro::<3, 2>(ws, xs, k, o, stride),
                     (3, 1) => $micro::<3, 1>(ws, xs, k, o, stride),
@@ -97,7 +101,7 @@ fn finish(lanes: &[f32; LANES], w_tail: &[f32], x_tail: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{EDGE, LANES, finish};
+    use super::{INPUT_EDGE, LANES, ROW_EDGE, finish};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
