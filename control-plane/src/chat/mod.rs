@@ -2,6 +2,7 @@
 //! reads, the template rendered with the request's and the catalog's kwargs, tokens.
 
 pub mod messages;
+pub mod output;
 
 use crate::api::error::ApiError;
 use crate::router::ServedModel;

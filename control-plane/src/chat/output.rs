@@ -1,0 +1,365 @@
+//! A model's output text split into reasoning, content and tool calls by the markers
+//! of its family, as it streams.
+//!
+//! Deltas arrive cut anywhere, even inside a marker, so a tail that could still begin a
+//! marker is held back until the next delta (or the end) decides it: the pieces, joined
+//! by kind, are the same however the output was cut. Two states hold more than a tail:
+//! a tool call's body, parsed when its closing marker arrives, and the undecided start
+//! of a model that may think without being asked (SPEC.md, Reasoning rule 8), held
+//! until a bare closing marker makes it reasoning or the end makes it content, so that
+//! chain-of-thought never reaches `content`.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The reasoning markers of a model family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Markers {
+    /// No reasoning markers: everything outside tool calls is content.
+    Plain,
+    /// Reasoning inside `<think>` … `</think>`.
+    Think,
+    /// Reasoning between `<|channel|>thought` and the next `<|channel|>`.
+    Channel,
+}
+
+impl Markers {
+    fn open(self) -> Option<&'static str> {
+        match self {
+            Markers::Plain => None,
+            Markers::Think => Some("<think>"),
+            Markers::Channel => Some("<|channel|>thought"),
+        }
+    }
+
+    fn close(self) -> Option<&'static str> {
+        match self {
+            Markers::Plain => None,
+            Markers::Think => Some("</think>"),
+            Markers::Channel => Some("<|channel|>"),
+        }
+    }
+}
+
+/// Where the output begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    Content,
+    /// The prompt opened the reasoning block (thinking on).
+    Reasoning,
+    /// Thinking is off, but the model may think anyway and end with a bare closing
+    /// marker: nothing is released until that marker or the end.
+    Undecided,
+}
+
+/// Tool calls as Hermes-style templates ask for them: one JSON object
+/// `{"name": …, "arguments": {…}}` between these markers.
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Reasoning(String),
+    Content(String),
+    /// A whole tool call: the function's name and its arguments as JSON text.
+    ToolCall {
+        name: String,
+        arguments: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Content,
+    Reasoning,
+    Undecided,
+    ToolCall,
+}
+
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    markers: Markers,
+    tools: bool,
+    state: State,
+    /// Text not yet looked at past a possible marker start.
+    held: String,
+    /// The undecided start, or the tool call's body, so far.
+    body: String,
+}
+
+impl OutputParser {
+    /// `tools`: whether the request offered tools (tool-call markers are plain text
+    /// otherwise).
+    pub fn new(markers: Markers, start: Start, tools: bool) -> Self {
+        let state = match (markers, start) {
+            (Markers::Plain, _) | (_, Start::Content) => State::Content,
+            (_, Start::Reasoning) => State::Reasoning,
+            (_, Start::Undecided) => State::Undecided,
+        };
+        Self { markers, tools, state, held: String::new(), body: String::new() }
+    }
+
+    /// The pieces `text` completes.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.held.push_str(text);
+        let mut out = Vec::new();
+        self.scan(&mut out, false);
+        out
+    }
+
+    /// The rest, at the end of the output: held text is what it looked like, an
+    /// unfinished tool call is content, an undecided start is content.
+    pub fn finish(mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        self.scan(&mut out, true);
+        match self.state {
+            State::Undecided => emit(&mut out, Piece::Content(std::mem::take(&mut self.body))),
+            State::ToolCall => emit(&mut out, Piece::Content(format!("{TOOL_OPEN}{}", self.body))),
+            State::Content | State::Reasoning => {}
+        }
+        out
+    }
+
+    /// The markers the current state ends at, with the state each leads to.
+    fn watched(&self) -> Vec<(&'static str, State)> {
+        let mut m = Vec::new();
+        match self.state {
+            State::Content => {
+                if let Some(open) = self.markers.open() {
+                    m.push((open, State::Reasoning));
+                }
+                if self.tools {
+                    m.push((TOOL_OPEN, State::ToolCall));
+                }
+            }
+            State::Reasoning | State::Undecided => m.extend(self.markers.close().map(|c| (c, State::Content))),
+            State::ToolCall => m.push((TOOL_CLOSE, State::Content)),
+        }
+        m
+    }
+
+    fn scan(&mut self, out: &mut Vec<Piece>, last: bool) {
+        loop {
+            let watched = self.watched();
+            let found = watched
+                .iter()
+                .filter_map(|&(marker, next)| self.held.find(marker).map(|at| (at, marker, next)))
+                .min_by_key(|&(at, ..)| at);
+            let Some((at, marker, next)) = found else {
+                // Keep a tail that may still become a marker, unless nothing follows.
+                let keep = if last {
+                    0
+                } else {
+                    watched.iter().map(|(m, _)| partial_suffix(&self.held, m)).max().unwrap_or(0)
+                };
+                let text: String = self.held.drain(..self.held.len() - keep).collect();
+                self.release(out, text);
+                return;
+            };
+            let text = self.held[..at].to_string();
+            self.held.drain(..at + marker.len());
+            self.release(out, text);
+            self.leave(out);
+            self.state = next;
+        }
+    }
+
+    /// Text that belongs to the current state.
+    fn release(&mut self, out: &mut Vec<Piece>, text: String) {
+        match self.state {
+            State::Content => emit(out, Piece::Content(text)),
+            State::Reasoning => emit(out, Piece::Reasoning(text)),
+            State::Undecided | State::ToolCall => self.body.push_str(&text),
+        }
+    }
+
+    /// The current state's closing marker has been read.
+    fn leave(&mut self, out: &mut Vec<Piece>) {
+        let body = std::mem::take(&mut self.body);
+        match self.state {
+            State::Undecided => emit(out, Piece::Reasoning(body)),
+            State::ToolCall => {
+                emit(out, tool_call(&body).unwrap_or_else(|| Piece::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"))))
+            }
+            State::Content | State::Reasoning => {}
+        }
+    }
+}
+
+/// A call from its JSON body, or None when it is not one (the text then stays content).
+fn tool_call(body: &str) -> Option<Piece> {
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+        None => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(args @ Value::Object(_)) => args.to_string(),
+        Some(_) => return None,
+    };
+    Some(Piece::ToolCall { name, arguments })
+}
+
+fn emit(out: &mut Vec<Piece>, piece: Piece) {
+    if !matches!(&piece, Piece::Content(t) | Piece::Reasoning(t) if t.is_empty()) {
+        out.push(piece);
+    }
+}
+
+/// The length of the longest end of `text` that is a proper start of `marker`.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reasoning, content and calls, each kind joined.
+    type Split = (String, String, Vec<(String, String)>);
+
+    fn joined(pieces: impl IntoIterator<Item = Piece>) -> Split {
+        let mut s: Split = Default::default();
+        for p in pieces {
+            match p {
+                Piece::Reasoning(t) => s.0 += &t,
+                Piece::Content(t) => s.1 += &t,
+                Piece::ToolCall { name, arguments } => s.2.push((name, arguments)),
+            }
+        }
+        s
+    }
+
+    fn parse(chunks: &[&str], markers: Markers, start: Start, tools: bool) -> Split {
+        let mut p = OutputParser::new(markers, start, tools);
+        let mut pieces: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).collect();
+        pieces.extend(p.finish());
+        joined(pieces)
+    }
+
+    fn call(name: &str, args: &str) -> (String, String) {
+        (name.to_string(), args.to_string())
+    }
+
+    struct Case {
+        markers: Markers,
+        start: Start,
+        tools: bool,
+        output: &'static str,
+        want: (&'static str, &'static str, Vec<(String, String)>),
+    }
+
+    fn cases() -> Vec<Case> {
+        use Markers::*;
+        use Start as S;
+        let c = |markers, start, tools, output, want| Case { markers, start, tools, output, want };
+        vec![
+            c(
+                Plain,
+                S::Content,
+                false,
+                "Hello <think>not markers</think>",
+                ("", "Hello <think>not markers</think>", vec![]),
+            ),
+            c(Think, S::Content, false, "<think>a plan</think>The answer.", ("a plan", "The answer.", vec![])),
+            c(Think, S::Reasoning, false, "a plan</think>The answer.", ("a plan", "The answer.", vec![])),
+            c(Think, S::Reasoning, false, "still thinking <thi", ("still thinking <thi", "", vec![])),
+            c(
+                Think,
+                S::Content,
+                false,
+                "No thought. 3 < 4 and </thin is text",
+                ("", "No thought. 3 < 4 and </thin is text", vec![]),
+            ),
+            // Model B with thinking off: a bare closing marker ends leaked reasoning…
+            c(Think, S::Undecided, false, "Let me see.</think>Paris.", ("Let me see.", "Paris.", vec![])),
+            // …and without one, everything was content.
+            c(Think, S::Undecided, false, "Paris is the capital.", ("", "Paris is the capital.", vec![])),
+            // Model C: thought between channel markers.
+            c(
+                Channel,
+                S::Content,
+                false,
+                "<|channel|>thought weigh it<|channel|>final: 42",
+                (" weigh it", "final: 42", vec![]),
+            ),
+            c(Channel, S::Content, false, "plain <|channel|> text", ("", "plain <|channel|> text", vec![])),
+            c(
+                Think,
+                S::Reasoning,
+                true,
+                "need weather</think><tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>",
+                ("need weather", "", vec![call("get_weather", "{\"city\":\"Paris\"}")]),
+            ),
+            c(
+                Plain,
+                S::Content,
+                true,
+                "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n<tool_call>{\"name\":\"b\",\"arguments\":\"{\\\"x\\\":1}\"}</tool_call>",
+                ("", "\n", vec![call("a", "{}"), call("b", "{\"x\":1}")]),
+            ),
+            // Not a call: the text stays, markers and all.
+            c(
+                Plain,
+                S::Content,
+                true,
+                "<tool_call>{oops}</tool_call> ok",
+                ("", "<tool_call>{oops}</tool_call> ok", vec![]),
+            ),
+            c(Plain, S::Content, true, "cut off <tool_call>{\"name\":", ("", "cut off <tool_call>{\"name\":", vec![])),
+            // Without tools in the request the markers are text.
+            c(
+                Plain,
+                S::Content,
+                false,
+                "<tool_call>{\"name\":\"a\"}</tool_call>",
+                ("", "<tool_call>{\"name\":\"a\"}</tool_call>", vec![]),
+            ),
+            c(Think, S::Content, false, "héllo <think>ünïcode ✓</think>fin ✓", ("ünïcode ✓", "héllo fin ✓", vec![])),
+        ]
+    }
+
+    #[test]
+    fn each_family_splits_its_output_as_the_table_says() {
+        for (i, case) in cases().into_iter().enumerate() {
+            let got = parse(&[case.output], case.markers, case.start, case.tools);
+            let want = (case.want.0.to_string(), case.want.1.to_string(), case.want.2);
+            assert_eq!(got, want, "case {i}: {:?}", case.output);
+        }
+    }
+
+    #[test]
+    fn every_chunking_of_an_output_splits_it_the_same_way() {
+        for (i, case) in cases().into_iter().enumerate() {
+            let whole = parse(&[case.output], case.markers, case.start, case.tools);
+            let cuts: Vec<usize> = (1..case.output.len()).filter(|&c| case.output.is_char_boundary(c)).collect();
+            let check = |chunks: Vec<&str>| {
+                let got = parse(&chunks, case.markers, case.start, case.tools);
+                assert_eq!(got, whole, "case {i} cut as {chunks:?}");
+            };
+            // Character by character, at every cut, and at every pair of cuts.
+            check(case.output.char_indices().map(|(at, c)| &case.output[at..at + c.len_utf8()]).collect());
+            for (n, &a) in cuts.iter().enumerate() {
+                check(vec![&case.output[..a], &case.output[a..]]);
+                for &b in &cuts[n + 1..] {
+                    check(vec![&case.output[..a], &case.output[a..b], &case.output[b..]]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn content_streams_as_soon_as_no_marker_can_begin_in_it() {
+        let mut p = OutputParser::new(Markers::Think, Start::Content, true);
+        assert_eq!(p.push("Hello"), [Piece::Content("Hello".into())]);
+        // "<t" may begin <think> or <tool_call>: held until decided.
+        assert_eq!(p.push(" <t"), [Piece::Content(" ".into())]);
+        assert_eq!(p.push("o the world"), [Piece::Content("<to the world".into())]);
+        let mut u = OutputParser::new(Markers::Think, Start::Undecided, false);
+        assert!(u.push("maybe a thought").is_empty(), "an undecided start is held");
+        assert_eq!(u.finish(), [Piece::Content("maybe a thought".into())]);
+    }
+}
