@@ -2,6 +2,7 @@
 //! proto and engine types, engine errors mapped once to gRPC status codes.
 
 use crate::engine::core::{EngineError, FinishReason, Output, Request as EngineRequest};
+use crate::engine::grammar::{Constraint, GrammarSource, GrammarSpec};
 use crate::engine::runner::{EngineHandle, OutputEvent};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::sequence::SeqId;
@@ -34,17 +35,41 @@ type LiveIds = Arc<Mutex<HashMap<String, SeqId>>>;
 pub struct WorkerService {
     engine: EngineHandle,
     card: pb::ModelCard,
+    grammars: Arc<GrammarSource>,
     live: LiveIds,
     next_id: AtomicU64,
 }
 
 impl WorkerService {
     pub fn new(engine: EngineHandle, card: pb::ModelCard) -> Self {
-        Self { engine, card, live: LiveIds::default(), next_id: AtomicU64::new(1) }
+        let grammars = Arc::new(GrammarSource::new(
+            card.tokenizer_json.clone(),
+            card.eos_token_ids.clone(),
+            card.vocab_size as usize,
+        ));
+        Self { engine, card, grammars, live: LiveIds::default(), next_id: AtomicU64::new(1) }
+    }
+
+    /// The request's grammar compiled, off the async threads (a new schema takes
+    /// milliseconds to compile).
+    async fn constraint(&self, grammar: Option<pb::Grammar>) -> Result<Option<Constraint>, Status> {
+        use pb::grammar::Kind;
+        let spec = match grammar.and_then(|g| g.kind) {
+            None => return Ok(None),
+            Some(Kind::JsonObject(_)) => GrammarSpec::JsonObject,
+            Some(Kind::JsonSchema(s)) => GrammarSpec::JsonSchema(s),
+            Some(Kind::Lark(s)) => GrammarSpec::Lark(s),
+        };
+        let grammars = self.grammars.clone();
+        tokio::task::spawn_blocking(move || grammars.matcher(&spec))
+            .await
+            .map_err(|e| Status::internal(format!("grammar compilation: {e}")))?
+            .map(Some)
+            .map_err(|e| Status::invalid_argument(format!("the grammar does not compile: {e}")))
     }
 }
 
-fn to_engine(id: SeqId, r: pb::GenerateRequest) -> Result<EngineRequest, Status> {
+fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> Result<EngineRequest, Status> {
     let s = r.sampling.unwrap_or_default();
     let params = SamplingParams {
         temperature: s.temperature,
@@ -67,6 +92,7 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest) -> Result<EngineRequest, Status>
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         n: r.n.max(1) as usize,
+        grammar,
     })
 }
 
@@ -128,10 +154,11 @@ impl pb::worker_server::Worker for WorkerService {
     type WatchLoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadReport, Status>> + Send>>;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<OutputStream>, Status> {
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         if r.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
+        let grammar = self.constraint(r.grammar.take()).await?;
         let client_id = r.request_id.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         {
@@ -142,7 +169,14 @@ impl pb::worker_server::Worker for WorkerService {
             live.insert(client_id.clone(), id);
         }
         let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone() };
-        match self.engine.generate(to_engine(id, r)?).await {
+        let request = match to_engine(id, r, grammar) {
+            Ok(request) => request,
+            Err(e) => {
+                self.live.lock().expect("live ids lock").remove(&client_id);
+                return Err(e);
+            }
+        };
+        match self.engine.generate(request).await {
             Ok(rx) => Ok(Response::new(stream(rx))),
             Err(e) => {
                 self.live.lock().expect("live ids lock").remove(&client_id);

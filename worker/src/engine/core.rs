@@ -5,6 +5,7 @@
 
 use super::detokenizer::Detokenizer;
 use super::executor::Executor;
+use super::grammar::Constraint;
 use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
@@ -66,6 +67,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Completions of the same prompt; they share the prompt's KV blocks.
     pub n: usize,
+    /// The grammar the output must match, compiled (`Grammars::matcher`); each of the
+    /// `n` completions follows its own copy.
+    pub grammar: Option<Constraint>,
 }
 
 impl Request {
@@ -79,6 +83,7 @@ impl Request {
             stop: Vec::new(),
             ignore_eos: false,
             n: 1,
+            grammar: None,
         }
     }
 }
@@ -249,12 +254,14 @@ impl<B: Backend> EngineCore<B> {
             // Each completion draws its own numbers from the request's seed.
             let params =
                 SamplingParams { seed: req.params.seed.map(|s| s.wrapping_add(index as u64)), ..req.params.clone() };
+            let mut sampler = SamplerState::new(params, &req.prompt);
+            sampler.constraint = req.grammar.as_ref().map(Constraint::fork);
             self.requests.insert(
                 seq_id,
                 RequestState {
                     request: req.id,
                     index,
-                    sampler: SamplerState::new(params, &req.prompt),
+                    sampler,
                     detok: Detokenizer::new(&req.prompt, req.stop.clone()),
                     max_tokens: req.max_tokens,
                     stop_token_ids: req.stop_token_ids.clone(),

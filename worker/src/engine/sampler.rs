@@ -3,6 +3,7 @@
 //! sequence carries its own random generator, so a seeded request draws the same tokens
 //! whatever else shares its batch.
 
+use super::grammar::Constraint;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -63,6 +64,8 @@ pub struct SamplerState {
     output_counts: HashMap<u32, u32>,
     /// Tokens seen in prompt or output (repetition penalty).
     seen: HashMap<u32, ()>,
+    /// The grammar the output must follow, if any.
+    pub constraint: Option<Constraint>,
 }
 
 impl SamplerState {
@@ -73,14 +76,14 @@ impl SamplerState {
         };
         let seen =
             if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
-        Self { params, rng, output_counts: HashMap::new(), seen }
+        Self { params, rng, output_counts: HashMap::new(), seen, constraint: None }
     }
 
     /// The row a device can decode greedily for this sequence; None unless it samples
-    /// at temperature 0.
+    /// at temperature 0 without a grammar.
     pub fn greedy_row(&self) -> Option<GreedyRow> {
         let p = &self.params;
-        if p.temperature > 0.0 {
+        if p.temperature > 0.0 || self.constraint.is_some() {
             return None;
         }
         let mut history = Vec::new();
@@ -139,7 +142,13 @@ pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
             *l += bias;
         }
     }
+    if let Some(c) = &state.constraint {
+        c.mask(logits);
+    }
     let token = if p.temperature <= 0.0 { argmax(logits) } else { draw(logits, p, &mut state.rng) };
+    if let Some(c) = &state.constraint {
+        c.accept(token as u32);
+    }
     Sampled { token: token as u32, logprob: logprob_of.map(|lp| lp[token]), top_logprobs }
 }
 
