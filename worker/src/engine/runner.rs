@@ -32,7 +32,7 @@ pub struct LoadReport {
 
 enum Command {
     Add {
-        request: Request,
+        request: Box<Request>,
         outputs: tmpsc::UnboundedSender<OutputEvent>,
         accepted: oneshot::Sender<Result<(), EngineError>>,
     },
@@ -68,7 +68,7 @@ impl EngineHandle {
     pub async fn generate(&self, request: Request) -> Result<tmpsc::UnboundedReceiver<OutputEvent>, EngineError> {
         let (outputs, rx) = tmpsc::unbounded_channel();
         let (accepted, answer) = oneshot::channel();
-        self.send(Command::Add { request, outputs, accepted })?;
+        self.send(Command::Add { request: Box::new(request), outputs, accepted })?;
         answer.await.map_err(|_| EngineError::Stopped)??;
         Ok(rx)
     }
@@ -127,7 +127,7 @@ impl<B: Backend> Loop<B> {
         match c {
             Command::Add { request, outputs, accepted } => {
                 let id = request.id;
-                let result = self.core.add_request(request);
+                let result = self.core.add_request(*request);
                 if result.is_ok() {
                     self.streams.insert(id, outputs);
                 }
