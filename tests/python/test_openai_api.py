@@ -14,7 +14,9 @@ import unittest
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
+import pydantic
 
 BASE_URL = os.environ["TESSERA_BASE_URL"]
 API_KEY = os.environ["TESSERA_API_KEY"]
@@ -204,6 +206,84 @@ class Responses(unittest.TestCase):
         deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         self.assertEqual(deltas, final.output_text)
         self.assertEqual(final.output_text, plain.output_text)
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    population: int = pydantic.Field(ge=0, le=100_000_000)
+
+
+PRODUCT = {
+    "type": "object",
+    "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+        "tags": {"type": "array", "items": {"enum": ["new", "sale", "eco"]}, "minItems": 1, "maxItems": 3},
+        "price": {"type": "number", "minimum": 0, "maximum": 1000},
+        "note": {"type": "string", "maxLength": 30},
+    },
+    "required": ["sku", "tags", "price"],
+    "additionalProperties": False,
+}
+
+
+class StructuredOutput(unittest.TestCase):
+    """JSON output enforced while decoding: it parses and validates, whatever the model."""
+
+    ASK = [{"role": "user", "content": "Describe a product as JSON."}]
+
+    def test_json_schema_output_validates(self):
+        for temperature in (0, 1):
+            r = client().chat.completions.create(
+                model=MODEL, messages=self.ASK, temperature=temperature, seed=7, max_tokens=200,
+                response_format={"type": "json_schema", "json_schema": {"name": "product", "schema": PRODUCT, "strict": True}})
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+            jsonschema.validate(json.loads(r.choices[0].message.content), PRODUCT)
+
+    def test_parse_with_a_pydantic_model(self):
+        r = client().chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris."}], temperature=0,
+            max_tokens=200, response_format=City)
+        city = r.choices[0].message.parsed
+        self.assertIsInstance(city, City)
+        self.assertLessEqual(len(city.name), 24)
+
+    def test_json_object_output_is_an_object(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=self.ASK, temperature=0, max_tokens=200, response_format={"type": "json_object"})
+        self.assertIsInstance(json.loads(r.choices[0].message.content), dict)
+
+    def test_streamed_json_schema_output_validates(self):
+        stream = client().chat.completions.create(
+            model=MODEL, messages=self.ASK, temperature=0, max_tokens=200, stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "product", "schema": PRODUCT}})
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        jsonschema.validate(json.loads(text), PRODUCT)
+
+    def test_responses_text_format(self):
+        r = client().responses.create(
+            model=MODEL, input="Describe a product.", temperature=0, max_output_tokens=200,
+            text={"format": {"type": "json_schema", "name": "product", "schema": PRODUCT}})
+        self.assertEqual(r.status, "completed")
+        jsonschema.validate(json.loads(r.output_text), PRODUCT)
+        parsed = client().responses.parse(
+            model=MODEL, input="Tell me about Rome.", temperature=0, max_output_tokens=200, text_format=City)
+        self.assertIsInstance(parsed.output_parsed, City)
+
+    def test_bad_formats_are_400s_naming_the_param(self):
+        def create(fmt):
+            return client().chat.completions.create(model=MODEL, messages=self.ASK, max_tokens=4, response_format=fmt)
+        for fmt, code, param in [
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
+             "invalid_value", "response_format"),
+            ({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}},
+             "invalid_value", "response_format.json_schema.name"),
+            ({"type": "json_schema"}, "missing_required_parameter", "response_format.json_schema"),
+            ({"type": "yaml"}, "invalid_value", "response_format.type"),
+        ]:
+            with self.assertRaises(openai.BadRequestError) as e:
+                create(fmt)
+            self.assertEqual((e.exception.code, e.exception.param), (code, param), e.exception)
 
 
 class Models(unittest.TestCase):

@@ -3,6 +3,7 @@
 use super::auth::Authed;
 use super::error::ApiError;
 use super::fields::Fields;
+use super::format::{self, Shape};
 use super::generate::{self, Generation, Output};
 use super::sse::{self, Gone, Sender};
 use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
@@ -107,23 +108,26 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
         }
         kwargs.insert("reasoning_effort".into(), json!(effort));
     }
-    unsupported_until_structured_output(&mut f)?;
+    unsupported_until_tools(&mut f)?;
+    let caps = &model.entry.capabilities;
+    let grammar = format::grammar(f.raw("response_format"), Shape::Chat, caps.structured_output, &model.entry.id)?
+        .map(|g| (g, Shape::Chat.param()));
     f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"]);
     f.finish()?;
 
     let (_, prompt) = chat::prompt_tokens(model, &messages, &kwargs)?;
     let max_tokens = params::max_tokens(model, prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
     Ok(ChatRequest {
-        generation: Generation { prompt, sampling, max_tokens, stop, n },
+        generation: Generation { prompt, sampling, max_tokens, stop, n, grammar },
         stream,
         include_usage,
         logprobs,
     })
 }
 
-/// Tools and JSON output are enforced during decoding, which lands with the
-/// structured-output issue; until then they are refused rather than ignored.
-fn unsupported_until_structured_output<'a>(f: &mut Fields<'a>) -> Result<(), ApiError> {
+/// Tools are parsed from the output and forced through grammars, which lands with the
+/// rest of the structured-output issue; until then they are refused, not ignored.
+fn unsupported_until_tools<'a>(f: &mut Fields<'a>) -> Result<(), ApiError> {
     let unsupported = |param: &str| ApiError::Unsupported {
         param: param.into(),
         message: format!("'{param}' is not supported by this deployment yet."),
@@ -145,17 +149,7 @@ fn unsupported_until_structured_output<'a>(f: &mut Fields<'a>) -> Result<(), Api
             "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' are specified.",
         ));
     }
-    match f.raw("response_format") {
-        None => Ok(()),
-        Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(v) => Err(ApiError::Unsupported {
-            param: "response_format".into(),
-            message: format!(
-                "response_format of type {} is not supported by this deployment yet.",
-                v.get("type").unwrap_or(&Value::Null)
-            ),
-        }),
-    }
+    Ok(())
 }
 
 /// What every chunk of one response repeats.

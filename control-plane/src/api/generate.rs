@@ -15,6 +15,8 @@ pub struct Generation {
     pub max_tokens: u32,
     pub stop: Vec<String>,
     pub n: u32,
+    /// Structured output, and the parameter that asked for it (named in its errors).
+    pub grammar: Option<(pb::Grammar, &'static str)>,
 }
 
 pub struct Output {
@@ -22,6 +24,7 @@ pub struct Output {
 }
 
 pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError> {
+    let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
         // Random, so control planes sharing a worker never collide.
         request_id: super::new_id("cp-"),
@@ -32,15 +35,17 @@ pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError>
         stop: g.stop,
         ignore_eos: false,
         n: g.n,
+        grammar,
     };
-    let stream = replica.client.clone().generate(request).await.map_err(worker_error)?.into_inner();
+    let stream =
+        replica.client.clone().generate(request).await.map_err(|s| worker_error(s, grammar_param))?.into_inner();
     Ok(Output { stream })
 }
 
 impl Output {
     /// The next delta, or None when every completion has finished.
     pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
-        let r = self.stream.message().await.map_err(worker_error)?;
+        let r = self.stream.message().await.map_err(|s| worker_error(s, ""))?;
         if let Some(r) = &r
             && r.finish_reason == pb::FinishReason::Abort as i32
         {
@@ -52,12 +57,19 @@ impl Output {
 
 /// A worker's refusal of what we validated is our bug; a worker that is gone or full
 /// is overload.
-fn worker_error(s: Status) -> ApiError {
+/// `grammar_param`: the parameter a grammar the worker cannot compile came from.
+fn worker_error(s: Status, grammar_param: &str) -> ApiError {
     match s.code() {
+        Code::InvalidArgument if s.message().starts_with(GRAMMAR_REFUSED) && !grammar_param.is_empty() => {
+            ApiError::invalid_value(grammar_param, format!("Invalid schema: {}", &s.message()[GRAMMAR_REFUSED.len()..]))
+        }
         Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => ApiError::Overloaded,
         _ => ApiError::Internal(format!("worker: {s}")),
     }
 }
+
+/// How the worker's refusal of a grammar begins (worker/src/grpc.rs).
+const GRAMMAR_REFUSED: &str = "the grammar does not compile: ";
 
 /// The OpenAI name of a finish reason.
 pub fn finish_reason(code: i32) -> Option<&'static str> {
@@ -127,7 +139,10 @@ mod tests {
         assert_eq!(finish_reason(pb::FinishReason::Stop as i32), Some("stop"));
         assert_eq!(finish_reason(pb::FinishReason::Length as i32), Some("length"));
         assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), None);
-        assert!(matches!(worker_error(Status::unavailable("gone")), ApiError::Overloaded));
-        assert!(matches!(worker_error(Status::invalid_argument("x")), ApiError::Internal(_)));
+        assert!(matches!(worker_error(Status::unavailable("gone"), ""), ApiError::Overloaded));
+        assert!(matches!(worker_error(Status::invalid_argument("x"), "response_format"), ApiError::Internal(_)));
+        let refused = Status::invalid_argument(format!("{GRAMMAR_REFUSED}unknown type 'frob'"));
+        let e = worker_error(refused, "response_format");
+        assert_eq!(e, ApiError::invalid_value("response_format", "Invalid schema: unknown type 'frob'"));
     }
 }

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod fields;
+pub mod format;
 pub mod generate;
 pub mod logprobs;
 pub mod models;

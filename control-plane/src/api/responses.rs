@@ -3,6 +3,7 @@
 use super::auth::Authed;
 use super::error::ApiError;
 use super::fields::Fields;
+use super::format::{self, Shape};
 use super::generate::{self, Generation, Output, Usage};
 use super::sse::{self, Gone, Sender};
 use super::{App, new_id, params, read_request, unix_now};
@@ -95,15 +96,16 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             message: "'tools' is not supported by this deployment yet.".into(),
         });
     }
-    if let Some(text) = f.raw("text")
-        && let Some(kind) = text.get("format").and_then(|fm| fm.get("type")).and_then(Value::as_str)
-        && kind != "text"
-    {
-        return Err(ApiError::Unsupported {
-            param: "text.format".into(),
-            message: format!("text.format of type '{kind}' is not supported by this deployment yet."),
-        });
-    }
+    let format = match f.raw("text") {
+        None => None,
+        Some(Value::Object(text)) => text.get("format"),
+        Some(_) => {
+            return Err(ApiError::InvalidType { param: "text".into(), expected: "an object", got: "another type" });
+        }
+    };
+    let caps = &model.entry.capabilities;
+    let grammar = format::grammar(format, Shape::Responses, caps.structured_output, &model.entry.id)?
+        .map(|g| (g, Shape::Responses.param()));
     for param in ["previous_response_id", "conversation"] {
         if f.raw(param).is_some() {
             return Err(ApiError::Unsupported {
@@ -139,7 +141,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
     let (_, prompt) = chat::prompt_tokens(model, &messages, &kwargs)?;
     let max_tokens = params::max_tokens(model, prompt.len(), max_output_tokens, "input")?;
     Ok(ResponsesRequest {
-        generation: Generation { prompt, sampling, max_tokens, stop: Vec::new(), n: 1 },
+        generation: Generation { prompt, sampling, max_tokens, stop: Vec::new(), n: 1, grammar },
         instructions,
         max_output_tokens,
         stream,
