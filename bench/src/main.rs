@@ -3,6 +3,7 @@
 mod engine;
 mod forward;
 mod gateway;
+mod grammar;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod kernels;
@@ -23,6 +24,8 @@ enum Command {
     Forward(forward::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
+    /// Constrained decoding against free decoding, and the token mask's time per step.
+    Grammar(grammar::Args),
     /// The CPU backend's matrix products and paged attention on SmolLM2-135M's shapes.
     Kernels(kernels::Args),
     /// The latency the control plane adds over the worker's gRPC (needs the release
@@ -40,6 +43,7 @@ fn main() -> Result<()> {
         Command::Engine(args) => engine::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Kernels(args) => kernels::run(args),
+        Command::Grammar(args) => grammar::run(args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(args),
     }

@@ -1,0 +1,106 @@
+//! Constrained decoding's cost: the same greedy requests with and without a JSON
+//! schema, in the same run (each twice, alternating, so drift on a shared machine
+//! falls on both), and the time to compute one step's token mask over the whole
+//! vocabulary, replayed along the constrained outputs.
+
+use anyhow::Result;
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::Instant;
+use tessera_kernels::cpu::CpuBackend;
+use tessera_worker::engine::core::{EngineConfig, EngineCore, Request};
+use tessera_worker::engine::grammar::{GrammarSource, GrammarSpec};
+use tessera_worker::{load, model_cache};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, default_value = model_cache::SMOLLM2_135M_INSTRUCT.name)]
+    model: String,
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    #[arg(long, default_value_t = 64)]
+    output_tokens: usize,
+}
+
+/// Long enough that no output completes before `output_tokens`: every run then
+/// produces the same number of tokens in batches of the same size.
+fn schema() -> serde_json::Value {
+    json!({
+        "type": "object",
+        "properties": {"readings": {"type": "array", "minItems": 64, "items": {
+            "type": "object",
+            "properties": {"sensor": {"type": "string", "maxLength": 12}, "value": {"type": "number"}},
+            "required": ["sensor", "value"], "additionalProperties": false}}},
+        "required": ["readings"], "additionalProperties": false
+    })
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let path = model_cache::resolve(&args.model)?;
+    let loaded = load::load_model(CpuBackend, &path)?;
+    let vocab = loaded.model.config.vocab_size;
+    let eos: Vec<u32> = loaded.tokenizer.eos.iter().map(|t| t.id).collect();
+    let grammars = GrammarSource::new(loaded.tokenizer.json.clone(), eos, vocab);
+    let spec = GrammarSpec::JsonSchema(schema().to_string());
+    let mut engine = EngineCore::new(loaded.model, loaded.tokenizer, EngineConfig::default(), &args.model)?;
+    let prompts: Vec<Vec<u32>> = (0..args.requests)
+        .map(|i| engine.tokenizer().encode(&format!("Station {i}: the sensor readings as JSON:\n")))
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut next_id = 0u64;
+    let mut run = |engine: &mut EngineCore<CpuBackend>, constrained: bool| -> Result<(usize, f64, Vec<Vec<u32>>)> {
+        let start = Instant::now();
+        let mut ids = Vec::new();
+        for p in &prompts {
+            let grammar = if constrained { Some(grammars.matcher(&spec).map_err(anyhow::Error::msg)?) } else { None };
+            let r = Request { ignore_eos: !constrained, grammar, ..Request::greedy(next_id, p.clone(), args.output_tokens) };
+            ids.push(next_id);
+            next_id += 1;
+            engine.add_request(r)?;
+        }
+        let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+        while engine.has_work() {
+            for o in engine.step()? {
+                tokens.entry(o.id).or_default().extend(o.token.map(|t| t.token));
+            }
+        }
+        let produced = tokens.values().map(Vec::len).sum();
+        let outputs = ids.iter().map(|id| tokens.remove(id).unwrap_or_default()).collect();
+        Ok((produced, start.elapsed().as_secs_f64(), outputs))
+    };
+    let (mut free, mut constrained) = ((0, 0.0), (0, 0.0));
+    let mut outputs = Vec::new();
+    for _ in 0..2 {
+        let (n, s, _) = run(&mut engine, false)?;
+        free = (free.0 + n, free.1 + s);
+        let (n, s, o) = run(&mut engine, true)?;
+        constrained = (constrained.0 + n, constrained.1 + s);
+        outputs = o;
+    }
+    // One step's mask, along each constrained output.
+    let mut mask_us = Vec::new();
+    let mut logits = vec![0.0f32; vocab];
+    for tokens in &outputs {
+        let c = grammars.matcher(&spec).map_err(anyhow::Error::msg)?;
+        for &t in tokens {
+            let start = Instant::now();
+            c.mask(&mut logits);
+            mask_us.push(start.elapsed().as_secs_f64() * 1e6);
+            c.accept(t);
+        }
+    }
+    mask_us.sort_by(f64::total_cmp);
+    let pct = |p: f64| mask_us.get(((mask_us.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    let (free_tps, constrained_tps) = (free.0 as f64 / free.1, constrained.0 as f64 / constrained.1);
+    let r = |v: f64| (v * 1000.0).round() / 1000.0;
+    println!(
+        "{}",
+        json!({
+            "bench": "grammar", "backend": "cpu", "requests": args.requests, "output_tokens_each": args.output_tokens,
+            "vocab": vocab, "unconstrained_tokens_per_s": r(free_tps), "constrained_tokens_per_s": r(constrained_tps),
+            "ratio": r(constrained_tps / free_tps), "mask_steps": mask_us.len(),
+            "mask_us_p50": r(pct(0.5)), "mask_us_p99": r(pct(0.99)),
+        })
+    );
+    Ok(())
+}
