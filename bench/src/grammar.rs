@@ -53,7 +53,11 @@ pub fn run(args: Args) -> Result<()> {
         let mut ids = Vec::new();
         for p in &prompts {
             let grammar = if constrained { Some(grammars.matcher(&spec).map_err(anyhow::Error::msg)?) } else { None };
-            let r = Request { ignore_eos: !constrained, grammar, ..Request::greedy(next_id, p.clone(), args.output_tokens) };
+            let r = Request {
+                ignore_eos: !constrained,
+                grammar,
+                ..Request::greedy(next_id, p.clone(), args.output_tokens)
+            };
             ids.push(next_id);
             next_id += 1;
             engine.add_request(r)?;

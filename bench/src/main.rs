@@ -3,9 +3,9 @@
 mod engine;
 mod forward;
 mod gateway;
-mod grammar;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod grammar;
 mod kernels;
 
 use anyhow::Result;
