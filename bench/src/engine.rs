@@ -2,6 +2,7 @@
 //! run together with continuous batching, against the same requests one at a time
 //! (a subset, in the same run), greedy with a fixed output length.
 
+use crate::round;
 use anyhow::Result;
 use serde_json::json;
 use std::time::Instant;
@@ -120,11 +121,11 @@ pub fn run(args: Args) -> Result<()> {
         "prompt_tokens_each": args.system_tokens + args.unique_tokens,
         "output_tokens_each": args.output_tokens,
         "output_tokens": produced,
-        "seconds": (batched_s * 1000.0).round() / 1000.0,
-        "output_tokens_per_s": (batched_tps * 1000.0).round() / 1000.0,
+        "seconds": round(batched_s),
+        "output_tokens_per_s": round(batched_tps),
         "sequential_requests": subset,
-        "sequential_output_tokens_per_s": (sequential_tps * 1000.0).round() / 1000.0,
-        "speedup": (batched_tps / sequential_tps * 1000.0).round() / 1000.0,
+        "sequential_output_tokens_per_s": round(sequential_tps),
+        "speedup": round(batched_tps / sequential_tps),
         "prefix_hit_rate": if pool.queried_blocks == 0 { 0.0 } else { pool.hit_blocks as f64 / pool.queried_blocks as f64 },
         "steps": stats.steps,
         "preemptions": stats.preemptions,

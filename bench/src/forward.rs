@@ -3,6 +3,7 @@
 //! for it on the same GGUF, the same token ids and the same number of threads, run in
 //! the same process tree one after the other, and our/its ratios.
 
+use crate::round;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use std::process::Command;
@@ -82,10 +83,6 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("{out}");
     Ok(())
-}
-
-fn round(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
 }
 
 fn rayon_threads() -> usize {

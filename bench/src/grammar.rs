@@ -3,6 +3,7 @@
 //! falls on both), and the time to compute one step's token mask over the whole
 //! vocabulary, replayed along the constrained outputs.
 
+use crate::round;
 use anyhow::Result;
 use serde_json::json;
 use std::collections::HashMap;
@@ -96,14 +97,13 @@ pub fn run(args: Args) -> Result<()> {
     mask_us.sort_by(f64::total_cmp);
     let pct = |p: f64| mask_us.get(((mask_us.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
     let (free_tps, constrained_tps) = (free.0 as f64 / free.1, constrained.0 as f64 / constrained.1);
-    let r = |v: f64| (v * 1000.0).round() / 1000.0;
     println!(
         "{}",
         json!({
             "bench": "grammar", "backend": "cpu", "requests": args.requests, "output_tokens_each": args.output_tokens,
-            "vocab": vocab, "unconstrained_tokens_per_s": r(free_tps), "constrained_tokens_per_s": r(constrained_tps),
-            "ratio": r(constrained_tps / free_tps), "mask_steps": mask_us.len(),
-            "mask_us_p50": r(pct(0.5)), "mask_us_p99": r(pct(0.99)),
+            "vocab": vocab, "unconstrained_tokens_per_s": round(free_tps), "constrained_tokens_per_s": round(constrained_tps),
+            "ratio": round(constrained_tps / free_tps), "mask_steps": mask_us.len(),
+            "mask_us_p50": round(pct(0.5)), "mask_us_p99": round(pct(0.99)),
         })
     );
     Ok(())

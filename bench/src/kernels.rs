@@ -5,6 +5,7 @@
 //! figure is the best of `--reps` runs: on a shared machine the best is the figure
 //! least disturbed by the neighbours.
 
+use crate::round;
 use anyhow::Result;
 use serde_json::json;
 use std::time::Instant;
@@ -105,8 +106,4 @@ fn best(reps: usize, mut f: impl FnMut() -> tessera_kernels::Result<()>) -> Resu
         best = best.min(t.elapsed().as_secs_f64());
     }
     Ok(best)
-}
-
-fn round(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
 }

@@ -37,6 +37,11 @@ enum Command {
     Gpu(gpu::Args),
 }
 
+/// A figure to three decimals, as every benchmark line prints it.
+fn round(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),

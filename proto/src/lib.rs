@@ -6,6 +6,10 @@
 pub mod block_hash;
 pub mod chat_template;
 
+/// How the worker's INVALID_ARGUMENT for a request's grammar begins; the control plane
+/// answers it as a 400 naming the parameter the grammar came from.
+pub const GRAMMAR_REFUSED: &str = "the grammar does not compile: ";
+
 /// Generated from proto/worker.proto.
 pub mod worker {
     #![allow(clippy::all, clippy::pedantic)]

@@ -65,7 +65,7 @@ impl WorkerService {
             .await
             .map_err(|e| Status::internal(format!("grammar compilation: {e}")))?
             .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("the grammar does not compile: {e}")))
+            .map_err(|e| Status::invalid_argument(format!("{}{e}", tessera_proto::GRAMMAR_REFUSED)))
     }
 }
 

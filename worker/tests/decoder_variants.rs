@@ -6,8 +6,8 @@
 //! Each model also runs its prompt as a prefill followed by single-token decodes, so
 //! the paged KV cache is checked against recomputation at every step.
 
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::Value;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
@@ -131,10 +131,8 @@ fn max_diff(a: &[f32], b: &[f64]) -> f64 {
 
 #[test]
 fn every_variant_matches_the_dense_f64_forward_in_prefill_and_decode() {
-    let seed: u64 = StdRng::from_os_rng().random();
-    eprintln!("random seed {seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
-    let root = std::env::temp_dir().join(format!("tessera-variants-{}", std::process::id()));
+    let mut rng = tiny_models::seeded_rng();
+    let root = tiny_models::temp_root("variants");
     for v in variants() {
         let weights = random_weights(&v.config, &mut rng);
         let dir = root.join(v.name);

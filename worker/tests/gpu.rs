@@ -11,8 +11,8 @@
 mod tiny_models;
 
 use half::bf16;
+use rand::Rng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,9 +30,7 @@ fn gpu() -> Option<CudaBackend> {
 }
 
 fn rng() -> StdRng {
-    let seed: u64 = StdRng::from_os_rng().random();
-    eprintln!("random seed {seed}");
-    StdRng::seed_from_u64(seed)
+    tiny_models::seeded_rng()
 }
 
 /// A wider model than the decoder variants: head_dim 64, grouped-query attention, a
@@ -65,7 +63,7 @@ fn write_model(v: &Variant, rng: &mut StdRng, root: &Path) -> PathBuf {
 }
 
 fn temp_root(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("tessera-gpu-{name}-{}", std::process::id()))
+    tiny_models::temp_root(&format!("gpu-{name}"))
 }
 
 /// Logits of a prefill of `prompt[..split]` then one decode per remaining token.

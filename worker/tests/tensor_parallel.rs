@@ -58,10 +58,8 @@ fn check(name: &str, size: usize, whole: &[Vec<f32>], ranks: &[Vec<Vec<f32>>], t
 
 #[test]
 fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
-    let seed: u64 = StdRng::from_os_rng().random();
-    eprintln!("random seed {seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
-    let root = std::env::temp_dir().join(format!("tessera-tp-{}", std::process::id()));
+    let mut rng = tiny_models::seeded_rng();
+    let root = tiny_models::temp_root("tp");
     let prompt: Vec<u32> = (0..13).map(|_| rng.random_range(0..64)).collect();
     let mut checked = 0;
     for v in variants() {

@@ -4,6 +4,7 @@
 
 use super::error::ApiError;
 use crate::router::Replica;
+use tessera_proto::GRAMMAR_REFUSED;
 use tessera_proto::worker::{self as pb};
 use tonic::{Code, Status, Streaming};
 
@@ -67,9 +68,6 @@ fn worker_error(s: Status, grammar_param: &str) -> ApiError {
         _ => ApiError::Internal(format!("worker: {s}")),
     }
 }
-
-/// How the worker's refusal of a grammar begins (worker/src/grpc.rs).
-const GRAMMAR_REFUSED: &str = "the grammar does not compile: ";
 
 /// The OpenAI name of a finish reason.
 pub fn finish_reason(code: i32) -> Option<&'static str> {

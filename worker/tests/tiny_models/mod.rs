@@ -4,8 +4,8 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
-use rand::Rng;
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -158,4 +158,18 @@ pub fn prefill_then_decode<B: Backend>(
         out.push(model.forward(&step, &mut kv).unwrap());
     }
     out
+}
+
+/// A generator from a fresh seed, printed so that a failure can be replayed.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn seeded_rng() -> StdRng {
+    let seed: u64 = StdRng::from_os_rng().random();
+    eprintln!("random seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// A scratch folder of this test process, `tessera-{tag}-{pid}` under the temp dir.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn temp_root(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("tessera-{tag}-{}", std::process::id()))
 }
