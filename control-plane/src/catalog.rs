@@ -1,12 +1,21 @@
 //! The model catalog (`deploy/catalog.toml`): ids, prices, capabilities, reasoning
 //! defaults, and the weights each model is served from.
 
+use crate::chat::output::{Markers, ToolFormat};
 use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::path::Path;
 
 /// The catalog shipped with the binary, used when no `--catalog` is given.
 pub const DEFAULT: &str = include_str!("../../deploy/catalog.toml");
+
+/// The chat templates the built-in catalog names, shipped with the binary too.
+const BUILT_IN_TEMPLATES: [(&str, &str); 4] = [
+    ("templates/model-a.jinja", include_str!("../../deploy/templates/model-a.jinja")),
+    ("templates/model-b.jinja", include_str!("../../deploy/templates/model-b.jinja")),
+    ("templates/model-c.jinja", include_str!("../../deploy/templates/model-c.jinja")),
+    ("templates/model-d.jinja", include_str!("../../deploy/templates/model-d.jinja")),
+];
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -30,6 +39,16 @@ pub struct CatalogModel {
     /// Defaults that a request's `chat_template_kwargs` are merged over.
     #[serde(default)]
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The model family's chat template, a path relative to the catalog's folder;
+    /// without one, the template that came with the weights.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    /// How the family's template asks for tool calls, and so how they are read back.
+    #[serde(default)]
+    pub tool_format: ToolFormat,
+    /// `chat_template`'s text, read when the catalog is loaded.
+    #[serde(skip)]
+    pub chat_template_source: Option<String>,
 }
 
 /// Micro-dollars per million tokens.
@@ -57,6 +76,18 @@ pub struct Reasoning {
     pub default: String,
     /// Where a request turns it (documentation for operators and the console).
     pub control: String,
+    /// The markers around the family's chain-of-thought.
+    #[serde(default = "no_markers")]
+    pub markers: Markers,
+    /// With thinking off the model may still think and end with a bare closing
+    /// marker (SPEC.md, Reasoning rule 8): the start of the output is held back until
+    /// that marker or the end shows which it was.
+    #[serde(default)]
+    pub bare_close: bool,
+}
+
+fn no_markers() -> Markers {
+    Markers::Plain
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -69,14 +100,28 @@ pub enum CatalogError {
 
 impl Catalog {
     pub fn load(path: Option<&Path>) -> Result<Self, CatalogError> {
-        match path {
-            None => Self::parse(DEFAULT, "built-in catalog"),
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|source| CatalogError::Read { path: p.display().to_string(), source })?;
-                Self::parse(&text, &p.display().to_string())
-            }
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|source| CatalogError::Read { path: p.display().to_string(), source })
+        };
+        let mut catalog = match path {
+            None => Self::parse(DEFAULT, "built-in catalog")?,
+            Some(p) => Self::parse(&read(p)?, &p.display().to_string())?,
+        };
+        for m in &mut catalog.models {
+            let Some(name) = &m.chat_template else { continue };
+            m.chat_template_source = Some(match path {
+                None => {
+                    BUILT_IN_TEMPLATES.iter().find(|(n, _)| n == name).map(|(_, text)| text.to_string()).ok_or_else(
+                        || CatalogError::Invalid {
+                            path: "built-in catalog".into(),
+                            message: format!("{}: no built-in template {name}", m.id),
+                        },
+                    )?
+                }
+                Some(p) => read(&p.parent().unwrap_or(Path::new(".")).join(name))?,
+            });
         }
+        Ok(catalog)
     }
 
     pub fn parse(text: &str, origin: &str) -> Result<Self, CatalogError> {

@@ -31,7 +31,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         replicas.insert(worker.weights.clone(), Arc::new(replica));
         local.push(worker);
     }
-    let models = Models::new(&catalog, &replicas);
+    let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
     let app = Arc::new(AppState { store, models });
 
     let listener =

@@ -19,6 +19,20 @@ impl Message {
     }
 }
 
+/// The top-level template variable in which a family's template says where the
+/// model's output begins, once its thinking toggles are read: `open` (the prompt
+/// opened a reasoning block), `off` (thinking is off) or `optional` (the model may
+/// open one). Templates that do not set it leave the server to read the prompt.
+pub const REASONING_START: &str = "reasoning_start";
+
+/// A rendered prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    /// The template's `reasoning_start`, when it sets one.
+    pub reasoning_start: Option<String>,
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -39,7 +53,7 @@ impl ChatTemplate {
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
         let messages =
             serde_json::to_value(messages).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
-        self.render_json(&messages, None, add_generation_prompt, &Map::new())
+        Ok(self.render_json(&messages, None, add_generation_prompt, &Map::new())?.text)
     }
 
     /// Renders messages (and tools) as the API gives them, with `kwargs` as further
@@ -52,7 +66,7 @@ impl ChatTemplate {
         tools: Option<&Json>,
         add_generation_prompt: bool,
         kwargs: &Map<String, Json>,
-    ) -> Result<String, Error> {
+    ) -> Result<Rendered, Error> {
         let mut context = kwargs.clone();
         context.insert("messages".into(), messages.clone());
         if let Some(tools) = tools {
@@ -63,7 +77,10 @@ impl ChatTemplate {
         context.insert("add_generation_prompt".into(), add_generation_prompt.into());
         context.insert("bos_token".into(), self.bos_token.clone().into());
         context.insert("eos_token".into(), self.eos_token.clone().into());
-        self.env.get_template("chat")?.render(Value::from(minijinja::value::Serde(&context)))
+        let captured =
+            self.env.get_template("chat")?.render_captured(Value::from(minijinja::value::Serde(&context)))?;
+        let reasoning_start = captured.state().lookup(REASONING_START).and_then(|v| v.as_str().map(String::from));
+        Ok(Rendered { text: captured.into_output(), reasoning_start })
     }
 }
 
@@ -96,10 +113,25 @@ mod tests {
         let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
         let kwargs = serde_json::json!({"enable_thinking": true, "messages": "spoofed"});
         let out = t.render_json(&messages, None, true, kwargs.as_object().unwrap()).unwrap();
-        assert_eq!(out, "think user:hi 0");
+        assert_eq!(out.text, "think user:hi 0");
         let tools = serde_json::json!([{"type": "function"}]);
         let out = t.render_json(&messages, Some(&tools), true, &Map::new()).unwrap();
-        assert_eq!(out, "user:hi 1");
+        assert_eq!(out, Rendered { text: "user:hi 1".into(), reasoning_start: None });
+    }
+
+    #[test]
+    fn the_template_can_say_where_the_output_begins() {
+        let t = ChatTemplate::new(
+            "{%- set reasoning_start = 'open' if thinking else 'off' -%}x{% if thinking %}<think>{% endif %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let on = serde_json::json!({"thinking": true});
+        let out = t.render_json(&serde_json::json!([]), None, true, on.as_object().unwrap()).unwrap();
+        assert_eq!(out, Rendered { text: "x<think>".into(), reasoning_start: Some("open".into()) });
+        let out = t.render_json(&serde_json::json!([]), None, true, &Map::new()).unwrap();
+        assert_eq!(out.reasoning_start.as_deref(), Some("off"));
     }
 
     #[test]

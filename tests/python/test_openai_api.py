@@ -20,8 +20,11 @@ import pydantic
 
 BASE_URL = os.environ["TESSERA_BASE_URL"]
 API_KEY = os.environ["TESSERA_API_KEY"]
-MODEL = "vendor-a/model-a"
+# Model C does not think unless asked, so its answers land in `content`; the thinking
+# models (A by default) are exercised in Reasoning below.
+MODEL = "vendor-c/model-c"
 TEXT_MODEL = "vendor-b/model-b"
+THINKING_MODEL = "vendor-a/model-a"
 
 
 def raw_post(path, body, key=None):
@@ -125,7 +128,7 @@ class Chat(unittest.TestCase):
         full = c.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=24).choices[0].message.content
         words = full.split()
         self.assertGreater(len(words), 2, full)
-        stop = " " + words[2]
+        stop = words[2]
         r = c.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=24, stop=[stop, "zzzz"])
         self.assertEqual(r.choices[0].finish_reason, "stop")
         self.assertEqual(r.choices[0].message.content, full[: full.index(stop)])
@@ -284,6 +287,213 @@ class StructuredOutput(unittest.TestCase):
             with self.assertRaises(openai.BadRequestError) as e:
                 create(fmt)
             self.assertEqual((e.exception.code, e.exception.param), (code, param), e.exception)
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_ARGS = {
+    "type": "object",
+    "properties": {"timezone": {"enum": ["UTC", "CET", "JST"]}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER_ARGS}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                      "parameters": TIME_ARGS}},
+]
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+ARGS = {"get_weather": WEATHER_ARGS, "get_time": TIME_ARGS}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+class ToolCalling(unittest.TestCase):
+    """Calls forced through a grammar always parse and match their function's schema."""
+
+    def assert_valid_call(self, name, arguments):
+        self.assertIn(name, ARGS)
+        jsonschema.validate(json.loads(arguments), ARGS[name])
+
+    def test_required_call_round_trip(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        self.assertGreaterEqual(len(c.message.tool_calls), 1)
+        for call in c.message.tool_calls:
+            self.assertTrue(call.id.startswith("call_"), call.id)
+            self.assertEqual(call.type, "function")
+            self.assert_valid_call(call.function.name, call.function.arguments)
+        call = c.message.tool_calls[0]
+        history = ASK_WEATHER + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "22 degrees and sunny"},
+        ]
+        answer = client().chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=20)
+        alone = client().chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="none", max_tokens=1)
+        a = answer.choices[0]
+        self.assertEqual(a.message.tool_calls, [])
+        self.assertTrue(a.message.content)
+        self.assertIn(a.finish_reason, ("stop", "length"))
+        # The call and its result are in the second prompt.
+        self.assertGreater(answer.usage.prompt_tokens, alone.usage.prompt_tokens + 20)
+
+    def test_named_choice_calls_exactly_that_function_and_stops(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, temperature=1, seed=3, max_tokens=120,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "stop")
+        self.assertEqual([t.function.name for t in c.message.tool_calls], ["get_time"])
+        self.assert_valid_call("get_time", c.message.tool_calls[0].function.arguments)
+
+    def test_parallel_tool_calls_false_makes_one_call(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            temperature=0, max_tokens=120)
+        self.assertEqual(len(r.choices[0].message.tool_calls), 1)
+
+    def test_streamed_calls_assemble_through_the_stream_helper(self):
+        plain = client().chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
+        with client().chat.completions.stream(
+                model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0,
+                max_tokens=120) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_completion()
+        c = final.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        got = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        want = [(t.function.name, t.function.arguments) for t in plain.choices[0].message.tool_calls]
+        self.assertEqual(got, want)
+        for t in c.message.tool_calls:
+            self.assertTrue(t.id.startswith("call_"))
+
+    def test_responses_function_calls_and_their_outputs(self):
+        r = client().responses.create(
+            model=MODEL, input=ASK_WEATHER[0]["content"], tools=FLAT_TOOLS, tool_choice="required",
+            temperature=0, max_output_tokens=120)
+        calls = [o for o in r.output if o.type == "function_call"]
+        self.assertGreaterEqual(len(calls), 1)
+        for call in calls:
+            self.assertTrue(call.call_id.startswith("call_") and call.id.startswith("fc_"))
+            self.assert_valid_call(call.name, call.arguments)
+        self.assertEqual(r.tools[0].name, "get_weather")
+        follow = client().responses.create(
+            model=MODEL, tools=FLAT_TOOLS, tool_choice="none", temperature=0, max_output_tokens=20,
+            input=[{"role": "user", "content": ASK_WEATHER[0]["content"]},
+                   {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                    "arguments": calls[0].arguments},
+                   {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 degrees"}])
+        self.assertTrue(follow.output_text)
+        self.assertEqual([o.type for o in follow.output], ["message"])
+
+    def test_responses_streamed_function_call_events(self):
+        with client().responses.stream(
+                model=MODEL, input=ASK_WEATHER[0]["content"], tools=FLAT_TOOLS,
+                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                max_output_tokens=120) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        types = [e.type for e in events]
+        self.assertEqual([e.sequence_number for e in events], list(range(len(events))))
+        at = types.index("response.function_call_arguments.done")
+        self.assertEqual(types[at - 2:at + 2], ["response.output_item.added", "response.function_call_arguments.delta",
+                                                "response.function_call_arguments.done", "response.output_item.done"])
+        call = [o for o in final.output if o.type == "function_call"]
+        self.assertEqual(len(call), 1)
+        self.assert_valid_call("get_weather", call[0].arguments)
+
+    def test_bad_tool_requests_are_400s_naming_the_param(self):
+        bad_name = [{"type": "function", "function": {"name": "get weather", "parameters": {}}}]
+        for kwargs, param in [
+            ({"tools": bad_name}, "tools[0].function.name"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "book_flight"}}}, "tool_choice"),
+            ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
+              "tool_choice": "required"}, "tools"),
+            ({"messages": ASK_WEATHER + [{"role": "tool", "tool_call_id": "call_x", "content": "?"}]},
+             "messages[1].tool_call_id"),
+        ]:
+            body = {"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **kwargs}
+            with self.assertRaises(openai.BadRequestError) as e:
+                client().chat.completions.create(**body)
+            self.assertEqual(e.exception.param, param, e.exception)
+
+
+def reasoning_of(message_or_delta):
+    return (message_or_delta.model_extra or {}).get("reasoning")
+
+
+class Reasoning(unittest.TestCase):
+    """Chain-of-thought goes to `reasoning`, never to `content`, and counts as output."""
+
+    def test_thinking_on_by_default_fills_reasoning_not_content(self):
+        # Model A's prompt opens <think>; this small model never closes it within the
+        # budget, so every token is reasoning and the budget bounds them all.
+        r = client().chat.completions.create(
+            model=THINKING_MODEL, messages=HELLO, temperature=0, max_completion_tokens=16)
+        m = r.choices[0].message
+        self.assertTrue(reasoning_of(m))
+        self.assertEqual(m.content, "")
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        self.assertEqual(r.usage.completion_tokens, 16)
+        self.assertEqual(r.usage.completion_tokens_details.reasoning_tokens, 16)
+
+    def test_thinking_off_answers_in_content(self):
+        for model, kwargs in [(THINKING_MODEL, {"thinking": False}), (TEXT_MODEL, {"enable_thinking": False}),
+                              ("vendor-d/model-d", {"thinking_mode": "disabled"})]:
+            r = client().chat.completions.create(
+                model=model, messages=HELLO, temperature=0, max_completion_tokens=16,
+                extra_body={"chat_template_kwargs": kwargs})
+            m = r.choices[0].message
+            self.assertIsNone(reasoning_of(m), model)
+            self.assertTrue(m.content, model)
+            self.assertEqual(r.usage.completion_tokens_details.reasoning_tokens, 0, model)
+
+    def test_streamed_reasoning_matches_the_whole_reply(self):
+        for model, kwargs in [(THINKING_MODEL, {}), (TEXT_MODEL, {"enable_thinking": False})]:
+            body = dict(model=model, messages=HELLO, temperature=0, max_completion_tokens=16,
+                        extra_body={"chat_template_kwargs": kwargs})
+            whole = client().chat.completions.create(**body).choices[0].message
+            chunks = list(client().chat.completions.create(stream=True, **body))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            self.assertEqual("".join(reasoning_of(d) or "" for d in deltas), reasoning_of(whole) or "", model)
+            self.assertEqual("".join(d.content or "" for d in deltas), whole.content, model)
+
+    def test_top_level_reasoning_effort_reaches_model_b(self):
+        r = client().chat.completions.create(
+            model=TEXT_MODEL, messages=HELLO, temperature=0, max_completion_tokens=8, reasoning_effort="max")
+        self.assertEqual(r.usage.completion_tokens_details.reasoning_tokens, 8)
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().chat.completions.create(model=TEXT_MODEL, messages=HELLO, reasoning_effort="extreme")
+        self.assertEqual(e.exception.param, "reasoning_effort")
+
+    def test_responses_reasoning_item(self):
+        r = client().responses.create(model=THINKING_MODEL, input="Name three colours.", temperature=0,
+                                      max_output_tokens=16)
+        self.assertEqual(r.status, "incomplete")
+        self.assertEqual([o.type for o in r.output], ["reasoning"])
+        self.assertTrue(r.output[0].content[0].text)
+        self.assertEqual(r.usage.output_tokens_details.reasoning_tokens, 16)
+        # Cut off while thinking, the stream ends with response.incomplete (which the
+        # SDK's stream helper does not accept as an end), so the raw events are read.
+        events = list(client().responses.create(model=THINKING_MODEL, input="Name three colours.", temperature=0,
+                                                max_output_tokens=16, stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        self.assertEqual(text, r.output[0].content[0].text)
+        self.assertEqual(events[-1].type, "response.incomplete")
+        self.assertEqual(events[-1].response.output[0].content[0].text, text)
 
 
 class Models(unittest.TestCase):

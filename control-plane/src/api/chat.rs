@@ -8,6 +8,8 @@ use super::generate::{self, Generation, Output};
 use super::sse::{self, Gone, Sender};
 use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::chat;
+use crate::chat::output::{Piece, Reading, Split};
+use crate::chat::tools::ToolChoice;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -20,6 +22,9 @@ use std::sync::Arc;
 /// A validated chat request.
 struct ChatRequest {
     generation: Generation,
+    reading: Reading,
+    /// A named `tool_choice`: its call ends the reply with `stop`, as OpenAI's does.
+    named_tool: bool,
     stream: bool,
     include_usage: bool,
     logprobs: bool,
@@ -40,16 +45,16 @@ pub async fn handle(
             let _: Result<(), Gone> = stream(tx, out, meta, &request).await;
         }));
     }
-    let (choices, usage) = generate::gather(out, request.generation.n).await?;
+    let (choices, usage) = generate::gather(out, request.generation.n, request.reading).await?;
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
         .map(|(i, c)| {
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text, "refusal": null, "annotations": [], "tool_calls": []},
+                "message": message(&c.split),
                 "logprobs": if request.logprobs { logprobs::chat(&model.replica, &c.tokens) } else { Value::Null },
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool),
             })
         })
         .collect();
@@ -108,48 +113,58 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
         }
         kwargs.insert("reasoning_effort".into(), json!(effort));
     }
-    unsupported_until_tools(&mut f)?;
     let caps = &model.entry.capabilities;
-    let grammar = format::grammar(f.raw("response_format"), Shape::Chat, caps.structured_output, &model.entry.id)?
+    let tools = chat::tools::parse(&mut f, Shape::Chat, caps.tool_calling, &model.entry.id)?;
+    // The deprecated single-function API: refused, not ignored.
+    for param in ["functions", "function_call"] {
+        if f.raw(param).is_some() {
+            return Err(ApiError::Unsupported {
+                param: param.into(),
+                message: format!("'{param}' is deprecated and not supported; use 'tools' and 'tool_choice'."),
+            });
+        }
+    }
+    let format = format::grammar(f.raw("response_format"), Shape::Chat, caps.structured_output, &model.entry.id)?
         .map(|g| (g, Shape::Chat.param()));
     f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"]);
     f.finish()?;
 
-    let (_, prompt) = chat::prompt_tokens(model, &messages, &kwargs)?;
-    let max_tokens = params::max_tokens(model, prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
+    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
+    let max_tokens =
+        params::max_tokens(model, prepared.prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
     Ok(ChatRequest {
-        generation: Generation { prompt, sampling, max_tokens, stop, n, grammar },
+        generation: Generation { prompt: prepared.prompt, sampling, max_tokens, stop, n, grammar: prepared.grammar },
+        reading: prepared.reading,
+        named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),
         stream,
         include_usage,
         logprobs,
     })
 }
 
-/// Tools are parsed from the output and forced through grammars, which lands with the
-/// rest of the structured-output issue; until then they are refused, not ignored.
-fn unsupported_until_tools<'a>(f: &mut Fields<'a>) -> Result<(), ApiError> {
-    let unsupported = |param: &str| ApiError::Unsupported {
-        param: param.into(),
-        message: format!("'{param}' is not supported by this deployment yet."),
-    };
-    for param in ["tools", "functions"] {
-        if f.raw(param).is_some_and(|v| !v.as_array().is_some_and(Vec::is_empty)) {
-            return Err(unsupported(param));
-        }
+/// A whole reply's message: reasoning only when there was some, content null when
+/// the model only called tools.
+fn message(split: &Split) -> Value {
+    let calls: Vec<Value> = split
+        .calls
+        .iter()
+        .map(|(name, arguments)| {
+            json!({"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments}})
+        })
+        .collect();
+    let content = if !calls.is_empty() && split.content.trim().is_empty() { Value::Null } else { json!(split.content) };
+    let mut m =
+        json!({"role": "assistant", "content": content, "refusal": null, "annotations": [], "tool_calls": calls});
+    if !split.reasoning.is_empty() {
+        m["reasoning"] = json!(split.reasoning);
     }
-    if f.raw("function_call").is_some() {
-        return Err(unsupported("function_call"));
-    }
-    if f.raw("tool_choice").is_some_and(|v| v != "none" && v != "auto") {
-        return Err(unsupported("tool_choice"));
-    }
-    if f.raw("parallel_tool_calls").is_some() && !f.present("tools") {
-        return Err(ApiError::invalid_value(
-            "parallel_tool_calls",
-            "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' are specified.",
-        ));
-    }
-    Ok(())
+    m
+}
+
+/// `tool_calls` when the model called tools of its own choice; a forced named call
+/// ends with `stop`, as OpenAI's does.
+fn finish_reason(reason: &'static str, calls: usize, named_tool: bool) -> &'static str {
+    if reason == "stop" && calls > 0 && !named_tool { "tool_calls" } else { reason }
 }
 
 /// What every chunk of one response repeats.
@@ -177,6 +192,16 @@ impl Meta {
     }
 }
 
+/// Adds text to a delta's string field.
+fn append(delta: &mut serde_json::Map<String, Value>, field: &str, text: &str) {
+    match delta.get_mut(field) {
+        Some(Value::String(s)) => s.push_str(text),
+        _ => {
+            delta.insert(field.into(), json!(text));
+        }
+    }
+}
+
 async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) -> Result<(), Gone> {
     let usage_key = request.include_usage;
     let role_logprobs = if request.logprobs { json!({"content": [], "refusal": null}) } else { Value::Null };
@@ -185,6 +210,9 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
         let choice = json!([{"index": index, "delta": delta, "logprobs": role_logprobs, "finish_reason": null}]);
         tx.data(&meta.chunk(choice, usage_key)).await?;
     }
+    let n = request.generation.n as usize;
+    let mut parsers = vec![request.reading.parser(); n];
+    let mut calls = vec![0usize; n];
     let mut usage = generate::Usage::default();
     loop {
         let r = match tx.unless_gone(out.next()).await? {
@@ -197,17 +225,50 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
             }
         };
         usage.record(&r);
-        if !r.text.is_empty() || (request.logprobs && !r.tokens.is_empty()) {
+        let index = r.index as usize;
+        let (Some(parser), Some(called)) = (parsers.get_mut(index), calls.get_mut(index)) else {
+            tx.data(&ApiError::Internal(format!("worker sent completion index {index}")).body()).await?;
+            return tx.done().await;
+        };
+        let finish = generate::finish_reason(r.finish_reason);
+        let mut pieces = parser.push(&r.text, r.tokens.len() as u32);
+        if finish.is_some() {
+            pieces.extend(parser.finish());
+        }
+        // Reasoning and content of this delta in one chunk (with its tokens' logprobs),
+        // then each call it completed: id, type and name first, arguments after.
+        let mut delta = serde_json::Map::new();
+        let mut call_deltas = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(t) => append(&mut delta, "reasoning", &t),
+                Piece::Content(t) => append(&mut delta, "content", &t),
+                Piece::ToolCall { name, arguments } => {
+                    let i = *called;
+                    *called += 1;
+                    call_deltas.push(json!([{"index": i, "id": new_id("call_"), "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]));
+                    call_deltas.push(json!([{"index": i, "function": {"arguments": arguments}}]));
+                }
+            }
+        }
+        if !delta.is_empty() || (request.logprobs && !r.tokens.is_empty()) {
             let lp = if request.logprobs { logprobs::chat(&meta.model.replica, &r.tokens) } else { Value::Null };
-            let choice =
-                json!([{"index": r.index, "delta": {"content": r.text}, "logprobs": lp, "finish_reason": null}]);
+            let choice = json!([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": null}]);
             tx.data(&meta.chunk(choice, usage_key)).await?;
         }
-        if let Some(reason) = generate::finish_reason(r.finish_reason) {
-            let choice = json!([{"index": r.index, "delta": {}, "logprobs": null, "finish_reason": reason}]);
+        for tool_calls in call_deltas {
+            let choice =
+                json!([{"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null, "finish_reason": null}]);
+            tx.data(&meta.chunk(choice, usage_key)).await?;
+        }
+        if let Some(reason) = finish {
+            let reason = finish_reason(reason, *called, request.named_tool);
+            let choice = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}]);
             tx.data(&meta.chunk(choice, usage_key)).await?;
         }
     }
+    usage.reasoning_tokens = parsers.iter().map(|p| p.reasoning_tokens()).sum();
     if request.include_usage {
         let mut last = meta.chunk(json!([]), true);
         last["usage"] = usage_json(&usage);

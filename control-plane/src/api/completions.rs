@@ -7,6 +7,7 @@ use super::generate::{self, Generation, Usage};
 use super::sse::{self, Gone, Sender};
 use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::chat;
+use crate::chat::output::Reading;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -62,7 +63,7 @@ pub async fn handle(
         usage.prompt_tokens += prompt.tokens.len() as u32;
         let gathered = match out {
             Some(out) => {
-                let (g, u) = generate::gather(out, n).await?;
+                let (g, u) = generate::gather(out, n, Reading::PLAIN).await?;
                 usage.cached_tokens += u.cached_tokens;
                 usage.completion_tokens += u.completion_tokens;
                 g

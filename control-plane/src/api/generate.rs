@@ -3,6 +3,7 @@
 //! aborts the worker's sequences: a client that goes away frees its KV blocks.
 
 use super::error::ApiError;
+use crate::chat::output::{Reading, Split};
 use crate::router::Replica;
 use tessera_proto::GRAMMAR_REFUSED;
 use tessera_proto::worker::{self as pb};
@@ -82,6 +83,8 @@ pub fn finish_reason(code: i32) -> Option<&'static str> {
 #[derive(Debug, Default, Clone)]
 pub struct Gathered {
     pub text: String,
+    /// The text read as the request's reading says: reasoning, content, calls.
+    pub split: Split,
     pub tokens: Vec<pb::GeneratedToken>,
     pub finish_reason: &'static str,
 }
@@ -98,7 +101,10 @@ impl Gathered {
 pub struct Usage {
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
+    /// Every generated token, reasoning included.
     pub completion_tokens: u32,
+    /// The completion tokens that were chain-of-thought.
+    pub reasoning_tokens: u32,
 }
 
 impl Usage {
@@ -110,20 +116,28 @@ impl Usage {
     }
 }
 
-/// Reads every completion to its end.
-pub async fn gather(mut out: Output, n: u32) -> Result<(Vec<Gathered>, Usage), ApiError> {
-    let mut choices = vec![Gathered::new(); n.max(1) as usize];
+/// Reads every completion to its end, each split as `reading` says.
+pub async fn gather(mut out: Output, n: u32, reading: Reading) -> Result<(Vec<Gathered>, Usage), ApiError> {
+    let n = n.max(1) as usize;
+    let mut choices = vec![Gathered::new(); n];
+    let mut parsers = vec![reading.parser(); n];
     let mut usage = Usage::default();
     while let Some(r) = out.next().await? {
         usage.record(&r);
-        let c = choices
-            .get_mut(r.index as usize)
-            .ok_or_else(|| ApiError::Internal(format!("worker sent completion index {}", r.index)))?;
+        let i = r.index as usize;
+        let (Some(c), Some(parser)) = (choices.get_mut(i), parsers.get_mut(i)) else {
+            return Err(ApiError::Internal(format!("worker sent completion index {}", r.index)));
+        };
         c.text.push_str(&r.text);
+        c.split.add(parser.push(&r.text, r.tokens.len() as u32));
         c.tokens.extend(r.tokens);
         if let Some(f) = finish_reason(r.finish_reason) {
             c.finish_reason = f;
         }
+    }
+    for (c, parser) in choices.iter_mut().zip(&mut parsers) {
+        c.split.add(parser.finish());
+        usage.reasoning_tokens += parser.reasoning_tokens();
     }
     Ok((choices, usage))
 }

@@ -134,7 +134,7 @@ pub fn usage_json(u: &Usage) -> Value {
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "audio_tokens": 0},
         "completion_tokens_details": {
-            "reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
+            "reasoning_tokens": u.reasoning_tokens, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
         },
     })
 }
@@ -152,8 +152,9 @@ mod tests {
 
     #[test]
     fn usage_counts_prompt_and_completion() {
-        let u = usage_json(&Usage { prompt_tokens: 10, cached_tokens: 4, completion_tokens: 3 });
+        let u = usage_json(&Usage { prompt_tokens: 10, cached_tokens: 4, completion_tokens: 3, reasoning_tokens: 2 });
         assert_eq!(u["total_tokens"], 13);
+        assert_eq!(u["completion_tokens_details"]["reasoning_tokens"], 2);
         assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 4);
     }
 }

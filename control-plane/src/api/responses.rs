@@ -8,6 +8,8 @@ use super::generate::{self, Generation, Output, Usage};
 use super::sse::{self, Gone, Sender};
 use super::{App, new_id, params, read_request, unix_now};
 use crate::chat;
+use crate::chat::output::{Piece, Reading};
+use crate::chat::tools::{ToolChoice, Tools};
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -19,8 +21,10 @@ use std::sync::Arc;
 
 struct ResponsesRequest {
     generation: Generation,
+    reading: Reading,
     instructions: Option<String>,
     max_output_tokens: Option<i64>,
+    tools: Option<Tools>,
     stream: bool,
 }
 
@@ -32,46 +36,36 @@ pub async fn handle(
     let (body, model) = read_request(&app, body, Some("model"))?;
     let request = parse(&body, &model)?;
     let out = generate::start(&model.replica, request.generation.clone()).await?;
-    let meta = Meta { id: new_id("resp_"), message_id: new_id("msg_"), created_at: unix_now(), model, request };
+    let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     if meta.request.stream {
         return Ok(sse::respond(move |tx| async move {
             let _: Result<(), Gone> = stream(tx, out, meta).await;
         }));
     }
-    let (choices, usage) = generate::gather(out, 1).await?;
+    let (choices, usage) = generate::gather(out, 1, meta.request.reading).await?;
     let c = choices.into_iter().next().unwrap_or_default();
-    let item = meta.message(&c.text, if c.finish_reason == "length" { "incomplete" } else { "completed" });
-    Ok(Json(meta.object(vec![item], Some(&usage), Some(c.finish_reason))).into_response())
+    let status = if c.finish_reason == "length" { "incomplete" } else { "completed" };
+    let split = &c.split;
+    let mut output = Vec::new();
+    if !split.reasoning.is_empty() {
+        output.push(reasoning_item(&new_id("rs_"), &split.reasoning, status));
+    }
+    if !split.content.trim().is_empty() || (split.calls.is_empty() && split.reasoning.is_empty()) {
+        output.push(message_item(&new_id("msg_"), &split.content, status));
+    }
+    for (name, arguments) in &split.calls {
+        output.push(function_call_item(&new_id("fc_"), &new_id("call_"), name, arguments, status));
+    }
+    Ok(Json(meta.object(output, Some(&usage), Some(c.finish_reason))).into_response())
 }
 
 fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError> {
     let mut f = Fields::new(body)?;
     f.raw("model");
     let instructions = f.string("instructions")?.map(String::from);
-    let mut messages = Vec::new();
-    match f.required("input")? {
-        Value::String(s) => messages.push(json!({"role": "user", "content": s})),
-        Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                match item.get("type").and_then(Value::as_str) {
-                    None | Some("message") => {
-                        let mut m = item.clone();
-                        if let Some(o) = m.as_object_mut() {
-                            o.remove("type");
-                            o.remove("id");
-                            o.remove("status");
-                        }
-                        messages.push(m);
-                    }
-                    Some(other) => {
-                        return Err(ApiError::Unsupported {
-                            param: format!("input[{i}]"),
-                            message: format!("Input items of type '{other}' are not supported by this deployment yet."),
-                        });
-                    }
-                }
-            }
-        }
+    let mut messages = match f.required("input")? {
+        Value::String(s) => vec![json!({"role": "user", "content": s})],
+        Value::Array(items) => input_items(items)?,
         _ => {
             return Err(ApiError::InvalidType {
                 param: "input".into(),
@@ -79,23 +73,18 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
                 got: "another type",
             });
         }
-    }
+    };
     // Checked on their own, so that errors name the client's own input items.
-    let mut messages =
-        chat::messages::for_template(&Value::Array(messages), &model.entry.capabilities, &model.entry.id)
-            .map_err(|e| rename_param(e, "messages", "input"))?;
+    messages = chat::messages::for_template(&Value::Array(messages), &model.entry.capabilities, &model.entry.id)
+        .map_err(|e| rename_param(e, "messages", "input"))?;
     if let Some(i) = &instructions {
         messages.insert(0, json!({"role": "system", "content": i}));
     }
     let sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let stream = f.bool("stream", false)?;
     let max_output_tokens = f.integer("max_output_tokens", Some(1), None)?;
-    if f.raw("tools").is_some_and(|v| !v.as_array().is_some_and(Vec::is_empty)) {
-        return Err(ApiError::Unsupported {
-            param: "tools".into(),
-            message: "'tools' is not supported by this deployment yet.".into(),
-        });
-    }
+    let caps = &model.entry.capabilities;
+    let tools = chat::tools::parse(&mut f, Shape::Responses, caps.tool_calling, &model.entry.id)?;
     let format = match f.raw("text") {
         None => None,
         Some(Value::Object(text)) => text.get("format"),
@@ -103,8 +92,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             return Err(ApiError::InvalidType { param: "text".into(), expected: "an object", got: "another type" });
         }
     };
-    let caps = &model.entry.capabilities;
-    let grammar = format::grammar(format, Shape::Responses, caps.structured_output, &model.entry.id)?
+    let format = format::grammar(format, Shape::Responses, caps.structured_output, &model.entry.id)?
         .map(|g| (g, Shape::Responses.param()));
     for param in ["previous_response_id", "conversation"] {
         if f.raw(param).is_some() {
@@ -126,8 +114,6 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
         "user",
         "reasoning",
         "include",
-        "parallel_tool_calls",
-        "tool_choice",
         "truncation",
         "top_logprobs",
         "service_tier",
@@ -137,15 +123,107 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
         "max_tool_calls",
     ]);
     f.finish()?;
+    // Reasoning cannot be turned off here (SPEC.md): the catalog's defaults apply.
     let kwargs = chat::template_kwargs(model, None);
-    let (_, prompt) = chat::prompt_tokens(model, &messages, &kwargs)?;
-    let max_tokens = params::max_tokens(model, prompt.len(), max_output_tokens, "input")?;
+    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
+    let max_tokens = params::max_tokens(model, prepared.prompt.len(), max_output_tokens, "input")?;
     Ok(ResponsesRequest {
-        generation: Generation { prompt, sampling, max_tokens, stop: Vec::new(), n: 1, grammar },
+        generation: Generation {
+            prompt: prepared.prompt,
+            sampling,
+            max_tokens,
+            stop: Vec::new(),
+            n: 1,
+            grammar: prepared.grammar,
+        },
+        reading: prepared.reading,
         instructions,
         max_output_tokens,
+        tools,
         stream,
     })
+}
+
+/// Input items as chat messages: messages as they are; a `function_call` echoed back
+/// joins the assistant turn before it (or starts one); a `function_call_output` is a
+/// tool message; reasoning items passed back are dropped, as templates clear earlier
+/// thinking.
+fn input_items(items: &[Value]) -> Result<Vec<Value>, ApiError> {
+    let mut messages: Vec<Value> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("input[{i}]");
+        let field = |name: &str| match item.get(name) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            None | Some(Value::Null) => Err(ApiError::MissingParam(format!("{at}.{name}"))),
+            Some(_) => {
+                Err(ApiError::InvalidType { param: format!("{at}.{name}"), expected: "a string", got: "another type" })
+            }
+        };
+        match item.get("type").and_then(Value::as_str) {
+            None | Some("message") => {
+                let mut m = item.clone();
+                if let Some(o) = m.as_object_mut() {
+                    o.remove("type");
+                    o.remove("id");
+                    o.remove("status");
+                }
+                messages.push(m);
+            }
+            Some("function_call") => {
+                let call_id = call_id(&at, field("call_id")?)?;
+                let call = json!({"id": call_id, "type": "function",
+                                  "function": {"name": field("name")?, "arguments": field("arguments")?}});
+                match messages.last_mut() {
+                    Some(last) if last["role"] == "assistant" && last["content"].is_null() => {
+                        last["tool_calls"].as_array_mut().map(|c| c.push(call.clone()));
+                    }
+                    _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                }
+            }
+            Some("function_call_output") => {
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => json!(s),
+                    Some(parts @ Value::Array(_)) => parts.clone(),
+                    None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.output"))),
+                    Some(_) => {
+                        return Err(ApiError::InvalidType {
+                            param: format!("{at}.output"),
+                            expected: "a string or array",
+                            got: "another type",
+                        });
+                    }
+                };
+                let call_id = call_id(&at, field("call_id")?)?;
+                messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+            }
+            Some("reasoning") | Some("item_reference") => {}
+            Some(other) => {
+                return Err(ApiError::invalid_value(
+                    format!("{at}.type"),
+                    format!(
+                        "Invalid value: '{other}'. Supported values are: 'message', 'function_call', \
+                         'function_call_output' and 'reasoning'."
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(messages)
+}
+
+/// OpenAI's limit on a call id's length.
+fn call_id(at: &str, id: String) -> Result<String, ApiError> {
+    if id.len() > 64 {
+        return Err(ApiError::OutOfRange {
+            param: format!("{at}.call_id"),
+            code: "string_above_max_length",
+            message: format!(
+                "Invalid '{at}.call_id': string too long. Expected a string with maximum length 64, but got a string with length {} instead.",
+                id.len()
+            ),
+        });
+    }
+    Ok(id)
 }
 
 /// Message checks name chat's `messages`; here the client sent `input`.
@@ -165,18 +243,35 @@ fn rename_param(e: ApiError, from: &str, to: &str) -> ApiError {
 
 struct Meta {
     id: String,
-    message_id: String,
     created_at: u64,
     model: Arc<ServedModel>,
     request: ResponsesRequest,
 }
 
-impl Meta {
-    fn message(&self, text: &str, status: &str) -> Value {
-        let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
-        json!({"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content})
-    }
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
+    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
+}
 
+/// Raw chain-of-thought as open-weight servers give it: `reasoning_text` content.
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if status == "in_progress" { json!([]) } else { json!([reasoning_text(text)]) };
+    json!({"type": "reasoning", "id": id, "summary": [], "content": content, "encrypted_content": null, "status": status})
+}
+
+fn function_call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": call_id, "name": name, "arguments": arguments, "status": status})
+}
+
+fn output_text(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn reasoning_text(text: &str) -> Value {
+    json!({"type": "reasoning_text", "text": text})
+}
+
+impl Meta {
     /// The Response object; `finish` is None while in progress.
     fn object(&self, output: Vec<Value>, usage: Option<&Usage>, finish: Option<&str>) -> Value {
         let (status, incomplete) = match finish {
@@ -185,6 +280,13 @@ impl Meta {
             Some(_) => ("completed", Value::Null),
         };
         let s = &self.request.generation.sampling;
+        let tools = &self.request.tools;
+        let tool_choice = match tools.as_ref().map(|t| &t.choice) {
+            None | Some(ToolChoice::Auto) => json!("auto"),
+            Some(ToolChoice::None) => json!("none"),
+            Some(ToolChoice::Required) => json!("required"),
+            Some(ToolChoice::Named(n)) => json!({"type": "function", "name": n}),
+        };
         json!({
             "id": self.id,
             "object": "response",
@@ -198,7 +300,7 @@ impl Meta {
             "max_tool_calls": null,
             "model": self.model.entry.id,
             "output": output,
-            "parallel_tool_calls": true,
+            "parallel_tool_calls": tools.as_ref().is_none_or(|t| t.parallel),
             "previous_response_id": null,
             "prompt_cache_key": null,
             "reasoning": {"effort": null, "summary": null},
@@ -207,8 +309,8 @@ impl Meta {
             "store": false,
             "temperature": s.temperature,
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": tool_choice,
+            "tools": tools.as_ref().map_or(json!([]), Tools::flat),
             "top_logprobs": 0,
             "top_p": s.top_p,
             "truncation": "disabled",
@@ -216,7 +318,7 @@ impl Meta {
                 "input_tokens": u.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
             })),
             "user": null,
@@ -228,56 +330,177 @@ impl Meta {
     }
 }
 
-fn output_text(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+/// The output item being streamed into.
+enum Open {
+    Nothing,
+    Reasoning { id: String, text: String },
+    Message { id: String, text: String },
+}
+
+/// Named events with their sequence numbers, and the output items as they complete.
+struct Events {
+    tx: Sender,
+    seq: u64,
+    output: Vec<Value>,
+    open: Open,
+}
+
+impl Events {
+    async fn send(&mut self, name: &str, mut payload: Value) -> Result<(), Gone> {
+        payload["type"] = json!(name);
+        payload["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        self.tx.named(name, &payload).await
+    }
+
+    /// Text into the open item of its kind, opening one (and closing another) first.
+    async fn text(&mut self, reasoning: bool, delta: String) -> Result<(), Gone> {
+        let fits = matches!((&self.open, reasoning), (Open::Reasoning { .. }, true) | (Open::Message { .. }, false));
+        if !fits {
+            self.close("completed").await?;
+            let index = self.output.len();
+            let (item, part, open) = if reasoning {
+                let id = new_id("rs_");
+                (
+                    reasoning_item(&id, "", "in_progress"),
+                    reasoning_text(""),
+                    Open::Reasoning { id, text: String::new() },
+                )
+            } else {
+                let id = new_id("msg_");
+                (message_item(&id, "", "in_progress"), output_text(""), Open::Message { id, text: String::new() })
+            };
+            self.send("response.output_item.added", json!({"output_index": index, "item": item})).await?;
+            let id = item_id(&open);
+            self.send(
+                "response.content_part.added",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+            )
+            .await?;
+            self.open = open;
+        }
+        let index = self.output.len();
+        let (event, id, text) = match &mut self.open {
+            Open::Reasoning { id, text } => ("response.reasoning_text.delta", id.clone(), text),
+            Open::Message { id, text } => ("response.output_text.delta", id.clone(), text),
+            Open::Nothing => return Ok(()),
+        };
+        text.push_str(&delta);
+        let mut payload = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
+        if event == "response.output_text.delta" {
+            payload["logprobs"] = json!([]);
+        }
+        self.send(event, payload).await
+    }
+
+    /// Ends the open item, if any.
+    async fn close(&mut self, status: &str) -> Result<(), Gone> {
+        let index = self.output.len();
+        let (item, done, text_event, part) = match std::mem::replace(&mut self.open, Open::Nothing) {
+            Open::Nothing => return Ok(()),
+            Open::Reasoning { id, text } => (
+                reasoning_item(&id, &text, status),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                "response.reasoning_text.done",
+                reasoning_text(&text),
+            ),
+            Open::Message { id, text } => (
+                message_item(&id, &text, status),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
+                "response.output_text.done",
+                output_text(&text),
+            ),
+        };
+        self.send(text_event, done.clone()).await?;
+        let mut part_done = done;
+        part_done["part"] = part;
+        if let Some(o) = part_done.as_object_mut() {
+            o.remove("text");
+            o.remove("logprobs");
+        }
+        self.send("response.content_part.done", part_done).await?;
+        self.send("response.output_item.done", json!({"output_index": index, "item": item.clone()})).await?;
+        self.output.push(item);
+        Ok(())
+    }
+
+    /// A whole call: added with empty arguments, the arguments, done.
+    async fn call(&mut self, name: &str, arguments: &str) -> Result<(), Gone> {
+        self.close("completed").await?;
+        let index = self.output.len();
+        let (id, call_id) = (new_id("fc_"), new_id("call_"));
+        let added = function_call_item(&id, &call_id, name, "", "in_progress");
+        self.send("response.output_item.added", json!({"output_index": index, "item": added})).await?;
+        self.send(
+            "response.function_call_arguments.delta",
+            json!({"item_id": id, "output_index": index, "delta": arguments}),
+        )
+        .await?;
+        self.send(
+            "response.function_call_arguments.done",
+            json!({"item_id": id, "output_index": index, "name": name, "arguments": arguments}),
+        )
+        .await?;
+        let item = function_call_item(&id, &call_id, name, arguments, "completed");
+        self.send("response.output_item.done", json!({"output_index": index, "item": item.clone()})).await?;
+        self.output.push(item);
+        Ok(())
+    }
+}
+
+fn item_id(open: &Open) -> &str {
+    match open {
+        Open::Reasoning { id, .. } | Open::Message { id, .. } => id,
+        Open::Nothing => "",
+    }
 }
 
 /// Named events, each with its sequence number, in the order the SDK's stream helper
-/// requires; no `[DONE]`.
+/// requires; no `[DONE]`. Items open as the output's kind changes: reasoning, message
+/// text, calls.
 async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
-    let mut seq = 0u64;
-    let mut send = async |name: &str, mut payload: Value| {
-        payload["type"] = json!(name);
-        payload["sequence_number"] = json!(seq);
-        seq += 1;
-        tx.named(name, &payload).await
-    };
-    send("response.created", json!({"response": meta.object(vec![], None, None)})).await?;
-    send("response.in_progress", json!({"response": meta.object(vec![], None, None)})).await?;
-    send("response.output_item.added", json!({"output_index": 0, "item": meta.message("", "in_progress")})).await?;
-    let part = |text: &str| json!({"item_id": meta.message_id, "output_index": 0, "content_index": 0, "part": output_text(text)});
-    send("response.content_part.added", part("")).await?;
-    let mut text = String::new();
+    let mut ev = Events { tx, seq: 0, output: Vec::new(), open: Open::Nothing };
+    ev.send("response.created", json!({"response": meta.object(vec![], None, None)})).await?;
+    ev.send("response.in_progress", json!({"response": meta.object(vec![], None, None)})).await?;
+    let mut parser = meta.request.reading.parser();
     let mut usage = Usage::default();
     let mut finish = "stop";
     loop {
-        let r = match tx.unless_gone(out.next()).await? {
+        let r = match ev.tx.unless_gone(out.next()).await? {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {
-                let mut failed = meta.object(vec![], None, Some("stop"));
+                let mut failed = meta.object(std::mem::take(&mut ev.output), None, Some("stop"));
                 failed["status"] = json!("failed");
                 failed["completed_at"] = Value::Null;
                 failed["error"] = json!({"code": "server_error", "message": e.object()["message"]});
-                return send("response.failed", json!({"response": failed})).await;
+                return ev.send("response.failed", json!({"response": failed})).await;
             }
         };
         usage.record(&r);
+        let mut pieces = parser.push(&r.text, r.tokens.len() as u32);
         if let Some(f) = generate::finish_reason(r.finish_reason) {
             finish = f;
+            pieces.extend(parser.finish());
         }
-        if !r.text.is_empty() {
-            text.push_str(&r.text);
-            let delta = json!({"item_id": meta.message_id, "output_index": 0, "content_index": 0, "delta": r.text, "logprobs": []});
-            send("response.output_text.delta", delta).await?;
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(t) => ev.text(true, t).await?,
+                // Whitespace between calls is not a message.
+                Piece::Content(t) if t.trim().is_empty() && !matches!(ev.open, Open::Message { .. }) => {}
+                Piece::Content(t) => ev.text(false, t).await?,
+                Piece::ToolCall { name, arguments } => ev.call(&name, &arguments).await?,
+            }
         }
     }
-    let done = json!({"item_id": meta.message_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []});
-    send("response.output_text.done", done).await?;
-    send("response.content_part.done", part(&text)).await?;
+    usage.reasoning_tokens = parser.reasoning_tokens();
     let status = if finish == "length" { "incomplete" } else { "completed" };
-    let item = meta.message(&text, status);
-    send("response.output_item.done", json!({"output_index": 0, "item": item.clone()})).await?;
+    if ev.output.is_empty() && matches!(ev.open, Open::Nothing) {
+        // An answer with nothing else has a message, even an empty one.
+        ev.text(false, String::new()).await?;
+    }
+    ev.close(status).await?;
+    let output = std::mem::take(&mut ev.output);
     let terminal = if finish == "length" { "response.incomplete" } else { "response.completed" };
-    send(terminal, json!({"response": meta.object(vec![item], Some(&usage), Some(finish))})).await
+    ev.send(terminal, json!({"response": meta.object(output, Some(&usage), Some(finish))})).await
 }

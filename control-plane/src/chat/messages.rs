@@ -20,7 +20,81 @@ pub fn for_template(messages: &Value, caps: &Capabilities, model: &str) -> Resul
             message: "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.".into(),
         });
     }
-    list.iter().enumerate().map(|(i, m)| message(i, m, caps, model)).collect()
+    let out: Vec<Value> = list.iter().enumerate().map(|(i, m)| message(i, m, caps, model)).collect::<Result<_, _>>()?;
+    answered_calls(&out)?;
+    Ok(out)
+}
+
+/// Each tool message answers a call of the assistant message before it, as OpenAI
+/// requires.
+fn answered_calls(messages: &[Value]) -> Result<(), ApiError> {
+    let mut open: Vec<&str> = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        match m["role"].as_str() {
+            Some("assistant") => {
+                open = m["tool_calls"]
+                    .as_array()
+                    .map_or(Vec::new(), |c| c.iter().filter_map(|c| c["id"].as_str()).collect())
+            }
+            Some("tool") => {
+                let id = m["tool_call_id"].as_str().unwrap_or_default();
+                if !open.contains(&id) {
+                    return Err(ApiError::invalid_value(
+                        format!("messages[{i}].tool_call_id"),
+                        format!(
+                            "Invalid parameter: messages with role 'tool' must be a response to a preceding message with \
+                             'tool_calls'; no call has the id '{id}'."
+                        ),
+                    ));
+                }
+            }
+            _ => open.clear(),
+        }
+    }
+    Ok(())
+}
+
+/// An assistant message's `tool_calls`: each with an id and a function whose
+/// arguments are JSON text.
+fn check_tool_calls(at: &str, calls: &Value) -> Result<(), ApiError> {
+    let Value::Array(calls) = calls else {
+        return Err(ApiError::InvalidType {
+            param: format!("{at}.tool_calls"),
+            expected: "an array",
+            got: "another type",
+        });
+    };
+    for (j, c) in calls.iter().enumerate() {
+        let at = format!("{at}.tool_calls[{j}]");
+        let string = |v: &Value, field: &str| match v.get(field) {
+            Some(Value::String(_)) => Ok(()),
+            None => Err(ApiError::MissingParam(format!("{at}.{field}"))),
+            Some(_) => {
+                Err(ApiError::InvalidType { param: format!("{at}.{field}"), expected: "a string", got: "another type" })
+            }
+        };
+        string(c, "id")?;
+        let Some(f) = c.get("function").filter(|f| f.is_object()) else {
+            return Err(ApiError::MissingParam(format!("{at}.function")));
+        };
+        string(f, "name").map_err(|e| rename(e, "function.name"))?;
+        string(f, "arguments").map_err(|e| rename(e, "function.arguments"))?;
+    }
+    Ok(())
+}
+
+/// The path of a field checked through its parent object.
+fn rename(e: ApiError, path: &str) -> ApiError {
+    let field = path.rsplit('.').next().unwrap_or(path);
+    let fix = |p: String| match p.strip_suffix(field) {
+        Some(head) => format!("{head}{path}"),
+        None => p,
+    };
+    match e {
+        ApiError::MissingParam(p) => ApiError::MissingParam(fix(p)),
+        ApiError::InvalidType { param, expected, got } => ApiError::InvalidType { param: fix(param), expected, got },
+        other => other,
+    }
 }
 
 fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Value, ApiError> {
@@ -40,6 +114,25 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
         }
         _ => return Err(ApiError::MissingParam(format!("{at}.role"))),
     };
+    if role == "tool" {
+        match m.get("tool_call_id") {
+            Some(Value::String(_)) => {}
+            None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.tool_call_id"))),
+            Some(_) => {
+                return Err(ApiError::InvalidType {
+                    param: format!("{at}.tool_call_id"),
+                    expected: "a string",
+                    got: "another type",
+                });
+            }
+        }
+    }
+    if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+        if role != "assistant" {
+            return Err(ApiError::UnknownParam(format!("{at}.tool_calls")));
+        }
+        check_tool_calls(&at, calls)?;
+    }
     let content = match m.get("content") {
         None | Some(Value::Null) if role == "assistant" => String::new(),
         None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.content"))),
@@ -61,6 +154,13 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
         if let Some(v) = m.get(passed).filter(|v| !v.is_null()) {
             out.insert(passed.into(), v.clone());
         }
+    }
+    // Earlier reasoning, under either name clients send it back with; templates decide
+    // whether to show it again.
+    if role == "assistant"
+        && let Some(r) = m.get("reasoning").or_else(|| m.get("reasoning_content")).and_then(Value::as_str)
+    {
+        out.insert("reasoning".into(), json!(r));
     }
     Ok(Value::Object(out))
 }
@@ -163,6 +263,31 @@ mod tests {
         let bad = for_template(&json!([{"role": "user"}]), &TEXT_ONLY, "v/m").unwrap_err();
         assert_eq!(code(bad), ("missing_required_parameter".into(), "messages[0].content".into()));
         assert!(for_template(&json!([]), &TEXT_ONLY, "v/m").is_err());
+    }
+
+    #[test]
+    fn tool_calls_and_their_answers_are_checked() {
+        let call = json!({"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}});
+        let ok = json!([{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": null, "tool_calls": [call], "reasoning_content": "hmm"},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]);
+        let out = for_template(&ok, &TEXT_ONLY, "v/m").unwrap();
+        assert_eq!(out[1]["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(out[1]["reasoning"], "hmm");
+        assert_eq!(out[2]["tool_call_id"], "call_1");
+        let wrong_id = json!([{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_9", "content": "x"}]);
+        assert_eq!(
+            code(for_template(&wrong_id, &TEXT_ONLY, "v/m").unwrap_err()),
+            ("invalid_value".into(), "messages[1].tool_call_id".into())
+        );
+        let no_id = json!([{"role": "tool", "content": "x"}]);
+        assert_eq!(code(for_template(&no_id, &TEXT_ONLY, "v/m").unwrap_err()).1, "messages[0].tool_call_id");
+        let bad_args =
+            json!([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]}]);
+        assert_eq!(
+            code(for_template(&bad_args, &TEXT_ONLY, "v/m").unwrap_err()),
+            ("invalid_type".into(), "messages[0].tool_calls[0].function.arguments".into())
+        );
     }
 
     #[test]

@@ -1,12 +1,52 @@
 //! Turning API messages into a prompt: the message list the model's chat template
 //! reads, the template rendered with the request's and the catalog's kwargs, tokens.
 
+pub mod grammar;
 pub mod messages;
 pub mod output;
+pub mod reasoning;
+pub mod tools;
 
 use crate::api::error::ApiError;
 use crate::router::ServedModel;
+use output::Reading;
+use reasoning::Thinking;
 use serde_json::{Map, Value};
+use tessera_proto::chat_template::Rendered;
+use tessera_proto::worker as pb;
+use tools::Tools;
+
+/// A chat-shaped request made ready for a worker: its prompt, the grammar its output
+/// is decoded under, and how that output is read back.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub grammar: Option<(pb::Grammar, &'static str)>,
+    pub reading: Reading,
+}
+
+/// Renders the prompt with the tools the model may call, and decides from the family's
+/// markers and the template's thinking state how the output is constrained and read.
+pub fn prepare(
+    model: &ServedModel,
+    messages: &[Value],
+    tools: Option<&Tools>,
+    kwargs: &Map<String, Value>,
+    format: Option<(pb::Grammar, &'static str)>,
+) -> Result<Prepared, ApiError> {
+    let callable = tools.filter(|t| t.callable());
+    let (rendered, prompt) = prompt_tokens(model, messages, callable.map(Tools::for_template).as_ref(), kwargs)?;
+    let reasoning = &model.entry.reasoning;
+    let thinking = Thinking::of(&rendered, reasoning.markers);
+    let tool_format = model.entry.tool_format;
+    let grammar = grammar::compose(thinking, reasoning.markers, tool_format, callable, format);
+    let reading = Reading {
+        markers: reasoning.markers,
+        start: thinking.start(reasoning.bare_close, grammar.is_some()),
+        tools: callable.map(|_| tool_format),
+    };
+    Ok(Prepared { prompt, grammar, reading })
+}
 
 /// The catalog's `chat_template_kwargs` for the model with the request's merged over
 /// them (unknown keys are passed along and ignored by templates that do not read them).
@@ -20,26 +60,136 @@ pub fn template_kwargs(model: &ServedModel, request: Option<&Map<String, Value>>
     kwargs
 }
 
-/// Renders the template and tokenizes the result (special tokens in the text are
-/// parsed as such; none are added).
+/// Renders the template (with the tools, in the chat shape) and tokenizes the result
+/// (special tokens in the text are parsed as such; none are added).
 pub fn prompt_tokens(
     model: &ServedModel,
     messages: &[Value],
+    tools: Option<&Value>,
     kwargs: &Map<String, Value>,
-) -> Result<(String, Vec<u32>), ApiError> {
-    let replica = &model.replica;
-    let template = replica.template.as_ref().ok_or_else(|| {
+) -> Result<(Rendered, Vec<u32>), ApiError> {
+    let template = model.template.as_ref().ok_or_else(|| {
         ApiError::invalid_value("messages", format!("{} has no chat template; use /v1/completions", model.entry.id))
     })?;
-    let text = template
-        .render_json(&Value::Array(messages.to_vec()), None, true, kwargs)
-        // A template's raise_exception is about the conversation's shape: the client's.
-        .map_err(|e| ApiError::invalid_value("messages", format!("The chat template refused these messages: {e}")))?;
-    Ok((text.clone(), tokenize(model, &text)?))
+    let rendered = template
+        .render_json(&Value::Array(messages.to_vec()), tools, true, kwargs)
+        // A template's raise_exception is about the request: its messages or its kwargs.
+        .map_err(|e| ApiError::invalid_value("messages", format!("The chat template refused this request: {e}")))?;
+    let tokens = tokenize(model, &rendered.text)?;
+    Ok((rendered, tokens))
 }
 
 pub fn tokenize(model: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
     let encoding =
         model.replica.tokenizer.encode(text, false).map_err(|e| ApiError::Internal(format!("tokenizing: {e}")))?;
     Ok(encoding.get_ids().to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reasoning::Thinking;
+    use crate::catalog::Catalog;
+    use serde_json::{Map, Value, json};
+    use tessera_proto::chat_template::{ChatTemplate, Rendered};
+
+    /// The model's catalog template rendered with its catalog kwargs and `request`'s over them.
+    fn render(
+        model: &str,
+        request: Value,
+        messages: Value,
+        tools: Option<Value>,
+    ) -> Result<(Rendered, Thinking), String> {
+        let catalog = Catalog::load(None).unwrap();
+        let entry = catalog.get(model).unwrap();
+        let t = ChatTemplate::new(entry.chat_template_source.as_deref().unwrap(), "", "<|im_end|>").unwrap();
+        let mut kwargs: Map<String, Value> = entry.chat_template_kwargs.clone();
+        kwargs.extend(request.as_object().unwrap().clone());
+        let r = t.render_json(&messages, tools.as_ref(), true, &kwargs).map_err(|e| e.to_string())?;
+        let thinking = Thinking::of(&r, entry.reasoning.markers);
+        Ok((r, thinking))
+    }
+
+    fn thinking(model: &str, request: Value) -> Thinking {
+        render(model, request, json!([{"role": "user", "content": "hi"}]), None).unwrap().1
+    }
+
+    #[test]
+    fn each_family_turns_thinking_with_its_own_controls_and_defaults() {
+        use Thinking::*;
+        let cases = [
+            ("vendor-a/model-a", json!({}), Open),
+            ("vendor-a/model-a", json!({"thinking": false}), Off),
+            ("vendor-a/model-a", json!({"enable_thinking": false}), Open),
+            ("vendor-b/model-b", json!({}), Open),
+            ("vendor-b/model-b", json!({"enable_thinking": false}), Off),
+            ("vendor-b/model-b", json!({"reasoning_effort": "max"}), Open),
+            ("vendor-b/model-b", json!({"reasoning_effort": "none"}), Off),
+            ("vendor-c/model-c", json!({}), Off),
+            ("vendor-c/model-c", json!({"enable_thinking": true}), Optional),
+            ("vendor-c/model-c", json!({"thinking": true}), Off),
+            ("vendor-d/model-d", json!({}), Optional),
+            ("vendor-d/model-d", json!({"thinking_mode": "enabled"}), Open),
+            ("vendor-d/model-d", json!({"thinking_mode": "disabled"}), Off),
+        ];
+        for (model, request, want) in cases {
+            assert_eq!(thinking(model, request.clone()), want, "{model} {request}");
+        }
+        // Rule 4: both keys together turn it off on every model that has a switch.
+        for model in ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c"] {
+            assert_eq!(thinking(model, json!({"thinking": false, "enable_thinking": false})), Off, "{model}");
+        }
+        let e = render(
+            "vendor-d/model-d",
+            json!({"thinking_mode": "sometimes"}),
+            json!([{"role": "user", "content": "x"}]),
+            None,
+        );
+        assert!(e.unwrap_err().contains("thinking_mode"));
+    }
+
+    #[test]
+    fn model_b_effort_and_earlier_thinking() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let (max, _) = render("vendor-b/model-b", json!({"reasoning_effort": "max"}), user.clone(), None).unwrap();
+        assert!(max.text.contains("Reasoning effort: max"), "{}", max.text);
+        let (off, _) =
+            render("vendor-b/model-b", json!({"reasoning_effort": "max", "enable_thinking": false}), user, None)
+                .unwrap();
+        assert!(!off.text.contains("Reasoning effort"), "no effect with thinking off: {}", off.text);
+        let history = json!([{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "Hello.", "reasoning": "greet back"},
+                             {"role": "user", "content": "again"}]);
+        let (cleared, _) = render("vendor-b/model-b", json!({}), history.clone(), None).unwrap();
+        assert!(!cleared.text.contains("greet back"), "cleared by default");
+        let (kept, _) = render("vendor-b/model-b", json!({"clear_thinking": false}), history, None).unwrap();
+        assert!(kept.text.contains("<think>\ngreet back\n</think>"), "{}", kept.text);
+    }
+
+    #[test]
+    fn tools_calls_and_results_reach_every_family_prompt() {
+        let tools =
+            json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+        let history = json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+        ]);
+        for model in ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"] {
+            let (r, _) = render(model, json!({}), history.clone(), Some(tools.clone())).unwrap();
+            let offered = r.text.split("<tools>\n").nth(1).and_then(|t| t.split("</tools>").next()).unwrap_or_default();
+            assert!(offered.contains("\"name\": \"get_weather\""), "{model}: {}", r.text);
+            assert!(
+                r.text.contains(
+                    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+                ),
+                "{model}: {}",
+                r.text
+            );
+            assert!(r.text.contains("<tool_response>\n22C\n</tool_response>"), "{model}: {}", r.text);
+            assert!(r.text.contains("<|im_start|>assistant\n"), "{model}");
+            let (plain, _) = render(model, json!({}), history.clone(), None).unwrap();
+            assert!(!plain.text.contains("<tools>"), "{model}: no tools, no tool block");
+        }
+    }
 }

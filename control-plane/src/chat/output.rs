@@ -25,7 +25,7 @@ pub enum Markers {
 }
 
 impl Markers {
-    fn open(self) -> Option<&'static str> {
+    pub fn open(self) -> Option<&'static str> {
         match self {
             Markers::Plain => None,
             Markers::Think => Some("<think>"),
@@ -33,7 +33,7 @@ impl Markers {
         }
     }
 
-    fn close(self) -> Option<&'static str> {
+    pub fn close(self) -> Option<&'static str> {
         match self {
             Markers::Plain => None,
             Markers::Think => Some("</think>"),
@@ -53,10 +53,68 @@ pub enum Start {
     Undecided,
 }
 
-/// Tool calls as Hermes-style templates ask for them: one JSON object
-/// `{"name": …, "arguments": {…}}` between these markers.
-const TOOL_OPEN: &str = "<tool_call>";
-const TOOL_CLOSE: &str = "</tool_call>";
+/// How a family's template asks for tool calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolFormat {
+    /// One JSON object `{"name": …, "arguments": {…}}` between `<tool_call>` and
+    /// `</tool_call>` per call (Hermes, Qwen and most ChatML families).
+    #[default]
+    Hermes,
+}
+
+impl ToolFormat {
+    pub fn open(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "<tool_call>",
+        }
+    }
+
+    pub fn close(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "</tool_call>",
+        }
+    }
+}
+
+/// How one request's output is read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    pub markers: Markers,
+    pub start: Start,
+    /// The tool-call format, when the request lets the model call tools.
+    pub tools: Option<ToolFormat>,
+}
+
+impl Reading {
+    /// Everything is content (legacy completions).
+    pub const PLAIN: Reading = Reading { markers: Markers::Plain, start: Start::Content, tools: None };
+
+    pub fn parser(self) -> OutputParser {
+        OutputParser::new(self.markers, self.start, self.tools)
+    }
+}
+
+/// A whole output split: each kind joined, calls in order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Split {
+    pub reasoning: String,
+    pub content: String,
+    /// Each call's function name and arguments (JSON text).
+    pub calls: Vec<(String, String)>,
+}
+
+impl Split {
+    pub fn add(&mut self, pieces: Vec<Piece>) {
+        for p in pieces {
+            match p {
+                Piece::Reasoning(t) => self.reasoning.push_str(&t),
+                Piece::Content(t) => self.content.push_str(&t),
+                Piece::ToolCall { name, arguments } => self.calls.push((name, arguments)),
+            }
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
@@ -80,28 +138,45 @@ enum State {
 #[derive(Debug, Clone)]
 pub struct OutputParser {
     markers: Markers,
-    tools: bool,
+    tools: Option<ToolFormat>,
     state: State,
     /// Text not yet looked at past a possible marker start.
     held: String,
     /// The undecided start, or the tool call's body, so far.
     body: String,
+    /// Tokens that were chain-of-thought, and those of an undecided start.
+    reasoning_tokens: u32,
+    undecided_tokens: u32,
 }
 
 impl OutputParser {
-    /// `tools`: whether the request offered tools (tool-call markers are plain text
-    /// otherwise).
-    pub fn new(markers: Markers, start: Start, tools: bool) -> Self {
+    /// `tools`: the format of calls when the request offered tools (their markers are
+    /// plain text otherwise).
+    pub fn new(markers: Markers, start: Start, tools: Option<ToolFormat>) -> Self {
         let state = match (markers, start) {
             (Markers::Plain, _) | (_, Start::Content) => State::Content,
             (_, Start::Reasoning) => State::Reasoning,
             (_, Start::Undecided) => State::Undecided,
         };
-        Self { markers, tools, state, held: String::new(), body: String::new() }
+        Self {
+            markers,
+            tools,
+            state,
+            held: String::new(),
+            body: String::new(),
+            reasoning_tokens: 0,
+            undecided_tokens: 0,
+        }
     }
 
-    /// The pieces `text` completes.
-    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+    /// The pieces `text`, made of `tokens` tokens, completes. Tokens count as
+    /// reasoning when they arrive inside a reasoning block (its closing marker too).
+    pub fn push(&mut self, text: &str, tokens: u32) -> Vec<Piece> {
+        match self.state {
+            State::Reasoning => self.reasoning_tokens += tokens,
+            State::Undecided => self.undecided_tokens += tokens,
+            State::Content | State::ToolCall => {}
+        }
         self.held.push_str(text);
         let mut out = Vec::new();
         self.scan(&mut out, false);
@@ -110,15 +185,25 @@ impl OutputParser {
 
     /// The rest, at the end of the output: held text is what it looked like, an
     /// unfinished tool call is content, an undecided start is content.
-    pub fn finish(mut self) -> Vec<Piece> {
+    pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         self.scan(&mut out, true);
         match self.state {
             State::Undecided => emit(&mut out, Piece::Content(std::mem::take(&mut self.body))),
-            State::ToolCall => emit(&mut out, Piece::Content(format!("{TOOL_OPEN}{}", self.body))),
+            State::ToolCall => {
+                let open = self.tools.map_or("", |t| t.open());
+                emit(&mut out, Piece::Content(format!("{open}{}", std::mem::take(&mut self.body))))
+            }
             State::Content | State::Reasoning => {}
         }
+        self.state = State::Content;
         out
+    }
+
+    /// The output's chain-of-thought tokens so far (an undecided start counts once
+    /// its closing marker has shown it was reasoning).
+    pub fn reasoning_tokens(&self) -> u32 {
+        self.reasoning_tokens
     }
 
     /// The markers the current state ends at, with the state each leads to.
@@ -129,12 +214,12 @@ impl OutputParser {
                 if let Some(open) = self.markers.open() {
                     m.push((open, State::Reasoning));
                 }
-                if self.tools {
-                    m.push((TOOL_OPEN, State::ToolCall));
+                if let Some(t) = self.tools {
+                    m.push((t.open(), State::ToolCall));
                 }
             }
             State::Reasoning | State::Undecided => m.extend(self.markers.close().map(|c| (c, State::Content))),
-            State::ToolCall => m.push((TOOL_CLOSE, State::Content)),
+            State::ToolCall => m.extend(self.tools.map(|t| (t.close(), State::Content))),
         }
         m
     }
@@ -178,9 +263,13 @@ impl OutputParser {
     fn leave(&mut self, out: &mut Vec<Piece>) {
         let body = std::mem::take(&mut self.body);
         match self.state {
-            State::Undecided => emit(out, Piece::Reasoning(body)),
+            State::Undecided => {
+                self.reasoning_tokens += std::mem::take(&mut self.undecided_tokens);
+                emit(out, Piece::Reasoning(body))
+            }
             State::ToolCall => {
-                emit(out, tool_call(&body).unwrap_or_else(|| Piece::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"))))
+                let (open, close) = self.tools.map_or(("", ""), |t| (t.open(), t.close()));
+                emit(out, tool_call(&body).unwrap_or_else(|| Piece::Content(format!("{open}{body}{close}"))))
             }
             State::Content | State::Reasoning => {}
         }
@@ -219,25 +308,16 @@ mod tests {
     use super::*;
 
     /// Reasoning, content and calls, each kind joined.
-    type Split = (String, String, Vec<(String, String)>);
+    type Joined = (String, String, Vec<(String, String)>);
 
-    fn joined(pieces: impl IntoIterator<Item = Piece>) -> Split {
-        let mut s: Split = Default::default();
-        for p in pieces {
-            match p {
-                Piece::Reasoning(t) => s.0 += &t,
-                Piece::Content(t) => s.1 += &t,
-                Piece::ToolCall { name, arguments } => s.2.push((name, arguments)),
-            }
+    fn parse(chunks: &[&str], markers: Markers, start: Start, tools: bool) -> Joined {
+        let mut p = OutputParser::new(markers, start, tools.then_some(ToolFormat::Hermes));
+        let mut split = Split::default();
+        for c in chunks {
+            split.add(p.push(c, 1));
         }
-        s
-    }
-
-    fn parse(chunks: &[&str], markers: Markers, start: Start, tools: bool) -> Split {
-        let mut p = OutputParser::new(markers, start, tools);
-        let mut pieces: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).collect();
-        pieces.extend(p.finish());
-        joined(pieces)
+        split.add(p.finish());
+        (split.reasoning, split.content, split.calls)
     }
 
     fn call(name: &str, args: &str) -> (String, String) {
@@ -353,13 +433,29 @@ mod tests {
 
     #[test]
     fn content_streams_as_soon_as_no_marker_can_begin_in_it() {
-        let mut p = OutputParser::new(Markers::Think, Start::Content, true);
-        assert_eq!(p.push("Hello"), [Piece::Content("Hello".into())]);
+        let mut p = OutputParser::new(Markers::Think, Start::Content, Some(ToolFormat::Hermes));
+        assert_eq!(p.push("Hello", 1), [Piece::Content("Hello".into())]);
         // "<t" may begin <think> or <tool_call>: held until decided.
-        assert_eq!(p.push(" <t"), [Piece::Content(" ".into())]);
-        assert_eq!(p.push("o the world"), [Piece::Content("<to the world".into())]);
-        let mut u = OutputParser::new(Markers::Think, Start::Undecided, false);
-        assert!(u.push("maybe a thought").is_empty(), "an undecided start is held");
+        assert_eq!(p.push(" <t", 1), [Piece::Content(" ".into())]);
+        assert_eq!(p.push("o the world", 1), [Piece::Content("<to the world".into())]);
+        let mut u = OutputParser::new(Markers::Think, Start::Undecided, None);
+        assert!(u.push("maybe a thought", 3).is_empty(), "an undecided start is held");
         assert_eq!(u.finish(), [Piece::Content("maybe a thought".into())]);
+        assert_eq!(u.reasoning_tokens(), 0, "it was content after all");
+    }
+
+    #[test]
+    fn reasoning_tokens_are_those_inside_the_reasoning_block() {
+        let mut p = OutputParser::new(Markers::Think, Start::Reasoning, None);
+        for (text, tokens) in [("a", 1), (" plan", 1), ("</think>", 3), ("Answer", 1), (".", 1)] {
+            p.push(text, tokens);
+        }
+        p.finish();
+        assert_eq!(p.reasoning_tokens(), 5);
+        let mut u = OutputParser::new(Markers::Think, Start::Undecided, None);
+        for (text, tokens) in [("leak", 2), ("</think>", 3), ("Paris", 1)] {
+            u.push(text, tokens);
+        }
+        assert_eq!(u.reasoning_tokens(), 5, "a bare closing marker makes the start reasoning");
     }
 }

@@ -9,11 +9,14 @@ pub use replica::{Replica, ReplicaError};
 use crate::catalog::{Catalog, CatalogModel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tessera_proto::chat_template::ChatTemplate;
 
 /// A catalog model and the replica serving it.
 pub struct ServedModel {
     pub entry: CatalogModel,
     pub replica: Arc<Replica>,
+    /// The family's template from the catalog, else the one that came with the weights.
+    pub template: Option<Arc<ChatTemplate>>,
 }
 
 impl ServedModel {
@@ -30,17 +33,24 @@ pub struct Models {
 }
 
 impl Models {
-    /// Every catalog model whose weights have a replica.
-    pub fn new(catalog: &Catalog, replicas: &BTreeMap<String, Arc<Replica>>) -> Self {
-        let by_id = catalog
-            .models
-            .iter()
-            .filter_map(|m| {
-                let replica = replicas.get(&m.weights)?.clone();
-                Some((m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica })))
-            })
-            .collect();
-        Self { by_id }
+    /// Every catalog model whose weights have a replica; an error names a catalog
+    /// template that does not compile.
+    pub fn new(catalog: &Catalog, replicas: &BTreeMap<String, Arc<Replica>>) -> Result<Self, String> {
+        let mut by_id = BTreeMap::new();
+        for m in &catalog.models {
+            let Some(replica) = replicas.get(&m.weights).cloned() else { continue };
+            let template = match &m.chat_template_source {
+                Some(source) => {
+                    let card = &replica.card;
+                    let t = ChatTemplate::new(source, &card.bos_token, &card.eos_token)
+                        .map_err(|e| format!("{}: chat template: {e}", m.id))?;
+                    Some(Arc::new(t))
+                }
+                None => replica.template.clone(),
+            };
+            by_id.insert(m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica, template }));
+        }
+        Ok(Self { by_id })
     }
 
     /// Exactly the full id; `model-a` alone is not `vendor-a/model-a`.

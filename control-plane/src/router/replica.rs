@@ -2,6 +2,7 @@
 //! about tokenizing, templating and the bytes of each token.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use tessera_proto::chat_template::ChatTemplate;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
@@ -21,7 +22,7 @@ pub struct Replica {
     pub client: WorkerClient<Channel>,
     pub card: pb::ModelCard,
     pub tokenizer: Tokenizer,
-    pub template: Option<ChatTemplate>,
+    pub template: Option<Arc<ChatTemplate>>,
     /// The bytes each token id stands for (byte-level BPE undone), for logprobs.
     token_bytes: Vec<Vec<u8>>,
 }
@@ -37,10 +38,10 @@ impl Replica {
         let template = if card.chat_template.is_empty() {
             None
         } else {
-            Some(
+            Some(Arc::new(
                 ChatTemplate::new(&card.chat_template, &card.bos_token, &card.eos_token)
                     .map_err(|e| card_err(e.to_string()))?,
-            )
+            ))
         };
         let token_bytes = token_bytes(&tokenizer, &card.tokenizer_json);
         Ok(Self { addr: addr.to_string(), client, card, tokenizer, template, token_bytes })
