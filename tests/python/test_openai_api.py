@@ -379,6 +379,35 @@ class ToolCalling(unittest.TestCase):
         for t in c.message.tool_calls:
             self.assertTrue(t.id.startswith("call_"))
 
+    def test_every_family_calls_in_its_own_format(self):
+        # Thinking off on every model (rule 4, plus D's own switch), so the call comes
+        # first; one call, as a small model may list calls until its budget runs out.
+        off = {"thinking": False, "enable_thinking": False, "thinking_mode": "disabled"}
+        for model in ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"]:
+            body = dict(model=model, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0,
+                        parallel_tool_calls=False, max_tokens=120, extra_body={"chat_template_kwargs": off})
+            c = client().chat.completions.create(**body).choices[0]
+            self.assertEqual(c.finish_reason, "tool_calls", model)
+            self.assertIsNone(c.message.content, model)
+            for call in c.message.tool_calls:
+                self.assert_valid_call(call.function.name, call.function.arguments)
+            chunks = [ch for ch in client().chat.completions.create(stream=True, **body) if ch.choices]
+            streamed = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+            firsts = [t for t in streamed if t.id]
+            self.assertEqual([(t.index, t.function.name) for t in firsts],
+                             [(i, t.function.name) for i, t in enumerate(c.message.tool_calls)], model)
+            self.assertTrue(all(t.function.arguments == "" for t in firsts), "arguments follow the first delta")
+
+    def test_parse_with_a_strict_pydantic_tool(self):
+        class GetWeather(pydantic.BaseModel):
+            city: str = pydantic.Field(max_length=20)
+            unit: str = pydantic.Field(pattern="^[CF]$")
+        r = client().chat.completions.parse(
+            model=MODEL, messages=ASK_WEATHER, tools=[openai.pydantic_function_tool(GetWeather)],
+            tool_choice={"type": "function", "function": {"name": "GetWeather"}}, temperature=0, max_tokens=120)
+        parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
+        self.assertIsInstance(parsed, GetWeather)
+
     def test_responses_function_calls_and_their_outputs(self):
         r = client().responses.create(
             model=MODEL, input=ASK_WEATHER[0]["content"], tools=FLAT_TOOLS, tool_choice="required",

@@ -126,7 +126,9 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     }
     let format = format::grammar(f.raw("response_format"), Shape::Chat, caps.structured_output, &model.entry.id)?
         .map(|g| (g, Shape::Chat.param()));
-    f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"]);
+    // A top-level `thinking` object is ignored (SPEC.md, Reasoning rule 5): the
+    // switches live in `chat_template_kwargs`.
+    f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "thinking"]);
     f.finish()?;
 
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;

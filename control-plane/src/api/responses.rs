@@ -173,11 +173,18 @@ fn input_items(items: &[Value]) -> Result<Vec<Value>, ApiError> {
                 let call_id = call_id(&at, field("call_id")?)?;
                 let call = json!({"id": call_id, "type": "function",
                                   "function": {"name": field("name")?, "arguments": field("arguments")?}});
-                match messages.last_mut() {
-                    Some(last) if last["role"] == "assistant" && last["content"].is_null() => {
-                        last["tool_calls"].as_array_mut().map(|c| c.push(call.clone()));
-                    }
-                    _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                match messages
+                    .last_mut()
+                    .and_then(Value::as_object_mut)
+                    .filter(|m| m.get("role") == Some(&json!("assistant")))
+                {
+                    Some(last) => match last.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                        Some(calls) => calls.push(call),
+                        None => {
+                            last.insert("tool_calls".into(), json!([call]));
+                        }
+                    },
+                    None => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
                 }
             }
             Some("function_call_output") => {
@@ -503,4 +510,40 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
     let output = std::mem::take(&mut ev.output);
     let terminal = if finish == "length" { "response.incomplete" } else { "response.completed" };
     ev.send(terminal, json!({"response": meta.object(output, Some(&usage), Some(finish))})).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_items_become_the_chat_history() {
+        let items = json!([
+            {"role": "user", "content": "Weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "22C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "noon"},
+        ]);
+        let m = input_items(items.as_array().unwrap()).unwrap();
+        let roles: Vec<&str> = m.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "tool"]);
+        assert_eq!(m[1]["tool_calls"][1]["function"]["name"], "get_time", "calls join the assistant turn");
+        assert_eq!(m[2], json!({"role": "tool", "tool_call_id": "call_1", "content": "22C"}));
+        let alone =
+            input_items(&[json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"})]).unwrap();
+        assert_eq!(alone[0]["role"], "assistant");
+        let long = json!({"type": "function_call_output", "call_id": "c".repeat(65), "output": "x"});
+        let e = input_items(&[long]).unwrap_err().object();
+        assert_eq!(
+            (e["param"].as_str(), e["code"].as_str()),
+            (Some("input[0].call_id"), Some("string_above_max_length"))
+        );
+        let e = input_items(&[json!({"type": "web_search_call"})]).unwrap_err().object();
+        assert_eq!(e["param"], "input[0].type");
+        let e = input_items(&[json!({"type": "function_call", "call_id": "c", "name": "f"})]).unwrap_err().object();
+        assert_eq!(e["param"], "input[0].arguments");
+    }
 }

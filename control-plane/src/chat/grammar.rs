@@ -51,7 +51,7 @@ pub fn compose(
 }
 
 /// One call of any offered function (exactly the named one when a name is forced),
-/// repeated when parallel calls are allowed.
+/// repeated when parallel calls are allowed, in the family's format.
 fn calls(tools: &Tools, format: ToolFormat) -> String {
     let offered: Vec<Value> = tools
         .list
@@ -66,13 +66,22 @@ fn calls(tools: &Tools, format: ToolFormat) -> String {
         })
         .collect();
     let many = tools.parallel && !matches!(tools.choice, ToolChoice::Named(_));
-    let repeat = if many { "(GAP? call)*" } else { "" };
-    format!(
-        "calls: call {repeat}\ncall: {} \"\\n\" call_json \"\\n\" {}\ncall_json: %json {}\n",
-        literal(format.open()),
-        literal(format.close()),
-        json!({"anyOf": offered})
-    )
+    let one = json!({"anyOf": offered});
+    let open = literal(format.open());
+    match format.close() {
+        Some(close) => {
+            let repeat = if many { "(GAP? call)*" } else { "" };
+            let close = literal(close);
+            format!("calls: call {repeat}\ncall: {open} \"\\n\" call_json \"\\n\" {close}\ncall_json: %json {one}\n")
+        }
+        None => {
+            let mut list = json!({"type": "array", "items": one, "minItems": 1});
+            if !many {
+                list["maxItems"] = json!(1);
+            }
+            format!("calls: {open} call_list\ncall_list: %json {list}\n")
+        }
+    }
 }
 
 /// The JSON schema a structured-output grammar stands for.

@@ -175,21 +175,36 @@ mod tests {
                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
         ]);
-        for model in ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"] {
-            let (r, _) = render(model, json!({}), history.clone(), Some(tools.clone())).unwrap();
-            let offered = r.text.split("<tools>\n").nth(1).and_then(|t| t.split("</tools>").next()).unwrap_or_default();
-            assert!(offered.contains("\"name\": \"get_weather\""), "{model}: {}", r.text);
+        let hermes = [
+            ("<tools>\n", "</tools>"),
+            ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>", ""),
+            ("<tool_response>\n22C\n</tool_response>", ""),
+        ];
+        let mistral = [
+            ("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"),
+            ("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]", ""),
+            ("[TOOL_RESULTS]{\"call_id\": \"call_1\", \"content\": \"22C\"}[/TOOL_RESULTS]", ""),
+        ];
+        let families = [
+            ("vendor-a/model-a", hermes),
+            ("vendor-b/model-b", hermes),
+            ("vendor-c/model-c", hermes),
+            ("vendor-d/model-d", mistral),
+        ];
+        for (model, [(offer, offer_end), (call, _), (result, _)]) in families {
+            let catalog = Catalog::load(None).unwrap();
             assert!(
-                r.text.contains(
-                    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
-                ),
-                "{model}: {}",
-                r.text
+                catalog.get(model).unwrap().tool_format.open().starts_with(&call[..1]),
+                "{model}'s parser reads its template's calls"
             );
-            assert!(r.text.contains("<tool_response>\n22C\n</tool_response>"), "{model}: {}", r.text);
+            let (r, _) = render(model, json!({}), history.clone(), Some(tools.clone())).unwrap();
+            let offered = r.text.split(offer).nth(1).and_then(|t| t.split(offer_end).next()).unwrap_or_default();
+            assert!(offered.contains("\"name\": \"get_weather\""), "{model}: {}", r.text);
+            assert!(r.text.contains(call), "{model}: {}", r.text);
+            assert!(r.text.contains(result), "{model}: {}", r.text);
             assert!(r.text.contains("<|im_start|>assistant\n"), "{model}");
             let (plain, _) = render(model, json!({}), history.clone(), None).unwrap();
-            assert!(!plain.text.contains("<tools>"), "{model}: no tools, no tool block");
+            assert!(!plain.text.contains(offer), "{model}: no tools, no tool block");
         }
     }
 }

@@ -61,20 +61,48 @@ pub enum ToolFormat {
     /// `</tool_call>` per call (Hermes, Qwen and most ChatML families).
     #[default]
     Hermes,
+    /// `[TOOL_CALLS]` and then a JSON array of such objects, up to the end of the
+    /// output (Mistral's families).
+    Mistral,
 }
 
 impl ToolFormat {
     pub fn open(self) -> &'static str {
         match self {
             ToolFormat::Hermes => "<tool_call>",
+            ToolFormat::Mistral => "[TOOL_CALLS]",
         }
     }
 
-    pub fn close(self) -> &'static str {
+    /// The marker that ends a call; None when calls run to the end of the output.
+    pub fn close(self) -> Option<&'static str> {
         match self {
-            ToolFormat::Hermes => "</tool_call>",
+            ToolFormat::Hermes => Some("</tool_call>"),
+            ToolFormat::Mistral => None,
         }
     }
+
+    /// The calls in a body, or None when it is not calls (the text then stays content).
+    fn calls(self, body: &str) -> Option<Vec<Piece>> {
+        let v: Value = serde_json::from_str(body.trim()).ok()?;
+        match (self, v) {
+            (ToolFormat::Hermes, v @ Value::Object(_)) => Some(vec![call(&v)?]),
+            (ToolFormat::Mistral, Value::Array(list)) if !list.is_empty() => list.iter().map(call).collect(),
+            _ => None,
+        }
+    }
+}
+
+/// One call object: its name, and arguments as an object (or as JSON text already).
+fn call(v: &Value) -> Option<Piece> {
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+        None => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(args @ Value::Object(_)) => args.to_string(),
+        Some(_) => return None,
+    };
+    Some(Piece::ToolCall { name, arguments })
 }
 
 /// How one request's output is read back.
@@ -188,13 +216,23 @@ impl OutputParser {
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         self.scan(&mut out, true);
-        match self.state {
-            State::Undecided => emit(&mut out, Piece::Content(std::mem::take(&mut self.body))),
-            State::ToolCall => {
-                let open = self.tools.map_or("", |t| t.open());
-                emit(&mut out, Piece::Content(format!("{open}{}", std::mem::take(&mut self.body))))
+        if self.state == State::Undecided {
+            // No closing marker came: the start was the answer, read as content (it
+            // may hold tool calls).
+            self.undecided_tokens = 0;
+            self.held = std::mem::take(&mut self.body);
+            self.state = State::Content;
+            self.scan(&mut out, true);
+        }
+        if self.state == State::ToolCall {
+            match self.tools {
+                // Calls that run to the end of the output end here.
+                Some(format) if format.close().is_none() => self.leave(&mut out),
+                _ => {
+                    let open = self.tools.map_or("", |t| t.open());
+                    emit(&mut out, Piece::Content(format!("{open}{}", std::mem::take(&mut self.body))))
+                }
             }
-            State::Content | State::Reasoning => {}
         }
         self.state = State::Content;
         out
@@ -219,7 +257,7 @@ impl OutputParser {
                 }
             }
             State::Reasoning | State::Undecided => m.extend(self.markers.close().map(|c| (c, State::Content))),
-            State::ToolCall => m.extend(self.tools.map(|t| (t.close(), State::Content))),
+            State::ToolCall => m.extend(self.tools.and_then(|t| t.close()).map(|c| (c, State::Content))),
         }
         m
     }
@@ -268,25 +306,17 @@ impl OutputParser {
                 emit(out, Piece::Reasoning(body))
             }
             State::ToolCall => {
-                let (open, close) = self.tools.map_or(("", ""), |t| (t.open(), t.close()));
-                emit(out, tool_call(&body).unwrap_or_else(|| Piece::Content(format!("{open}{body}{close}"))))
+                let Some(format) = self.tools else { return };
+                match format.calls(&body) {
+                    Some(calls) => out.extend(calls),
+                    None => {
+                        emit(out, Piece::Content(format!("{}{body}{}", format.open(), format.close().unwrap_or(""))))
+                    }
+                }
             }
             State::Content | State::Reasoning => {}
         }
     }
-}
-
-/// A call from its JSON body, or None when it is not one (the text then stays content).
-fn tool_call(body: &str) -> Option<Piece> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None => "{}".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(args @ Value::Object(_)) => args.to_string(),
-        Some(_) => return None,
-    };
-    Some(Piece::ToolCall { name, arguments })
 }
 
 fn emit(out: &mut Vec<Piece>, piece: Piece) {
@@ -310,8 +340,8 @@ mod tests {
     /// Reasoning, content and calls, each kind joined.
     type Joined = (String, String, Vec<(String, String)>);
 
-    fn parse(chunks: &[&str], markers: Markers, start: Start, tools: bool) -> Joined {
-        let mut p = OutputParser::new(markers, start, tools.then_some(ToolFormat::Hermes));
+    fn parse(chunks: &[&str], markers: Markers, start: Start, tools: Option<ToolFormat>) -> Joined {
+        let mut p = OutputParser::new(markers, start, tools);
         let mut split = Split::default();
         for c in chunks {
             split.add(p.push(c, 1));
@@ -327,7 +357,7 @@ mod tests {
     struct Case {
         markers: Markers,
         start: Start,
-        tools: bool,
+        tools: Option<ToolFormat>,
         output: &'static str,
         want: (&'static str, &'static str, Vec<(String, String)>),
     }
@@ -335,49 +365,50 @@ mod tests {
     fn cases() -> Vec<Case> {
         use Markers::*;
         use Start as S;
+        use ToolFormat::*;
         let c = |markers, start, tools, output, want| Case { markers, start, tools, output, want };
         vec![
             c(
                 Plain,
                 S::Content,
-                false,
+                None,
                 "Hello <think>not markers</think>",
                 ("", "Hello <think>not markers</think>", vec![]),
             ),
-            c(Think, S::Content, false, "<think>a plan</think>The answer.", ("a plan", "The answer.", vec![])),
-            c(Think, S::Reasoning, false, "a plan</think>The answer.", ("a plan", "The answer.", vec![])),
-            c(Think, S::Reasoning, false, "still thinking <thi", ("still thinking <thi", "", vec![])),
+            c(Think, S::Content, None, "<think>a plan</think>The answer.", ("a plan", "The answer.", vec![])),
+            c(Think, S::Reasoning, None, "a plan</think>The answer.", ("a plan", "The answer.", vec![])),
+            c(Think, S::Reasoning, None, "still thinking <thi", ("still thinking <thi", "", vec![])),
             c(
                 Think,
                 S::Content,
-                false,
+                None,
                 "No thought. 3 < 4 and </thin is text",
                 ("", "No thought. 3 < 4 and </thin is text", vec![]),
             ),
             // Model B with thinking off: a bare closing marker ends leaked reasoning…
-            c(Think, S::Undecided, false, "Let me see.</think>Paris.", ("Let me see.", "Paris.", vec![])),
+            c(Think, S::Undecided, None, "Let me see.</think>Paris.", ("Let me see.", "Paris.", vec![])),
             // …and without one, everything was content.
-            c(Think, S::Undecided, false, "Paris is the capital.", ("", "Paris is the capital.", vec![])),
+            c(Think, S::Undecided, None, "Paris is the capital.", ("", "Paris is the capital.", vec![])),
             // Model C: thought between channel markers.
             c(
                 Channel,
                 S::Content,
-                false,
+                None,
                 "<|channel|>thought weigh it<|channel|>final: 42",
                 (" weigh it", "final: 42", vec![]),
             ),
-            c(Channel, S::Content, false, "plain <|channel|> text", ("", "plain <|channel|> text", vec![])),
+            c(Channel, S::Content, None, "plain <|channel|> text", ("", "plain <|channel|> text", vec![])),
             c(
                 Think,
                 S::Reasoning,
-                true,
+                Some(Hermes),
                 "need weather</think><tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>",
                 ("need weather", "", vec![call("get_weather", "{\"city\":\"Paris\"}")]),
             ),
             c(
                 Plain,
                 S::Content,
-                true,
+                Some(Hermes),
                 "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n<tool_call>{\"name\":\"b\",\"arguments\":\"{\\\"x\\\":1}\"}</tool_call>",
                 ("", "\n", vec![call("a", "{}"), call("b", "{\"x\":1}")]),
             ),
@@ -385,20 +416,50 @@ mod tests {
             c(
                 Plain,
                 S::Content,
-                true,
+                Some(Hermes),
                 "<tool_call>{oops}</tool_call> ok",
                 ("", "<tool_call>{oops}</tool_call> ok", vec![]),
             ),
-            c(Plain, S::Content, true, "cut off <tool_call>{\"name\":", ("", "cut off <tool_call>{\"name\":", vec![])),
+            c(
+                Plain,
+                S::Content,
+                Some(Hermes),
+                "cut off <tool_call>{\"name\":",
+                ("", "cut off <tool_call>{\"name\":", vec![]),
+            ),
             // Without tools in the request the markers are text.
             c(
                 Plain,
                 S::Content,
-                false,
+                None,
                 "<tool_call>{\"name\":\"a\"}</tool_call>",
                 ("", "<tool_call>{\"name\":\"a\"}</tool_call>", vec![]),
             ),
-            c(Think, S::Content, false, "héllo <think>ünïcode ✓</think>fin ✓", ("ünïcode ✓", "héllo fin ✓", vec![])),
+            c(Think, S::Content, None, "héllo <think>ünïcode ✓</think>fin ✓", ("ünïcode ✓", "héllo fin ✓", vec![])),
+            // Model B thinking off calling a tool straight away: the held start holds calls.
+            c(
+                Think,
+                S::Undecided,
+                Some(Hermes),
+                "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>",
+                ("", "", vec![call("a", "{}")]),
+            ),
+            // Mistral's format: a list of calls that runs to the end.
+            c(
+                Think,
+                S::Reasoning,
+                Some(Mistral),
+                "plan</think>[TOOL_CALLS][{\"name\":\"a\",\"arguments\":{\"x\":1}},{\"name\":\"b\",\"arguments\":{}}]",
+                ("plan", "", vec![call("a", "{\"x\":1}"), call("b", "{}")]),
+            ),
+            c(
+                Plain,
+                S::Content,
+                Some(Mistral),
+                "Sure. [TOOL_CALLS] not json",
+                ("", "Sure. [TOOL_CALLS] not json", vec![]),
+            ),
+            c(Plain, S::Content, Some(Mistral), "<tool_call>{}</tool_call>", ("", "<tool_call>{}</tool_call>", vec![])),
         ]
     }
 
