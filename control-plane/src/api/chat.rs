@@ -93,11 +93,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
         None => None,
         Some(Value::Object(o)) => Some(o),
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: "chat_template_kwargs".into(),
-                expected: "an object",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("chat_template_kwargs", "an object"));
         }
     };
     let mut kwargs = chat::template_kwargs(model, kwargs);

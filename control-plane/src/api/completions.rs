@@ -166,20 +166,12 @@ fn prompts(v: &Value, model: &ServedModel) -> Result<Vec<Prompt>, ApiError> {
             .map(|(i, item)| match item {
                 Value::String(s) => from_text(s),
                 Value::Array(ids) => from_ids(format!("prompt[{i}]"), ids),
-                _ => Err(ApiError::InvalidType {
-                    param: format!("prompt[{i}]"),
-                    expected: "a string",
-                    got: "another type",
-                }),
+                _ => Err(ApiError::invalid_type(format!("prompt[{i}]"), "a string")),
             })
             .collect::<Result<_, _>>()?,
         Value::Array(_) => return Err(ApiError::invalid_value("prompt", "Invalid 'prompt': empty array.")),
         _ => {
-            return Err(ApiError::InvalidType {
-                param: "prompt".into(),
-                expected: "a string or array",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("prompt", "a string or array"));
         }
     };
     if let Some(i) = prompts.iter().position(|p| p.tokens.is_empty()) {

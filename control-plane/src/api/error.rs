@@ -68,6 +68,11 @@ impl ApiError {
         Self::InvalidValue { param: param.into(), message: message.into() }
     }
 
+    /// A field of the wrong JSON type; `expected` reads "a string", "an object", ….
+    pub fn invalid_type(param: impl Into<String>, expected: &'static str) -> Self {
+        Self::InvalidType { param: param.into(), expected, got: "another type" }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             Self::MissingKey | Self::InvalidKey { .. } => StatusCode::UNAUTHORIZED,

@@ -37,17 +37,13 @@ pub fn grammar(
     let Some(format) = format else { return Ok(None) };
     let param = shape.param();
     let Some(object) = format.as_object() else {
-        return Err(ApiError::InvalidType { param: param.into(), expected: "an object", got: "another type" });
+        return Err(ApiError::invalid_type(param, "an object"));
     };
     let kind = match object.get("type") {
         None => return Err(ApiError::MissingParam(format!("{param}.type"))),
         Some(Value::String(kind)) => kind.as_str(),
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: format!("{param}.type"),
-                expected: "a string",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type(format!("{param}.type"), "a string"));
         }
     };
     let kind = match kind {
@@ -58,11 +54,7 @@ pub fn grammar(
                 Shape::Chat => match object.get("json_schema") {
                     Some(Value::Object(s)) => (s, format!("{param}.json_schema")),
                     Some(_) => {
-                        return Err(ApiError::InvalidType {
-                            param: format!("{param}.json_schema"),
-                            expected: "an object",
-                            got: "another type",
-                        });
+                        return Err(ApiError::invalid_type(format!("{param}.json_schema"), "an object"));
                     }
                     None => return Err(ApiError::MissingParam(format!("{param}.json_schema"))),
                 },
@@ -73,11 +65,7 @@ pub fn grammar(
                 None => Value::Object(Default::default()),
                 Some(s @ Value::Object(_)) => s.clone(),
                 Some(_) => {
-                    return Err(ApiError::InvalidType {
-                        param: format!("{spec_param}.schema"),
-                        expected: "an object",
-                        got: "another type",
-                    });
+                    return Err(ApiError::invalid_type(format!("{spec_param}.schema"), "an object"));
                 }
             };
             pb::grammar::Kind::JsonSchema(schema.to_string())
@@ -104,7 +92,7 @@ fn check_name(name: Option<&Value>, param: &str) -> Result<(), ApiError> {
             param,
             format!("Invalid '{param}': string '{n}' does not match pattern '^[a-zA-Z0-9_-]{{1,64}}$'."),
         )),
-        Some(_) => Err(ApiError::InvalidType { param: param.into(), expected: "a string", got: "another type" }),
+        Some(_) => Err(ApiError::invalid_type(param, "a string")),
     }
 }
 

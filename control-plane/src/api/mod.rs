@@ -106,14 +106,14 @@ fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
 /// The model a body names, checked before anything else in it, as OpenAI does.
 fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result<Arc<ServedModel>, ApiError> {
     let Some(obj) = body.as_object() else {
-        return Err(ApiError::InvalidType { param: "body".into(), expected: "an object", got: "another type" });
+        return Err(ApiError::invalid_type("body", "an object"));
     };
     match obj.get("model") {
         None | Some(Value::Null) => Err(ApiError::MissingParam("model".into())),
         Some(Value::String(id)) => {
             app.models.get(id).ok_or_else(|| ApiError::ModelNotFound { model: id.clone(), param })
         }
-        Some(_) => Err(ApiError::InvalidType { param: "model".into(), expected: "a string", got: "another type" }),
+        Some(_) => Err(ApiError::invalid_type("model", "a string")),
     }
 }
 

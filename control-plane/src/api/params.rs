@@ -50,7 +50,7 @@ pub fn sampling<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<pb::SamplingParams
 fn logit_bias<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
     let Some(v) = f.raw("logit_bias") else { return Ok(Default::default()) };
     let Value::Object(map) = v else {
-        return Err(ApiError::InvalidType { param: "logit_bias".into(), expected: "an object", got: "another type" });
+        return Err(ApiError::invalid_type("logit_bias", "an object"));
     };
     let mut out = std::collections::HashMap::new();
     for (key, bias) in map {
@@ -64,11 +64,7 @@ fn logit_bias<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<std::collections::Ha
                 format!("Invalid key in 'logit_bias': token id {id} is outside the vocabulary of {vocab} tokens."),
             ));
         }
-        let b = bias.as_f64().ok_or(ApiError::InvalidType {
-            param: param.clone(),
-            expected: "a number",
-            got: "another type",
-        })?;
+        let b = bias.as_f64().ok_or(ApiError::invalid_type(param.clone(), "a number"))?;
         check_range(&param, b, Some(-100.0), Some(100.0), false)?;
         out.insert(id, b as f32);
     }
@@ -84,19 +80,11 @@ pub fn stop<'a>(f: &mut Fields<'a>) -> Result<Vec<String>, ApiError> {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                s.as_str().map(String::from).ok_or_else(|| ApiError::InvalidType {
-                    param: format!("stop[{i}]"),
-                    expected: "a string",
-                    got: "another type",
-                })
+                s.as_str().map(String::from).ok_or_else(|| ApiError::invalid_type(format!("stop[{i}]"), "a string"))
             })
             .collect::<Result<_, _>>()?,
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: "stop".into(),
-                expected: "a string or array",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("stop", "a string or array"));
         }
     };
     if stops.len() > 4 {
@@ -130,19 +118,11 @@ pub fn stream<'a>(f: &mut Fields<'a>) -> Result<(bool, bool), ApiError> {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
             Some(_) => {
-                return Err(ApiError::InvalidType {
-                    param: "stream_options.include_usage".into(),
-                    expected: "a boolean",
-                    got: "another type",
-                });
+                return Err(ApiError::invalid_type("stream_options.include_usage", "a boolean"));
             }
         },
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: "stream_options".into(),
-                expected: "an object",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("stream_options", "an object"));
         }
     };
     Ok((stream, include_usage))

@@ -67,11 +67,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
         Value::String(s) => vec![json!({"role": "user", "content": s})],
         Value::Array(items) => input_items(items)?,
         _ => {
-            return Err(ApiError::InvalidType {
-                param: "input".into(),
-                expected: "a string or array",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("input", "a string or array"));
         }
     };
     // Checked on their own, so that errors name the client's own input items.
@@ -89,7 +85,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
         None => None,
         Some(Value::Object(text)) => text.get("format"),
         Some(_) => {
-            return Err(ApiError::InvalidType { param: "text".into(), expected: "an object", got: "another type" });
+            return Err(ApiError::invalid_type("text", "an object"));
         }
     };
     let format = format::grammar(format, Shape::Responses, caps.structured_output, &model.entry.id)?
@@ -155,9 +151,7 @@ fn input_items(items: &[Value]) -> Result<Vec<Value>, ApiError> {
         let field = |name: &str| match item.get(name) {
             Some(Value::String(s)) => Ok(s.clone()),
             None | Some(Value::Null) => Err(ApiError::MissingParam(format!("{at}.{name}"))),
-            Some(_) => {
-                Err(ApiError::InvalidType { param: format!("{at}.{name}"), expected: "a string", got: "another type" })
-            }
+            Some(_) => Err(ApiError::invalid_type(format!("{at}.{name}"), "a string")),
         };
         match item.get("type").and_then(Value::as_str) {
             None | Some("message") => {
@@ -193,11 +187,7 @@ fn input_items(items: &[Value]) -> Result<Vec<Value>, ApiError> {
                     Some(parts @ Value::Array(_)) => parts.clone(),
                     None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.output"))),
                     Some(_) => {
-                        return Err(ApiError::InvalidType {
-                            param: format!("{at}.output"),
-                            expected: "a string or array",
-                            got: "another type",
-                        });
+                        return Err(ApiError::invalid_type(format!("{at}.output"), "a string or array"));
                     }
                 };
                 let call_id = call_id(&at, field("call_id")?)?;

@@ -11,7 +11,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 /// The messages for the template, or the first problem found.
 pub fn for_template(messages: &Value, caps: &Capabilities, model: &str) -> Result<Vec<Value>, ApiError> {
     let Value::Array(list) = messages else {
-        return Err(ApiError::InvalidType { param: "messages".into(), expected: "an array", got: "another type" });
+        return Err(ApiError::invalid_type("messages", "an array"));
     };
     if list.is_empty() {
         return Err(ApiError::OutOfRange {
@@ -58,20 +58,14 @@ fn answered_calls(messages: &[Value]) -> Result<(), ApiError> {
 /// arguments are JSON text.
 fn check_tool_calls(at: &str, calls: &Value) -> Result<(), ApiError> {
     let Value::Array(calls) = calls else {
-        return Err(ApiError::InvalidType {
-            param: format!("{at}.tool_calls"),
-            expected: "an array",
-            got: "another type",
-        });
+        return Err(ApiError::invalid_type(format!("{at}.tool_calls"), "an array"));
     };
     for (j, c) in calls.iter().enumerate() {
         let at = format!("{at}.tool_calls[{j}]");
         let string = |v: &Value, field: &str| match v.get(field) {
             Some(Value::String(_)) => Ok(()),
             None => Err(ApiError::MissingParam(format!("{at}.{field}"))),
-            Some(_) => {
-                Err(ApiError::InvalidType { param: format!("{at}.{field}"), expected: "a string", got: "another type" })
-            }
+            Some(_) => Err(ApiError::invalid_type(format!("{at}.{field}"), "a string")),
         };
         string(c, "id")?;
         let Some(f) = c.get("function").filter(|f| f.is_object()) else {
@@ -100,7 +94,7 @@ fn rename(e: ApiError, path: &str) -> ApiError {
 fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Value, ApiError> {
     let at = format!("messages[{i}]");
     let Value::Object(m) = m else {
-        return Err(ApiError::InvalidType { param: at, expected: "an object", got: "another type" });
+        return Err(ApiError::invalid_type(at, "an object"));
     };
     let role = match m.get("role") {
         Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.as_str(),
@@ -119,11 +113,7 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
             Some(Value::String(_)) => {}
             None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.tool_call_id"))),
             Some(_) => {
-                return Err(ApiError::InvalidType {
-                    param: format!("{at}.tool_call_id"),
-                    expected: "a string",
-                    got: "another type",
-                });
+                return Err(ApiError::invalid_type(format!("{at}.tool_call_id"), "a string"));
             }
         }
     }
@@ -139,11 +129,7 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => text_of_parts(&at, parts, caps, model)?,
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: format!("{at}.content"),
-                expected: "a string or array of parts",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type(format!("{at}.content"), "a string or array of parts"));
         }
     };
     // Developer messages are system messages to templates that predate them.

@@ -80,7 +80,7 @@ pub fn parse<'a>(f: &mut Fields<'a>, shape: Shape, tool_calling: bool, model: &s
             items.iter().enumerate().map(|(i, t)| tool(i, t, shape)).collect::<Result<_, _>>()?
         }
         Some(_) => {
-            return Err(ApiError::InvalidType { param: "tools".into(), expected: "an array", got: "another type" });
+            return Err(ApiError::invalid_type("tools", "an array"));
         }
     };
     for (i, t) in list.iter().enumerate() {
@@ -102,11 +102,7 @@ pub fn parse<'a>(f: &mut Fields<'a>, shape: Shape, tool_calling: bool, model: &s
         }
         Some(Value::Bool(b)) => *b,
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: "parallel_tool_calls".into(),
-                expected: "a boolean",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("parallel_tool_calls", "a boolean"));
         }
     };
     if list.is_empty() {
@@ -131,7 +127,7 @@ fn name_param(i: usize, shape: Shape) -> String {
 fn tool(i: usize, t: &Value, shape: Shape) -> Result<Tool, ApiError> {
     let at = format!("tools[{i}]");
     let Value::Object(t) = t else {
-        return Err(ApiError::InvalidType { param: at, expected: "an object", got: "another type" });
+        return Err(ApiError::invalid_type(at, "an object"));
     };
     match t.get("type") {
         Some(Value::String(k)) if k == "function" => {}
@@ -147,11 +143,7 @@ fn tool(i: usize, t: &Value, shape: Shape) -> Result<Tool, ApiError> {
         Shape::Chat => match t.get("function") {
             Some(Value::Object(f)) => (f, format!("{at}.function")),
             Some(_) => {
-                return Err(ApiError::InvalidType {
-                    param: format!("{at}.function"),
-                    expected: "an object",
-                    got: "another type",
-                });
+                return Err(ApiError::invalid_type(format!("{at}.function"), "an object"));
             }
             None => return Err(ApiError::MissingParam(format!("{at}.function"))),
         },
@@ -176,11 +168,7 @@ fn tool(i: usize, t: &Value, shape: Shape) -> Result<Tool, ApiError> {
             ));
         }
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: format!("{at}.name"),
-                expected: "a string",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type(format!("{at}.name"), "a string"));
         }
         None => return Err(ApiError::MissingParam(format!("{at}.name"))),
     };
@@ -188,22 +176,14 @@ fn tool(i: usize, t: &Value, shape: Shape) -> Result<Tool, ApiError> {
         None | Some(Value::Null) => None,
         Some(Value::String(d)) => Some(d.clone()),
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: format!("{at}.description"),
-                expected: "a string",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type(format!("{at}.description"), "a string"));
         }
     };
     let parameters = match f.get("parameters") {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(p @ Value::Object(_)) => p.clone(),
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: format!("{at}.parameters"),
-                expected: "an object",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type(format!("{at}.parameters"), "an object"));
         }
     };
     let strict = f.get("strict").and_then(Value::as_bool);
@@ -243,21 +223,13 @@ fn choice(v: Option<&Value>, shape: Shape, tools: &[Tool]) -> Result<ToolChoice,
             match name {
                 Some(Value::String(n)) => ToolChoice::Named(n.clone()),
                 Some(_) => {
-                    return Err(ApiError::InvalidType {
-                        param: param.into(),
-                        expected: "a string",
-                        got: "another type",
-                    });
+                    return Err(ApiError::invalid_type(param, "a string"));
                 }
                 None => return Err(ApiError::MissingParam(param.into())),
             }
         }
         Some(_) => {
-            return Err(ApiError::InvalidType {
-                param: "tool_choice".into(),
-                expected: "a string or object",
-                got: "another type",
-            });
+            return Err(ApiError::invalid_type("tool_choice", "a string or object"));
         }
     };
     match &choice {
