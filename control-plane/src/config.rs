@@ -21,6 +21,12 @@ pub enum Command {
     /// Operator commands for API keys.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Operator commands for prepaid credit.
+    #[command(subcommand)]
+    Credits(CreditsCommand),
+    /// What requests used and cost.
+    #[command(subcommand)]
+    Usage(UsageCommand),
 }
 
 /// Where accounts are stored; shared by `serve` and the operator commands.
@@ -66,6 +72,9 @@ pub struct ServeConfig {
     /// Seconds in-flight requests get to finish after SIGINT or SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Credit granted to the bootstrap organization on first start, in US dollars.
+    #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
+    pub dev_credit_usd: f64,
 }
 
 #[derive(Subcommand)]
@@ -111,6 +120,50 @@ pub enum KeysCommand {
     List {
         #[arg(long)]
         org: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CreditsCommand {
+    /// Adds credit to an organization (recorded in the ledger as a grant).
+    Grant {
+        /// Organization id or name.
+        #[arg(long)]
+        org: String,
+        /// US dollars, e.g. 25 or 0.50.
+        #[arg(long)]
+        usd: f64,
+        /// Why, kept with the grant.
+        #[arg(long, default_value = "operator grant")]
+        memo: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// An organization's spendable balance and the credit its requests in flight hold.
+    Show {
+        #[arg(long)]
+        org: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum UsageCommand {
+    /// An organization's usage records, newest first.
+    List {
+        #[arg(long)]
+        org: String,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

@@ -3,6 +3,7 @@
 
 pub mod accounts;
 pub mod api;
+pub mod billing;
 pub mod catalog;
 pub mod chat;
 pub mod config;

@@ -14,5 +14,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(config) => serve::run(config).await,
         Command::Orgs(cmd) => ops::orgs(cmd).await,
         Command::Keys(cmd) => ops::keys(cmd).await,
+        Command::Credits(cmd) => ops::credits(cmd).await,
+        Command::Usage(cmd) => ops::usage(cmd).await,
     }
 }

@@ -1,7 +1,9 @@
-//! Operator commands: organizations and keys straight in the store, JSON with `--json`.
+//! Operator commands: organizations, keys, credit and usage straight in the store, JSON
+//! with `--json`.
 
 use crate::accounts::{NewKey, Store};
-use crate::config::{KeysCommand, OrgsCommand, StoreArgs};
+use crate::billing::cost::{usd, usd_to_micros};
+use crate::config::{CreditsCommand, KeysCommand, OrgsCommand, StoreArgs, UsageCommand};
 use anyhow::Result;
 use serde_json::json;
 
@@ -57,6 +59,59 @@ pub async fn keys(cmd: KeysCommand) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("\n");
             print(json, json!(keys), human);
+        }
+    }
+    Ok(())
+}
+
+pub async fn credits(cmd: CreditsCommand) -> Result<()> {
+    match cmd {
+        CreditsCommand::Grant { org, usd: dollars, memo, store, json } => {
+            let store = open(&store).await?;
+            let org = store.find_org(&org).await?;
+            let micros = usd_to_micros(dollars)?;
+            let ledger = store.ledger();
+            ledger.grant(&org.id, micros, &memo).await?;
+            let balance = ledger.balance(&org.id).await?;
+            let human = format!("granted {} to {}; balance {}", usd(micros as i64), org.id, usd(balance));
+            print(json, json!({"org_id": org.id, "granted_micros": micros, "balance_micros": balance}), human);
+        }
+        CreditsCommand::Show { org, store, json } => {
+            let store = open(&store).await?;
+            let org = store.find_org(&org).await?;
+            let ledger = store.ledger();
+            let (balance, held) = (ledger.balance(&org.id).await?, ledger.held(&org.id).await?);
+            let human = format!("{}: balance {}, held by requests in flight {}", org.id, usd(balance), usd(held));
+            print(json, json!({"org_id": org.id, "balance_micros": balance, "held_micros": held}), human);
+        }
+    }
+    Ok(())
+}
+
+pub async fn usage(cmd: UsageCommand) -> Result<()> {
+    match cmd {
+        UsageCommand::List { org, limit, store, json } => {
+            let store = open(&store).await?;
+            let org = store.find_org(&org).await?;
+            let records = store.ledger().usage(&org.id, limit).await?;
+            let human = records
+                .iter()
+                .map(|u| {
+                    format!(
+                        "{}  {}  {}  prompt {} (cached {})  completion {}  {}  {}",
+                        u.request_id,
+                        u.model,
+                        u.endpoint,
+                        u.prompt_tokens,
+                        u.cached_tokens,
+                        u.completion_tokens,
+                        usd(u.cost_micros as i64),
+                        u.finish_reason
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            print(json, json!(records), human);
         }
     }
     Ok(())

@@ -3,6 +3,7 @@
 
 use crate::accounts::{BillingMode, NewKey, Store};
 use crate::api::{self, AppState};
+use crate::billing::Billing;
 use crate::catalog::Catalog;
 use crate::config::ServeConfig;
 use crate::router::{Models, Replica};
@@ -18,7 +19,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
-    bootstrap(&store, data_dir).await?;
+    bootstrap(&store, data_dir, config.dev_credit_usd).await?;
     let catalog = Catalog::load(config.catalog.as_deref())?;
 
     let binary = workers::worker_binary(config.worker_bin.as_deref());
@@ -32,7 +33,8 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         local.push(worker);
     }
     let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
-    let app = Arc::new(AppState { store, models });
+    let billing = Billing::new(store.ledger());
+    let app = Arc::new(AppState { store, models, billing });
 
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
@@ -61,11 +63,16 @@ pub async fn run(config: ServeConfig) -> Result<()> {
 
 /// On first start (no organizations yet): a `default` organization and a key for it,
 /// written to `<data-dir>/bootstrap.key` (mode 0600) and printed this once.
-async fn bootstrap(store: &Store, data_dir: &Path) -> Result<()> {
+/// On first start: an organization with a development credit grant, and its key.
+async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Result<()> {
     if store.count_orgs().await? > 0 {
         return Ok(());
     }
     let org = store.create_org("default").await?;
+    let micros = crate::billing::cost::usd_to_micros(dev_credit_usd)?;
+    if micros > 0 {
+        store.ledger().grant(&org.id, micros, "development credit on first start").await?;
+    }
     let new =
         NewKey { org_id: &org.id, name: "bootstrap", billing_mode: BillingMode::Credits, fallback_to_credits: false };
     let (key, secret) = store.create_key(new).await?;

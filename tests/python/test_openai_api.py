@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import unittest
 
 import urllib.error
@@ -523,6 +524,97 @@ class Reasoning(unittest.TestCase):
         self.assertEqual(text, r.output[0].content[0].text)
         self.assertEqual(events[-1].type, "response.incomplete")
         self.assertEqual(events[-1].response.output[0].content[0].text, text)
+
+
+# SPEC.md's prices in micro-dollars per million tokens: input, cache read, output.
+PRICES = {"vendor-a/model-a": (700_000, 160_000, 3_500_000), "vendor-c/model-c": (110_000, 110_000, 350_000)}
+
+
+def expected_cost(model, prompt, cached, completion):
+    """The bill of SPEC.md, rounded once to the nearest micro-dollar."""
+    inp, cache, out = PRICES[model]
+    return ((prompt - cached) * inp + cached * cache + completion * out + 500_000) // 1_000_000
+
+
+def balance(org="default"):
+    return cli("credits", "show", "--org", org)["balance_micros"]
+
+
+def usage_records(org="default"):
+    return cli("usage", "list", "--org", org)
+
+
+class Billing(unittest.TestCase):
+    """Every request is paid for from credit exactly once, at SPEC.md's prices."""
+
+    def test_each_request_is_charged_its_exact_cost_once(self):
+        before = balance()
+        r = client().chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=12)
+        after = balance()
+        record = usage_records()[0]
+        self.assertEqual((record["prompt_tokens"], record["completion_tokens"]),
+                         (r.usage.prompt_tokens, r.usage.completion_tokens))
+        self.assertEqual(record["cached_tokens"], r.usage.prompt_tokens_details.cached_tokens)
+        cost = expected_cost(MODEL, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"])
+        self.assertEqual(record["cost_micros"], cost)
+        self.assertEqual(before - after, cost)
+        self.assertEqual(cli("credits", "show", "--org", "default")["held_micros"], 0, "no hold left behind")
+
+    def test_streamed_plain_and_cached_requests_cost_what_their_tokens_cost(self):
+        ask = dict(model="vendor-a/model-a", messages=[{"role": "user", "content": "Count to five. " * 40}],
+                   temperature=0, max_completion_tokens=10)
+        client().chat.completions.create(**ask)
+        list(client().chat.completions.create(stream=True, **ask))
+        records = usage_records()[:2]
+        self.assertEqual({r["endpoint"] for r in records}, {"chat.completions"})
+        self.assertEqual(records[0]["completion_tokens"], records[1]["completion_tokens"])
+        self.assertGreater(records[0]["cached_tokens"], 0, "the second request hit the prefix cache")
+        for rec in records:
+            self.assertEqual(rec["cost_micros"], expected_cost(
+                rec["model"], rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]), rec)
+
+    def test_a_client_that_leaves_pays_for_what_was_generated(self):
+        before = balance()
+        stream = client().chat.completions.create(
+            model=MODEL, messages=HELLO, temperature=0, max_tokens=200, stream=True)
+        chunks = 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                chunks += 1
+            if chunks == 3:
+                break
+        stream.close()
+        # Settlement runs when the server notices the client is gone: wait for its record
+        # (each look is a run of the operator command).
+        deadline = time.monotonic() + 60
+        records = []
+        while not records and time.monotonic() < deadline:
+            records = [r for r in usage_records() if r["finish_reason"] == "abandoned"]
+        self.assertTrue(records, "the abandoned request was settled")
+        rec = records[0]
+        self.assertGreaterEqual(rec["completion_tokens"], 3)
+        self.assertLess(rec["completion_tokens"], 200)
+        self.assertGreater(rec["prompt_tokens"], 0)
+        self.assertEqual(rec["cost_micros"], expected_cost(MODEL, rec["prompt_tokens"], rec["cached_tokens"],
+                                                           rec["completion_tokens"]))
+        self.assertEqual(before - balance(), rec["cost_micros"])
+        self.assertEqual(cli("credits", "show", "--org", "default")["held_micros"], 0)
+
+    def test_too_little_credit_is_refused_before_generation(self):
+        org = cli("orgs", "create", "thrifty")["id"]
+        key = cli("keys", "create", "--org", org, "--name", "k")["secret"]
+        cli("credits", "grant", "--org", org, "--usd", "0.0001")
+        with self.assertRaises(openai.RateLimitError) as e:
+            client(key).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1000)
+        self.assertEqual(e.exception.code, "insufficient_quota")
+        self.assertEqual(e.exception.response.headers.get("x-should-retry"), "false")
+        self.assertEqual(balance(org), 100, "nothing was taken")
+        self.assertEqual(usage_records(org), [])
+        # A request its credit covers runs.
+        r = client(key).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        self.assertEqual(len(usage_records(org)), 1)
+        self.assertEqual(balance(org), 100 - usage_records(org)[0]["cost_micros"])
+        self.assertTrue(r.choices)
 
 
 class Models(unittest.TestCase):

@@ -95,6 +95,11 @@ macro_rules! key_columns {
 }
 
 impl Store {
+    /// The credit ledger in the same database.
+    pub fn ledger(&self) -> crate::billing::Ledger {
+        crate::billing::Ledger::new(self.pool.clone())
+    }
+
     /// Connects (creating a SQLite file if missing) and applies pending migrations.
     pub async fn open(url: &str) -> Result<Self, StoreError> {
         sqlx::any::install_default_drivers();

@@ -7,6 +7,7 @@ use super::format::{self, Shape};
 use super::generate::{self, Generation, Output};
 use super::sse::{self, Gone, Sender};
 use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
+use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading, Split};
 use crate::chat::tools::ToolChoice;
@@ -32,20 +33,31 @@ struct ChatRequest {
 
 pub async fn handle(
     State(app): State<App>,
-    _key: Authed,
+    Authed(key): Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, None)?;
     let request = parse(&body, &model)?;
-    let out = generate::start(&model.replica, request.generation.clone()).await?;
+    let g = &request.generation;
+    let ask = Ask {
+        endpoint: "chat.completions",
+        prompts: &[g.prompt.len()],
+        max_completion_each: g.max_tokens as u64 * g.n as u64,
+    };
+    let meter = app.billing.admit(&key, &model, ask).await?;
+    let out = generate::start(&model.replica, g.clone(), &meter, 0).await?;
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
     if request.stream {
         return Ok(sse::respond(move |tx| async move {
-            // Gone: the client left, and dropping `out` aborts the generation.
-            let _: Result<(), Gone> = stream(tx, out, meta, &request).await;
+            // Gone: the client left; dropping `out` aborts the generation, and dropping
+            // the meter settles what it used.
+            let _: Result<(), Gone> = stream(tx, out, meta, &request, meter).await;
         }));
     }
     let (choices, usage) = generate::gather(out, request.generation.n, request.reading).await?;
+    let first = choices.first().map(|c| finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool));
+    meter.finish(first.unwrap_or("stop"), usage.reasoning_tokens);
+    meter.settle().await;
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -200,7 +212,7 @@ fn append(delta: &mut serde_json::Map<String, Value>, field: &str, text: &str) {
     }
 }
 
-async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) -> Result<(), Gone> {
+async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, meter: Meter) -> Result<(), Gone> {
     let usage_key = request.include_usage;
     let role_logprobs = if request.logprobs { json!({"content": [], "refusal": null}) } else { Value::Null };
     for index in 0..request.generation.n {
@@ -211,6 +223,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
     let n = request.generation.n as usize;
     let mut parsers = vec![request.reading.parser(); n];
     let mut calls = vec![0usize; n];
+    let mut last_reason = "stop";
     let mut usage = generate::Usage::default();
     loop {
         let r = match tx.unless_gone(out.next()).await? {
@@ -262,11 +275,15 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest) 
         }
         if let Some(reason) = finish {
             let reason = finish_reason(reason, *called, request.named_tool);
+            last_reason = reason;
             let choice = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}]);
             tx.data(&meta.chunk(choice, usage_key)).await?;
         }
     }
     usage.reasoning_tokens = parsers.iter().map(|p| p.reasoning_tokens()).sum();
+    // The bill is final before the client hears the end.
+    meter.finish(last_reason, usage.reasoning_tokens);
+    meter.settle().await;
     if request.include_usage {
         let mut last = meta.chunk(json!([]), true);
         last["usage"] = usage_json(&usage);

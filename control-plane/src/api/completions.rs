@@ -6,6 +6,7 @@ use super::fields::Fields;
 use super::generate::{self, Generation, Usage};
 use super::sse::{self, Gone, Sender};
 use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
+use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::Reading;
 use crate::router::ServedModel;
@@ -37,7 +38,7 @@ struct CompletionRequest {
 
 pub async fn handle(
     State(app): State<App>,
-    _key: Authed,
+    Authed(key): Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, None)?;
@@ -45,16 +46,21 @@ pub async fn handle(
     let id = new_id("cmpl-");
     let created = unix_now();
     let n = request.template.n;
+    let lengths: Vec<usize> = request.prompts.iter().map(|p| p.tokens.len()).collect();
+    let t = &request.template;
+    let ask = Ask { endpoint: "completions", prompts: &lengths, max_completion_each: t.max_tokens as u64 * n as u64 };
+    let meter = app.billing.admit(&key, &model, ask).await?;
     // One generation per prompt, all at once; choice index = prompt × n + completion.
     let mut outputs = Vec::new();
-    for p in &request.prompts {
+    for (slot, p) in request.prompts.iter().enumerate() {
         let g = Generation { prompt: p.tokens.clone(), ..request.template.clone() };
-        outputs.push(if g.max_tokens == 0 { None } else { Some(generate::start(&model.replica, g).await?) });
+        let out = if g.max_tokens == 0 { None } else { Some(generate::start(&model.replica, g, &meter, slot).await?) };
+        outputs.push(out);
     }
     let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});
     if request.stream {
         return Ok(sse::respond(move |tx| async move {
-            let _: Result<(), Gone> = stream(tx, outputs, base, model, request).await;
+            let _: Result<(), Gone> = stream(tx, outputs, base, model, request, meter).await;
         }));
     }
     let mut choices = Vec::new();
@@ -88,6 +94,8 @@ pub async fn handle(
     let mut reply = base;
     reply["choices"] = json!(choices);
     reply["usage"] = usage_json(&usage);
+    meter.finish(choices.first().and_then(|c| c["finish_reason"].as_str()).unwrap_or("stop"), 0);
+    meter.settle().await;
     Ok(Json(reply).into_response())
 }
 
@@ -186,6 +194,7 @@ async fn stream(
     base: Value,
     model: Arc<ServedModel>,
     request: Arc<CompletionRequest>,
+    meter: Meter,
 ) -> Result<(), Gone> {
     let n = request.template.n as usize;
     let chunk = |index: usize, text: &str, logprobs: Value, finish: Option<&str>| {
@@ -227,6 +236,7 @@ async fn stream(
     }
     let mut merged = futures_util::stream::select_all(streams);
     let mut cached = vec![0u32; request.prompts.len()];
+    let mut last_finish = "stop";
     while let Some((p, r)) = tx.unless_gone(merged.next()).await? {
         let r = match r {
             Ok(r) => r,
@@ -243,6 +253,7 @@ async fn stream(
             return tx.done().await;
         };
         let finish = generate::finish_reason(r.finish_reason);
+        last_finish = finish.unwrap_or(last_finish);
         if !r.text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !r.tokens.is_empty()) {
             let lp = match request.logprobs {
                 Some(_) => logprobs::legacy(&model.replica, &r.tokens, offset),
@@ -251,6 +262,8 @@ async fn stream(
             tx.data(&chunk(index, &r.text, lp, finish)).await?;
         }
     }
+    meter.finish(last_finish, 0);
+    meter.settle().await;
     if request.include_usage {
         usage.cached_tokens = cached.iter().sum();
         let mut last = base.clone();

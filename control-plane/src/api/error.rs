@@ -59,6 +59,10 @@ pub enum ApiError {
     },
     /// No replica can take the request now.
     Overloaded,
+    /// The organization's credit does not cover the request; retrying will not help.
+    InsufficientQuota {
+        message: String,
+    },
     /// Our fault: logged with detail, answered without it.
     Internal(String),
 }
@@ -81,6 +85,7 @@ impl ApiError {
             }
             Self::BadBody { status, .. } => *status,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::InsufficientQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             _ => StatusCode::BAD_REQUEST,
         }
@@ -169,6 +174,9 @@ impl ApiError {
                 None,
                 format!("The {what} API is not supported by this service."),
             ),
+            Self::InsufficientQuota { message } => {
+                ("insufficient_quota", Some("insufficient_quota"), None, message.clone())
+            }
             Self::Overloaded => (
                 "service_unavailable_error",
                 Some("server_is_overloaded"),
@@ -196,6 +204,10 @@ impl IntoResponse for ApiError {
             tracing::error!("internal error: {detail}");
         }
         let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, Self::InsufficientQuota { .. }) {
+            // A 429 the SDKs would otherwise retry (API-WIRE.md).
+            response.headers_mut().insert("x-should-retry", axum::http::HeaderValue::from_static("false"));
+        }
         if matches!(self, Self::Overloaded) {
             response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
         }

@@ -3,6 +3,7 @@
 //! aborts the worker's sequences: a client that goes away frees its KV blocks.
 
 use super::error::ApiError;
+use crate::billing::Meter;
 use crate::chat::output::{Reading, Split};
 use crate::router::Replica;
 use tessera_proto::GRAMMAR_REFUSED;
@@ -23,9 +24,13 @@ pub struct Generation {
 
 pub struct Output {
     stream: Streaming<pb::GenerateResponse>,
+    /// The request's bill, and which of its prompts this is.
+    meter: Meter,
+    slot: usize,
 }
 
-pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError> {
+/// Starts prompt `slot` of a metered request.
+pub async fn start(replica: &Replica, g: Generation, meter: &Meter, slot: usize) -> Result<Output, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
         // Random, so control planes sharing a worker never collide.
@@ -41,13 +46,17 @@ pub async fn start(replica: &Replica, g: Generation) -> Result<Output, ApiError>
     };
     let stream =
         replica.client.clone().generate(request).await.map_err(|s| worker_error(s, grammar_param))?.into_inner();
-    Ok(Output { stream })
+    meter.started(slot);
+    Ok(Output { stream, meter: meter.clone(), slot })
 }
 
 impl Output {
     /// The next delta, or None when every completion has finished.
     pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
         let r = self.stream.message().await.map_err(|s| worker_error(s, ""))?;
+        if let Some(r) = &r {
+            self.meter.record(self.slot, r.cached_prompt_tokens, r.tokens.len());
+        }
         if let Some(r) = &r
             && r.finish_reason == pb::FinishReason::Abort as i32
         {

@@ -38,6 +38,7 @@ const MAX_BODY_BYTES: usize = 64 << 20;
 pub struct AppState {
     pub store: Store,
     pub models: Models,
+    pub billing: crate::billing::Billing,
 }
 
 pub type App = Arc<AppState>;

@@ -7,6 +7,7 @@ use super::format::{self, Shape};
 use super::generate::{self, Generation, Output, Usage};
 use super::sse::{self, Gone, Sender};
 use super::{App, new_id, params, read_request, unix_now};
+use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading};
 use crate::chat::tools::{ToolChoice, Tools};
@@ -30,20 +31,25 @@ struct ResponsesRequest {
 
 pub async fn handle(
     State(app): State<App>,
-    _key: Authed,
+    Authed(key): Authed,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, Some("model"))?;
     let request = parse(&body, &model)?;
-    let out = generate::start(&model.replica, request.generation.clone()).await?;
+    let g = &request.generation;
+    let ask = Ask { endpoint: "responses", prompts: &[g.prompt.len()], max_completion_each: g.max_tokens as u64 };
+    let meter = app.billing.admit(&key, &model, ask).await?;
+    let out = generate::start(&model.replica, g.clone(), &meter, 0).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     if meta.request.stream {
         return Ok(sse::respond(move |tx| async move {
-            let _: Result<(), Gone> = stream(tx, out, meta).await;
+            let _: Result<(), Gone> = stream(tx, out, meta, meter).await;
         }));
     }
     let (choices, usage) = generate::gather(out, 1, meta.request.reading).await?;
     let c = choices.into_iter().next().unwrap_or_default();
+    meter.finish(c.finish_reason, usage.reasoning_tokens);
+    meter.settle().await;
     let status = if c.finish_reason == "length" { "incomplete" } else { "completed" };
     let split = &c.split;
     let mut output = Vec::new();
@@ -455,7 +461,7 @@ fn item_id(open: &Open) -> &str {
 /// Named events, each with its sequence number, in the order the SDK's stream helper
 /// requires; no `[DONE]`. Items open as the output's kind changes: reasoning, message
 /// text, calls.
-async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
+async fn stream(tx: Sender, mut out: Output, meta: Meta, meter: Meter) -> Result<(), Gone> {
     let mut ev = Events { tx, seq: 0, output: Vec::new(), open: Open::Nothing };
     ev.send("response.created", json!({"response": meta.object(vec![], None, None)})).await?;
     ev.send("response.in_progress", json!({"response": meta.object(vec![], None, None)})).await?;
@@ -491,6 +497,8 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta) -> Result<(), Gone> {
         }
     }
     usage.reasoning_tokens = parser.reasoning_tokens();
+    meter.finish(finish, usage.reasoning_tokens);
+    meter.settle().await;
     let status = if finish == "length" { "incomplete" } else { "completed" };
     if ev.output.is_empty() && matches!(ev.open, Open::Nothing) {
         // An answer with nothing else has a message, even an empty one.

@@ -1,0 +1,359 @@
+//! The credit ledger in SQL (SQLite or PostgreSQL through sqlx `Any`): grants, a hold
+//! per request taken only if the balance covers it, and its settlement — exactly once,
+//! whoever asks and however often — into a charge, a release and a usage record.
+//!
+//! Admission is one conditional `UPDATE … WHERE balance >= amount`: PostgreSQL locks the
+//! row and re-checks the condition for each concurrent writer, SQLite serialises the
+//! writers, so no number of control planes can overdraw an organization.
+
+use crate::accounts::keys;
+use serde::Serialize;
+use sqlx::{Any, AnyPool, Row, Transaction};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A request's claim on credit, taken before it runs.
+#[derive(Debug, Clone)]
+pub struct NewHold {
+    pub request_id: String,
+    pub org_id: String,
+    pub amount: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Held,
+    /// The balance does not cover the hold; nothing was taken.
+    Insufficient {
+        balance: i64,
+    },
+}
+
+/// What a finished request used and cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UsageRecord {
+    pub request_id: String,
+    pub org_id: String,
+    pub key_id: String,
+    pub model: String,
+    pub endpoint: String,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub reasoning_tokens: u64,
+    pub cost_micros: u64,
+    pub funding: String,
+    pub multiplier_bp: u64,
+    pub finish_reason: String,
+    pub created_at: i64,
+}
+
+#[derive(Clone)]
+pub struct Ledger {
+    pool: AnyPool,
+}
+
+fn org_account(org: &str) -> String {
+    format!("org:{org}")
+}
+
+fn holds_account(org: &str) -> String {
+    format!("holds:{org}")
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
+fn amount(v: u64) -> Result<i64, LedgerError> {
+    i64::try_from(v).map_err(|_| LedgerError::Invalid(format!("{v} micro-dollars is out of range")))
+}
+
+impl Ledger {
+    pub fn new(pool: AnyPool) -> Self {
+        Self { pool }
+    }
+
+    /// Credit for an organization from outside the ledger (a grant or a purchase).
+    pub async fn grant(&self, org_id: &str, micros: u64, memo: &str) -> Result<(), LedgerError> {
+        if micros == 0 {
+            return Err(LedgerError::Invalid("a grant must be positive".into()));
+        }
+        let mut tx = self.pool.begin().await?;
+        open_account(&mut tx, &org_account(org_id)).await?;
+        transfer(&mut tx, "grants", &org_account(org_id), amount(micros)?, "grant", None, memo).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// An organization's spendable credit (holds of requests in flight excluded).
+    pub async fn balance(&self, org_id: &str) -> Result<i64, LedgerError> {
+        account_balance(&self.pool, &org_account(org_id)).await
+    }
+
+    /// Credit held by an organization's requests in flight.
+    pub async fn held(&self, org_id: &str) -> Result<i64, LedgerError> {
+        account_balance(&self.pool, &holds_account(org_id)).await
+    }
+
+    /// Takes the hold if the balance covers it, atomically.
+    pub async fn hold(&self, h: &NewHold) -> Result<Admission, LedgerError> {
+        let micros = amount(h.amount)?;
+        let mut tx = self.pool.begin().await?;
+        // A write first, so that SQLite takes its write lock before reading anything.
+        open_account(&mut tx, &holds_account(&h.org_id)).await?;
+        let taken = sqlx::query("UPDATE ledger_accounts SET balance = balance - $1 WHERE id = $2 AND balance >= $1")
+            .bind(micros)
+            .bind(org_account(&h.org_id))
+            .execute(&mut *tx)
+            .await?;
+        if taken.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(Admission::Insufficient { balance: self.balance(&h.org_id).await? });
+        }
+        sqlx::query("UPDATE ledger_accounts SET balance = balance + $1 WHERE id = $2")
+            .bind(micros)
+            .bind(holds_account(&h.org_id))
+            .execute(&mut *tx)
+            .await?;
+        if micros > 0 {
+            record(
+                &mut tx,
+                &org_account(&h.org_id),
+                &holds_account(&h.org_id),
+                micros,
+                "hold",
+                Some(&h.request_id),
+                "",
+            )
+            .await?;
+        }
+        sqlx::query("INSERT INTO holds (request_id, org_id, amount, created_at) VALUES ($1, $2, $3, $4)")
+            .bind(&h.request_id)
+            .bind(&h.org_id)
+            .bind(micros)
+            .bind(now())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Admission::Held)
+    }
+
+    /// Settles a hold to `usage.cost_micros` (at most the hold): the cost is charged, the
+    /// rest released, the usage recorded. True if this call settled it; a hold already
+    /// settled is left as it is.
+    pub async fn settle(&self, usage: &UsageRecord) -> Result<bool, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let claimed = sqlx::query("UPDATE holds SET settled_at = $1 WHERE request_id = $2 AND settled_at IS NULL")
+            .bind(now())
+            .bind(&usage.request_id)
+            .execute(&mut *tx)
+            .await?;
+        if claimed.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        let row = sqlx::query("SELECT org_id, amount FROM holds WHERE request_id = $1")
+            .bind(&usage.request_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        let org: String = row.try_get("org_id")?;
+        let held: i64 = row.try_get("amount")?;
+        let cost = amount(usage.cost_micros)?.min(held);
+        let holds = holds_account(&org);
+        transfer(&mut tx, &holds, "revenue", cost, "charge", Some(&usage.request_id), "").await?;
+        transfer(&mut tx, &holds, &org_account(&org), held - cost, "release", Some(&usage.request_id), "").await?;
+        let u = UsageRecord { cost_micros: cost as u64, org_id: org, ..usage.clone() };
+        sqlx::query(
+            "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
+             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+        )
+        .bind(&u.request_id)
+        .bind(&u.org_id)
+        .bind(&u.key_id)
+        .bind(&u.model)
+        .bind(&u.endpoint)
+        .bind(u.prompt_tokens as i64)
+        .bind(u.cached_tokens as i64)
+        .bind(u.completion_tokens as i64)
+        .bind(u.reasoning_tokens as i64)
+        .bind(u.cost_micros as i64)
+        .bind(&u.funding)
+        .bind(u.multiplier_bp as i64)
+        .bind(&u.finish_reason)
+        .bind(now())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// An organization's usage records, newest first.
+    pub async fn usage(&self, org_id: &str, limit: u32) -> Result<Vec<UsageRecord>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
+             reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at \
+             FROM usage_records WHERE org_id = $1 ORDER BY created_at DESC, request_id LIMIT $2",
+        )
+        .bind(org_id)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(usage_from_row).collect()
+    }
+
+    /// Holds older than `age_secs` that were never settled (their control plane died
+    /// mid-request), settled as unused: their credit returns to the organization.
+    pub async fn release_stale(&self, age_secs: i64) -> Result<u32, LedgerError> {
+        let rows = sqlx::query("SELECT request_id, org_id FROM holds WHERE settled_at IS NULL AND created_at < $1")
+            .bind(now() - age_secs)
+            .fetch_all(&self.pool)
+            .await?;
+        let mut released = 0;
+        for r in rows {
+            let usage = UsageRecord {
+                request_id: r.try_get("request_id")?,
+                org_id: r.try_get("org_id")?,
+                key_id: String::new(),
+                model: String::new(),
+                endpoint: String::new(),
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                completion_tokens: 0,
+                reasoning_tokens: 0,
+                cost_micros: 0,
+                funding: "credits".into(),
+                multiplier_bp: 10_000,
+                finish_reason: "abandoned".into(),
+                created_at: 0,
+            };
+            released += self.settle(&usage).await? as u32;
+        }
+        Ok(released)
+    }
+
+    /// Checks the ledger's invariants: every account's balance is the sum of its
+    /// transfers, and all balances sum to zero. Returns the number of accounts.
+    pub async fn audit(&self) -> Result<usize, LedgerError> {
+        let accounts = sqlx::query("SELECT id, balance FROM ledger_accounts").fetch_all(&self.pool).await?;
+        let mut total: i64 = 0;
+        for a in &accounts {
+            let id: String = a.try_get("id")?;
+            let balance: i64 = a.try_get("balance")?;
+            let flows = sqlx::query(
+                // PostgreSQL sums BIGINTs as NUMERIC: cast back for the Any driver.
+                "SELECT CAST(COALESCE(SUM(CASE WHEN to_account = $1 THEN amount ELSE 0 END), 0) - \
+                 COALESCE(SUM(CASE WHEN from_account = $1 THEN amount ELSE 0 END), 0) AS BIGINT) AS net \
+                 FROM ledger_transfers WHERE to_account = $1 OR from_account = $1",
+            )
+            .bind(&id)
+            .fetch_one(&self.pool)
+            .await?;
+            let net: i64 = flows.try_get("net")?;
+            if net != balance {
+                return Err(LedgerError::Invalid(format!(
+                    "account {id}: balance {balance} but transfers sum to {net}"
+                )));
+            }
+            total += balance;
+        }
+        if total != 0 {
+            return Err(LedgerError::Invalid(format!("the balances sum to {total}, not zero")));
+        }
+        Ok(accounts.len())
+    }
+}
+
+async fn account_balance(pool: &AnyPool, id: &str) -> Result<i64, LedgerError> {
+    let row = sqlx::query("SELECT balance FROM ledger_accounts WHERE id = $1").bind(id).fetch_optional(pool).await?;
+    Ok(match row {
+        Some(r) => r.try_get("balance")?,
+        None => 0,
+    })
+}
+
+async fn open_account(tx: &mut Transaction<'_, Any>, id: &str) -> Result<(), LedgerError> {
+    sqlx::query("INSERT INTO ledger_accounts (id, balance) VALUES ($1, 0) ON CONFLICT (id) DO NOTHING")
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Moves `micros` between two accounts and records it (nothing for zero).
+async fn transfer(
+    tx: &mut Transaction<'_, Any>,
+    from: &str,
+    to: &str,
+    micros: i64,
+    kind: &str,
+    request_id: Option<&str>,
+    memo: &str,
+) -> Result<(), LedgerError> {
+    if micros == 0 {
+        return Ok(());
+    }
+    for (account, delta) in [(from, -micros), (to, micros)] {
+        sqlx::query("UPDATE ledger_accounts SET balance = balance + $1 WHERE id = $2")
+            .bind(delta)
+            .bind(account)
+            .execute(&mut **tx)
+            .await?;
+    }
+    record(tx, from, to, micros, kind, request_id, memo).await
+}
+
+/// The transfer's row (the balances are moved by the caller).
+async fn record(
+    tx: &mut Transaction<'_, Any>,
+    from: &str,
+    to: &str,
+    micros: i64,
+    kind: &str,
+    request_id: Option<&str>,
+    memo: &str,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO ledger_transfers (id, from_account, to_account, amount, kind, request_id, memo, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(keys::random_id("tr_"))
+    .bind(from)
+    .bind(to)
+    .bind(micros)
+    .bind(kind)
+    .bind(request_id)
+    .bind(memo)
+    .bind(now())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn usage_from_row(r: &sqlx::any::AnyRow) -> Result<UsageRecord, LedgerError> {
+    let n = |c: &str| -> Result<u64, LedgerError> { Ok(r.try_get::<i64, _>(c)?.max(0) as u64) };
+    Ok(UsageRecord {
+        request_id: r.try_get("request_id")?,
+        org_id: r.try_get("org_id")?,
+        key_id: r.try_get("key_id")?,
+        model: r.try_get("model")?,
+        endpoint: r.try_get("endpoint")?,
+        prompt_tokens: n("prompt_tokens")?,
+        cached_tokens: n("cached_tokens")?,
+        completion_tokens: n("completion_tokens")?,
+        reasoning_tokens: n("reasoning_tokens")?,
+        cost_micros: n("cost_micros")?,
+        funding: r.try_get("funding")?,
+        multiplier_bp: n("multiplier_bp")?,
+        finish_reason: r.try_get("finish_reason")?,
+        created_at: r.try_get("created_at")?,
+    })
+}
