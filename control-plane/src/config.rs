@@ -72,6 +72,12 @@ pub struct ServeConfig {
     /// Seconds in-flight requests get to finish after SIGINT or SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Requests per minute per organization, unless the organization has its own limit.
+    #[arg(long, env = "TESSERA_RATE_LIMIT_RPM", default_value_t = 200)]
+    pub rate_limit_rpm: u32,
+    /// Requests an organization may send at once after a quiet spell.
+    #[arg(long, env = "TESSERA_RATE_LIMIT_BURST", default_value_t = 20)]
+    pub rate_limit_burst: u32,
     /// Credit granted to the bootstrap organization on first start, in US dollars.
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,
@@ -82,6 +88,20 @@ pub enum OrgsCommand {
     /// Creates an organization and prints its id.
     Create {
         name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sets an organization's requests per minute (every control plane, next request).
+    SetRateLimit {
+        /// Organization id or name.
+        org: String,
+        #[arg(long, required_unless_present = "default", conflicts_with = "default")]
+        rpm: Option<u32>,
+        /// Back to the server's default.
+        #[arg(long)]
+        default: bool,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

@@ -7,6 +7,7 @@ pub mod billing;
 pub mod catalog;
 pub mod chat;
 pub mod config;
+pub mod limits;
 pub mod ops;
 pub mod router;
 pub mod serve;

@@ -26,6 +26,17 @@ pub async fn orgs(cmd: OrgsCommand) -> Result<()> {
             let org = open(&store).await?.create_org(&name).await?;
             print(json, json!(org), format!("created organization {} ({})", org.id, org.name));
         }
+        OrgsCommand::SetRateLimit { org, rpm, default: _, store, json } => {
+            anyhow::ensure!(rpm != Some(0), "--rpm must be at least 1");
+            let store = open(&store).await?;
+            let org = store.find_org(&org).await?;
+            store.rate_limiter(Default::default()).set_org_rpm(&org.id, rpm).await?;
+            let human = match rpm {
+                Some(r) => format!("{}: {r} requests per minute", org.id),
+                None => format!("{}: the server's default rate limit", org.id),
+            };
+            print(json, json!({"org_id": org.id, "rate_limit_rpm": rpm}), human);
+        }
     }
     Ok(())
 }

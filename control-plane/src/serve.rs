@@ -6,6 +6,7 @@ use crate::api::{self, AppState};
 use crate::billing::Billing;
 use crate::catalog::Catalog;
 use crate::config::ServeConfig;
+use crate::limits::RateConfig;
 use crate::router::{Models, Replica};
 use crate::workers;
 use anyhow::{Context, Result};
@@ -34,7 +35,8 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     }
     let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
     let billing = Billing::new(store.ledger());
-    let app = Arc::new(AppState { store, models, billing });
+    let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
+    let app = Arc::new(AppState { store, models, billing, limits });
 
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;

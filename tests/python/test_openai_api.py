@@ -5,6 +5,7 @@ TESSERA_BIN and TESSERA_DATA_DIR. Every client validates responses strictly agai
 the SDK's types.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -615,6 +616,35 @@ class Billing(unittest.TestCase):
         self.assertEqual(len(usage_records(org)), 1)
         self.assertEqual(balance(org), 100 - usage_records(org)[0]["cost_micros"])
         self.assertTrue(r.choices)
+
+
+class RateLimits(unittest.TestCase):
+    def test_an_organization_over_its_limit_gets_429s_it_can_retry_after(self):
+        org = cli("orgs", "create", "hasty")["id"]
+        key = cli("keys", "create", "--org", org, "--name", "k")["secret"]
+        cli("orgs", "set-rate-limit", org, "--rpm", "600")
+        ok = client(key).models.with_raw_response.list()
+        self.assertEqual(ok.headers["x-ratelimit-limit-requests"], "600")
+        self.assertIn("x-ratelimit-remaining-requests", ok.headers)
+
+        def call(_):
+            with client(key) as c:
+                try:
+                    c.models.list()
+                    return None
+                except openai.RateLimitError as e:
+                    return e
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            refusals = [e for e in pool.map(call, range(60)) if e is not None]
+        self.assertTrue(refusals, "60 requests at once exceed a burst of 20 at 10 a second")
+        for e in refusals:
+            self.assertEqual(e.code, "rate_limit_exceeded")
+            self.assertEqual(e.type, "requests")
+            self.assertGreaterEqual(int(e.response.headers["retry-after"]), 1)
+        wait_ms = max(int(e.response.headers["retry-after-ms"]) for e in refusals)
+        # The advertised wait is the contract under test: after it, the retry passes.
+        time.sleep(wait_ms / 1000)
+        client(key).models.list()
 
 
 class Models(unittest.TestCase):

@@ -100,6 +100,11 @@ impl Store {
         crate::billing::Ledger::new(self.pool.clone())
     }
 
+    /// Request rate limits kept in the same database.
+    pub fn rate_limiter(&self, config: crate::limits::RateConfig) -> crate::limits::RateLimiter {
+        crate::limits::RateLimiter::new(self.pool.clone(), config)
+    }
+
     /// Connects (creating a SQLite file if missing) and applies pending migrations.
     pub async fn open(url: &str) -> Result<Self, StoreError> {
         sqlx::any::install_default_drivers();

@@ -1,12 +1,16 @@
 //! The bearer key: checked on every request against the store, so a revoked key is
-//! refused from the very next request.
+//! refused from the very next request; then its organization's request rate.
 
 use super::error::ApiError;
 use super::{App, AppState};
 use crate::accounts::{ApiKey, keys};
-use axum::extract::FromRequestParts;
+use crate::limits::{Decision, go_duration};
+use axum::extract::{FromRequestParts, Request};
 use axum::http::request::Parts;
-use std::sync::Arc;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::middleware::Next;
+use axum::response::Response;
+use std::sync::{Arc, Mutex};
 
 /// The authenticated key of a request.
 pub struct Authed(pub ApiKey);
@@ -25,7 +29,48 @@ impl FromRequestParts<App> for Authed {
                 _ => return Err(ApiError::MissingKey),
             },
         };
-        authenticate(app, secret).await.map(Authed)
+        let key = authenticate(app, secret).await?;
+        let decision =
+            app.limits.check(&key.org_id).await.map_err(|e| ApiError::Internal(format!("rate limit: {e}")))?;
+        if !decision.allowed {
+            return Err(ApiError::RateLimited { org: key.org_id.clone(), decision });
+        }
+        if let Some(RateSlot(slot)) = parts.extensions.get::<RateSlot>() {
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(decision);
+        }
+        Ok(Authed(key))
+    }
+}
+
+/// Where the extractor leaves its decision for the response's headers.
+#[derive(Clone, Default)]
+struct RateSlot(Arc<Mutex<Option<Decision>>>);
+
+/// Adds the x-ratelimit-* headers to every response whose request was rate-checked.
+pub async fn rate_limit_headers(mut request: Request, next: Next) -> Response {
+    let slot = RateSlot::default();
+    request.extensions_mut().insert(slot.clone());
+    let mut response = next.run(request).await;
+    if let Some(d) = *slot.0.lock().unwrap_or_else(|e| e.into_inner()) {
+        set_rate_headers(response.headers_mut(), &d);
+    }
+    response
+}
+
+/// OpenAI's rate-limit headers, and on a refusal when to retry (`retry-after-ms` wins
+/// over `Retry-After` in the SDKs).
+pub fn set_rate_headers(h: &mut HeaderMap, d: &Decision) {
+    let mut set = |name: &'static str, value: String| {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            h.insert(name, v);
+        }
+    };
+    set("x-ratelimit-limit-requests", d.limit.to_string());
+    set("x-ratelimit-remaining-requests", d.remaining.to_string());
+    set("x-ratelimit-reset-requests", go_duration(d.reset_us));
+    if !d.allowed {
+        set("retry-after", d.retry_after_us.div_ceil(1_000_000).to_string());
+        set("retry-after-ms", d.retry_after_us.div_ceil(1_000).to_string());
     }
 }
 

@@ -59,6 +59,11 @@ pub enum ApiError {
     },
     /// No replica can take the request now.
     Overloaded,
+    /// The organization's requests per minute are spent for now.
+    RateLimited {
+        org: String,
+        decision: crate::limits::Decision,
+    },
     /// The organization's credit does not cover the request; retrying will not help.
     InsufficientQuota {
         message: String,
@@ -85,7 +90,7 @@ impl ApiError {
             }
             Self::BadBody { status, .. } => *status,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
-            Self::InsufficientQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::InsufficientQuota { .. } | Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             _ => StatusCode::BAD_REQUEST,
         }
@@ -174,6 +179,18 @@ impl ApiError {
                 None,
                 format!("The {what} API is not supported by this service."),
             ),
+            // OpenAI names the limit in `type`.
+            Self::RateLimited { org, decision } => (
+                "requests",
+                Some("rate_limit_exceeded"),
+                None,
+                format!(
+                    "Rate limit reached for requests in organization {org} on requests per min (RPM): Limit {}. \
+                     Please try again in {}.",
+                    decision.limit,
+                    crate::limits::go_duration(decision.retry_after_us)
+                ),
+            ),
             Self::InsufficientQuota { message } => {
                 ("insufficient_quota", Some("insufficient_quota"), None, message.clone())
             }
@@ -204,6 +221,9 @@ impl IntoResponse for ApiError {
             tracing::error!("internal error: {detail}");
         }
         let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if let Self::RateLimited { decision, .. } = &self {
+            super::auth::set_rate_headers(response.headers_mut(), decision);
+        }
         if matches!(self, Self::InsufficientQuota { .. }) {
             // A 429 the SDKs would otherwise retry (API-WIRE.md).
             response.headers_mut().insert("x-should-retry", axum::http::HeaderValue::from_static("false"));

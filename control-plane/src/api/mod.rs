@@ -39,6 +39,7 @@ pub struct AppState {
     pub store: Store,
     pub models: Models,
     pub billing: crate::billing::Billing,
+    pub limits: crate::limits::RateLimiter,
 }
 
 pub type App = Arc<AppState>;
@@ -53,6 +54,7 @@ pub fn router(app: App) -> Router {
         .fallback(unknown)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
+        .layer(middleware::from_fn(auth::rate_limit_headers))
         .layer(middleware::from_fn(request_id))
 }
 

@@ -1,0 +1,64 @@
+//! Request rate limits on both databases, with an injected clock: one limit however many
+//! control planes share the database, the burst and the steady rate as configured, and a
+//! retry after the advertised wait succeeds.
+
+#[path = "support/postgres.rs"]
+mod postgres;
+
+use tessera_control_plane::accounts::Store;
+use tessera_control_plane::limits::RateConfig;
+
+const CONFIG: RateConfig = RateConfig { default_rpm: 200, burst: 20 };
+const T0: i64 = 1_800_000_000_000_000;
+
+async fn one_limit_across_processes(a: Store, b: Store) {
+    let org = a.create_org("busy").await.unwrap();
+    let (la, lb) = (a.rate_limiter(CONFIG), b.rate_limiter(CONFIG));
+    // 1,000 requests over one minute, alternating between the two control planes.
+    let mut allowed = 0;
+    for i in 0..1000i64 {
+        let limiter = if i % 2 == 0 { &la } else { &lb };
+        let d = limiter.check_at(&org.id, T0 + i * 60_000).await.unwrap();
+        if d.allowed {
+            allowed += 1;
+        } else {
+            assert!(d.retry_after_us > 0 && d.retry_after_us <= 300_000, "{d:?}");
+        }
+        assert_eq!(d.limit, 200);
+    }
+    assert!((200..=200 + 20).contains(&allowed), "{allowed} admitted in a minute");
+
+    // A burst from quiet: exactly `burst` at once, then a refusal whose wait is enough.
+    let org = a.create_org("bursty").await.unwrap();
+    let t = T0 + 3_600_000_000;
+    for i in 0..20 {
+        let d = la.check_at(&org.id, t).await.unwrap();
+        assert!(d.allowed, "request {i} of the burst");
+        assert_eq!(d.remaining, 19 - i);
+    }
+    let refused = lb.check_at(&org.id, t).await.unwrap();
+    assert!(!refused.allowed);
+    assert_eq!(refused.retry_after_us, 300_000, "one emission interval: 60 s / 200");
+    assert!(!la.check_at(&org.id, t + refused.retry_after_us as i64 - 1).await.unwrap().allowed, "not before");
+    assert!(lb.check_at(&org.id, t + refused.retry_after_us as i64).await.unwrap().allowed, "the retry passes");
+
+    // An organization's own limit, seen by the other process at once.
+    assert!(la.set_org_rpm(&org.id, Some(6)).await.unwrap());
+    let d = lb.check_at(&org.id, t + 3_600_000_000).await.unwrap();
+    assert_eq!((d.allowed, d.limit), (true, 6));
+    assert!(la.set_org_rpm(&org.id, None).await.unwrap());
+    assert_eq!(lb.check_at(&org.id, t + 7_200_000_000).await.unwrap().limit, 200);
+}
+
+#[tokio::test]
+async fn rate_limits_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("t.db").display());
+    one_limit_across_processes(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn rate_limits_on_postgresql() {
+    let server = postgres::Server::start();
+    one_limit_across_processes(Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap()).await;
+}
