@@ -1,5 +1,6 @@
 //! `tessera-bench`: benchmarks that print one JSON line each.
 
+mod billing;
 mod engine;
 mod forward;
 mod gateway;
@@ -22,6 +23,9 @@ struct Cli {
 enum Command {
     /// Prefill and single-sequence decode speed of the forward pass, beside llama.cpp's.
     Forward(forward::Args),
+    /// Admission and settlement cost per request on SQLite and PostgreSQL, and the
+    /// requests one process admits per second with billing on and off.
+    Billing(billing::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
     /// Constrained decoding against free decoding, and the token mask's time per step.
@@ -46,6 +50,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
+        Command::Billing(args) => billing::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),

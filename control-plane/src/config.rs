@@ -118,10 +118,10 @@ pub enum KeysCommand {
         org: String,
         #[arg(long)]
         name: String,
-        #[arg(long, value_enum, default_value_t = BillingMode::Credits)]
+        #[arg(long, visible_alias = "billing", value_enum, default_value_t = BillingMode::Credits)]
         billing_mode: BillingMode,
         /// For subscription keys: draw prepaid credits when the subscription cannot pay.
-        #[arg(long)]
+        #[arg(long, visible_alias = "fallback")]
         fallback_to_credits: bool,
         #[command(flatten)]
         store: StoreArgs,

@@ -62,7 +62,8 @@ impl RateLimiter {
             .await?
             .and_then(|r| r.try_get::<Option<i64>, _>("rate_limit_rpm").ok().flatten())
             .map_or(self.config.default_rpm, |r| r.clamp(1, u32::MAX as i64) as u32);
-        let interval = 60_000_000 / rpm as i64;
+        // At least a microsecond: a limit above 60 million a minute is no limit.
+        let interval = (60_000_000 / rpm as i64).max(1);
         let tolerance = interval * (self.config.burst.max(1) as i64 - 1);
         let mut tx = self.pool.begin().await?;
         sqlx::query("INSERT INTO rate_limit_state (org_id, tat_us) VALUES ($1, $2) ON CONFLICT (org_id) DO NOTHING")

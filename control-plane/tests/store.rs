@@ -74,6 +74,28 @@ async fn the_store_on_postgresql() {
     assert_eq!(again.count_orgs().await.unwrap(), 2);
 }
 
+/// Two stores on one database stand for two control-plane processes: a key revoked
+/// through one is refused by the other on its very next lookup (no cache to go stale).
+async fn revocation_reaches_every_process(a: Store, b: Store) {
+    a.create_org("shared").await.unwrap();
+    let new = NewKey { org_id: "shared", name: "k", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let (key, secret) = a.create_key(new).await.unwrap();
+    assert!(b.authenticate(&secret).await.unwrap().is_some());
+    assert!(a.revoke_key(&key.id).await.unwrap());
+    assert_eq!(b.authenticate(&secret).await.unwrap(), None);
+    assert_eq!(a.authenticate(&secret).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn revocation_across_processes_on_sqlite_and_postgresql() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("t.db").display());
+    revocation_reaches_every_process(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap()).await;
+    let server = postgres::Server::start();
+    revocation_reaches_every_process(Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap())
+        .await;
+}
+
 #[tokio::test]
 async fn unsupported_database_urls_are_refused() {
     assert!(matches!(Store::open("mysql://x").await, Err(StoreError::Url(_))));

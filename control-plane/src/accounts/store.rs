@@ -123,7 +123,28 @@ impl Store {
         } else {
             return Err(StoreError::Url(url.to_string()));
         };
-        let pool = AnyPoolOptions::new().max_connections(connections).connect(&url).await?;
+        let sqlite = url.starts_with("sqlite:");
+        let pool = AnyPoolOptions::new()
+            .max_connections(connections)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if sqlite {
+                        // Write-ahead logging: readers never wait for the writer, and a
+                        // commit is one append rather than a journal rewrite (an
+                        // application crash loses nothing; a power cut may lose the
+                        // last commits whole, never half of one). Writers queue for
+                        // up to 5 s.
+                        for pragma in
+                            ["PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL", "PRAGMA busy_timeout = 5000"]
+                        {
+                            sqlx::query(pragma).execute(&mut *conn).await?;
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await?;
         MIGRATOR.run(&pool).await?;
         Ok(Self { pool })
     }

@@ -168,8 +168,15 @@ impl Ledger {
         let held: i64 = row.try_get("amount")?;
         let cost = amount(usage.cost_micros)?.min(held);
         let holds = holds_account(&org);
-        transfer(&mut tx, &holds, "revenue", cost, "charge", Some(&usage.request_id), "").await?;
-        transfer(&mut tx, &holds, &org_account(&org), held - cost, "release", Some(&usage.request_id), "").await?;
+        let id = Some(usage.request_id.as_str());
+        move_balances(&mut tx, &[(org_account(&org), held - cost), (holds.clone(), -held), ("revenue".into(), cost)])
+            .await?;
+        if cost > 0 {
+            record(&mut tx, &holds, "revenue", cost, "charge", id, "").await?;
+        }
+        if held > cost {
+            record(&mut tx, &holds, &org_account(&org), held - cost, "release", id, "").await?;
+        }
         let u = UsageRecord { cost_micros: cost as u64, org_id: org, ..usage.clone() };
         sqlx::query(
             "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
@@ -288,6 +295,32 @@ async fn open_account(tx: &mut Transaction<'_, Any>, id: &str) -> Result<(), Led
     Ok(())
 }
 
+/// Where an account comes in the order every transaction locks accounts in — grants,
+/// an organization's credit, its holds, revenue — so that concurrent transactions on
+/// PostgreSQL never wait on each other in a cycle.
+fn lock_rank(account: &str) -> u8 {
+    match account {
+        "grants" => 0,
+        a if a.starts_with("org:") => 1,
+        a if a.starts_with("holds:") => 2,
+        _ => 3,
+    }
+}
+
+/// Adds each delta to its account's balance, in lock order.
+async fn move_balances(tx: &mut Transaction<'_, Any>, deltas: &[(String, i64)]) -> Result<(), LedgerError> {
+    let mut ordered: Vec<&(String, i64)> = deltas.iter().filter(|(_, d)| *d != 0).collect();
+    ordered.sort_by_key(|(a, _)| (lock_rank(a), a.clone()));
+    for (account, delta) in ordered {
+        sqlx::query("UPDATE ledger_accounts SET balance = balance + $1 WHERE id = $2")
+            .bind(delta)
+            .bind(account)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
+}
+
 /// Moves `micros` between two accounts and records it (nothing for zero).
 async fn transfer(
     tx: &mut Transaction<'_, Any>,
@@ -301,13 +334,7 @@ async fn transfer(
     if micros == 0 {
         return Ok(());
     }
-    for (account, delta) in [(from, -micros), (to, micros)] {
-        sqlx::query("UPDATE ledger_accounts SET balance = balance + $1 WHERE id = $2")
-            .bind(delta)
-            .bind(account)
-            .execute(&mut **tx)
-            .await?;
-    }
+    move_balances(tx, &[(from.to_string(), -micros), (to.to_string(), micros)]).await?;
     record(tx, from, to, micros, kind, request_id, memo).await
 }
 

@@ -1,0 +1,145 @@
+//! What billing costs a request: the hold taken at admission and the settlement at the
+//! end, timed one by one (p50, p99) on SQLite and on PostgreSQL; then how many requests
+//! one process admits per second for one organization — key check and rate limit, with
+//! and without hold and settlement — side by side in the same run.
+
+#[path = "../../control-plane/tests/support/postgres.rs"]
+mod postgres;
+
+use crate::round;
+use anyhow::Result;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tessera_control_plane::accounts::{BillingMode, NewKey, Store};
+use tessera_control_plane::billing::ledger::{NewHold, UsageRecord};
+use tessera_control_plane::limits::RateConfig;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Holds and settlements timed one at a time.
+    #[arg(long, default_value_t = 1000)]
+    iterations: usize,
+    /// Concurrent admissions in the throughput runs.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Seconds of each throughput run.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// An empty PostgreSQL database; default: a throwaway local cluster.
+    #[arg(long)]
+    postgres: Option<String>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let dir = tempfile::tempdir()?;
+    let sqlite = format!("sqlite://{}", dir.path().join("bench.db").display());
+    rt.block_on(bench("sqlite", &sqlite, &args))?;
+    let _server;
+    let url = match &args.postgres {
+        Some(url) => url.clone(),
+        None => {
+            _server = postgres::Server::start();
+            _server.url.clone()
+        }
+    };
+    rt.block_on(bench("postgresql", &url, &args))
+}
+
+fn usage(request_id: String, org: &str) -> UsageRecord {
+    UsageRecord {
+        request_id,
+        org_id: org.into(),
+        key_id: "key_bench".into(),
+        model: "vendor-a/model-a".into(),
+        endpoint: "chat.completions".into(),
+        prompt_tokens: 200,
+        cached_tokens: 100,
+        completion_tokens: 100,
+        reasoning_tokens: 0,
+        cost_micros: 400,
+        funding: "credits".into(),
+        multiplier_bp: 10_000,
+        finish_reason: "stop".into(),
+        created_at: 0,
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
+    let store = Store::open(url).await?;
+    let org = store.create_org("bench").await?;
+    let new = NewKey { org_id: &org.id, name: "bench", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let (_, secret) = store.create_key(new).await?;
+    let ledger = store.ledger();
+    ledger.grant(&org.id, 1 << 50, "benchmark").await?;
+    let limiter = store.rate_limiter(RateConfig::default());
+    limiter.set_org_rpm(&org.id, Some(u32::MAX)).await?;
+
+    let (mut holds, mut settles) = (Vec::new(), Vec::new());
+    for i in 0..args.iterations {
+        let id = format!("one-{i}");
+        let t = Instant::now();
+        ledger.hold(&NewHold { request_id: id.clone(), org_id: org.id.clone(), amount: 5_000 }).await?;
+        holds.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        ledger.settle(&usage(id, &org.id)).await?;
+        settles.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    holds.sort_by(f64::total_cmp);
+    settles.sort_by(f64::total_cmp);
+
+    let mut rates = Vec::new();
+    for billing in [false, true] {
+        let done = Arc::new(AtomicU64::new(0));
+        let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+        let mut tasks = Vec::new();
+        for w in 0..args.concurrency {
+            let (store, ledger, limiter, done) = (store.clone(), ledger.clone(), limiter.clone(), done.clone());
+            let (secret, org) = (secret.clone(), org.id.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut i = 0u64;
+                while Instant::now() < deadline {
+                    let key = store.authenticate(&secret).await?.expect("the bench key");
+                    // The limit is set out of reach; the check's cost is what is measured.
+                    limiter.check(&key.org_id).await?;
+                    if billing {
+                        let id = format!("run-{billing}-{w}-{i}");
+                        ledger.hold(&NewHold { request_id: id.clone(), org_id: org.clone(), amount: 5_000 }).await?;
+                        ledger.settle(&usage(id, &org)).await?;
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        rates.push(done.load(Ordering::Relaxed) as f64 / args.seconds);
+    }
+    ledger.audit().await?;
+    println!(
+        "{}",
+        json!({
+            "bench": "billing",
+            "db": db,
+            "iterations": args.iterations,
+            "hold_p50_us": round(percentile(&holds, 0.5)),
+            "hold_p99_us": round(percentile(&holds, 0.99)),
+            "settle_p50_us": round(percentile(&settles, 0.5)),
+            "settle_p99_us": round(percentile(&settles, 0.99)),
+            "concurrency": args.concurrency,
+            "admitted_per_s_billing_off": round(rates[0]),
+            "admitted_per_s_billing_on": round(rates[1]),
+            "ratio": round(rates[1] / rates[0]),
+        })
+    );
+    Ok(())
+}
