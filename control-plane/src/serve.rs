@@ -35,6 +35,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     }
     let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
     let billing = Billing::new(store.ledger());
+    tokio::spawn(release_stale_holds(store.ledger()));
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let app = Arc::new(AppState { store, models, billing, limits });
 
@@ -90,6 +91,22 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
     println!("Created organization {} and API key {} ({}); saved to {}:", org.id, key.id, key.name, path.display());
     println!("{secret}");
     Ok(())
+}
+
+/// Holds a control plane took and never settled because it died mid-request: their
+/// credit goes back to the organization once no request can still be running on them
+/// (the longest generation takes minutes; a day is far past it).
+async fn release_stale_holds(ledger: crate::billing::Ledger) {
+    const STALE_SECS: i64 = 24 * 3600;
+    let mut every = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        every.tick().await;
+        match ledger.release_stale(STALE_SECS).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!("released {n} holds left by requests that never settled"),
+            Err(e) => tracing::error!("releasing stale holds: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {
