@@ -52,6 +52,7 @@ CREATE TABLE usage_records (
     -- the supply discount's multiplier in basis points (10000 = no discount)
     multiplier_bp BIGINT NOT NULL,
     finish_reason TEXT NOT NULL,
+    -- microseconds since the Unix epoch: requests settle many to a second
     created_at BIGINT NOT NULL
 );
 

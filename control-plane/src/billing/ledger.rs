@@ -52,6 +52,7 @@ pub struct UsageRecord {
     pub funding: String,
     pub multiplier_bp: u64,
     pub finish_reason: String,
+    /// When it settled, in microseconds since the Unix epoch.
     pub created_at: i64,
 }
 
@@ -196,7 +197,7 @@ impl Ledger {
         .bind(&u.funding)
         .bind(u.multiplier_bp as i64)
         .bind(&u.finish_reason)
-        .bind(now())
+        .bind(crate::limits::now_us())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
