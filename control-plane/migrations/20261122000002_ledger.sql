@@ -1,8 +1,9 @@
 -- Money, as a double-entry ledger in integer micro-dollars (1e-6 USD). Every transfer
 -- moves a positive amount from one account to another, so the balances of all accounts
 -- always sum to zero. Accounts: 'org:<id>' (an organization's spendable credit),
--- 'holds:<id>' (its credit reserved by requests in flight), 'revenue' (what requests
--- cost), 'grants' (where granted and purchased credit comes from; it goes negative).
+-- 'holds:<id>' (its credit reserved by requests in flight), 'revenue:<id>' (what its
+-- requests cost), 'grants' (where granted and purchased credit comes from; it goes
+-- negative).
 -- `balance` is the running sum of an account's transfers, kept in the same transaction
 -- as each transfer: the conditional update on it is what admits a request.
 CREATE TABLE ledger_accounts (
@@ -10,7 +11,7 @@ CREATE TABLE ledger_accounts (
     balance BIGINT NOT NULL DEFAULT 0
 );
 
-INSERT INTO ledger_accounts (id, balance) VALUES ('grants', 0), ('revenue', 0);
+INSERT INTO ledger_accounts (id, balance) VALUES ('grants', 0);
 
 CREATE TABLE ledger_transfers (
     id TEXT PRIMARY KEY,

@@ -37,6 +37,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     let billing = Billing::new(store.ledger());
     tokio::spawn(release_stale_holds(store.ledger()));
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
+    let billing_at_exit = billing.clone();
     let app = Arc::new(AppState { store, models, billing, limits });
 
     let listener =
@@ -60,6 +61,8 @@ pub async fn run(config: ServeConfig) -> Result<()> {
             eprintln!("grace period over: dropping the requests still running");
         }
     }
+    // Requests still open are settled with what they used, before the process ends.
+    billing_at_exit.shutdown(Duration::from_secs(10)).await;
     drop(local);
     Ok(())
 }

@@ -69,6 +69,12 @@ fn holds_account(org: &str) -> String {
     format!("holds:{org}")
 }
 
+/// What an organization's requests cost, kept per organization so that settlements of
+/// different organizations never wait on one row.
+fn revenue_account(org: &str) -> String {
+    format!("revenue:{org}")
+}
+
 fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
@@ -108,7 +114,9 @@ impl Ledger {
     pub async fn hold(&self, h: &NewHold) -> Result<Admission, LedgerError> {
         let micros = amount(h.amount)?;
         let mut tx = self.pool.begin().await?;
-        // A write first, so that SQLite takes its write lock before reading anything.
+        // Writes first, so that SQLite takes its write lock before reading anything (and
+        // an organization never granted anything can still take a free request).
+        open_account(&mut tx, &org_account(&h.org_id)).await?;
         open_account(&mut tx, &holds_account(&h.org_id)).await?;
         let taken = sqlx::query("UPDATE ledger_accounts SET balance = balance - $1 WHERE id = $2 AND balance >= $1")
             .bind(micros)
@@ -167,13 +175,19 @@ impl Ledger {
             .await?;
         let org: String = row.try_get("org_id")?;
         let held: i64 = row.try_get("amount")?;
-        let cost = amount(usage.cost_micros)?.min(held);
-        let holds = holds_account(&org);
+        let asked = amount(usage.cost_micros)?;
+        if asked > held {
+            // A correct worst case never allows this: charge what was held, and say so.
+            tracing::warn!("{}: cost {asked} exceeds its hold {held}; charging the hold", usage.request_id);
+        }
+        let cost = asked.min(held);
+        let (holds, revenue) = (holds_account(&org), revenue_account(&org));
         let id = Some(usage.request_id.as_str());
-        move_balances(&mut tx, &[(org_account(&org), held - cost), (holds.clone(), -held), ("revenue".into(), cost)])
+        open_account(&mut tx, &revenue).await?;
+        move_balances(&mut tx, &[(org_account(&org), held - cost), (holds.clone(), -held), (revenue.clone(), cost)])
             .await?;
         if cost > 0 {
-            record(&mut tx, &holds, "revenue", cost, "charge", id, "").await?;
+            record(&mut tx, &holds, &revenue, cost, "charge", id, "").await?;
         }
         if held > cost {
             record(&mut tx, &holds, &org_account(&org), held - cost, "release", id, "").await?;
@@ -243,7 +257,11 @@ impl Ledger {
                 finish_reason: "abandoned".into(),
                 created_at: 0,
             };
-            released += self.settle(&usage).await? as u32;
+            // One hold that fails to settle must not keep the others held.
+            match self.settle(&usage).await {
+                Ok(settled) => released += settled as u32,
+                Err(e) => tracing::error!("releasing stale hold {}: {e}", usage.request_id),
+            }
         }
         Ok(released)
     }
