@@ -50,20 +50,14 @@ pub fn run(args: Args) -> Result<()> {
 
 fn usage(request_id: String, org: &str) -> UsageRecord {
     UsageRecord {
-        request_id,
-        org_id: org.into(),
         key_id: "key_bench".into(),
         model: "vendor-a/model-a".into(),
-        endpoint: "chat.completions".into(),
         prompt_tokens: 200,
         cached_tokens: 100,
         completion_tokens: 100,
-        reasoning_tokens: 0,
         cost_micros: 400,
-        funding: "credits".into(),
-        multiplier_bp: 10_000,
         finish_reason: "stop".into(),
-        created_at: 0,
+        ..UsageRecord::unused(&request_id, org)
     }
 }
 

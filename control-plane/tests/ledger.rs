@@ -10,20 +10,13 @@ use tessera_control_plane::billing::ledger::{Admission, NewHold, UsageRecord};
 
 fn usage(request_id: &str, cost: u64) -> UsageRecord {
     UsageRecord {
-        request_id: request_id.into(),
-        org_id: String::new(),
         key_id: "key_test".into(),
         model: "vendor-a/model-a".into(),
-        endpoint: "chat.completions".into(),
         prompt_tokens: 10,
-        cached_tokens: 0,
         completion_tokens: 5,
-        reasoning_tokens: 0,
         cost_micros: cost,
-        funding: "credits".into(),
-        multiplier_bp: 10_000,
         finish_reason: "stop".into(),
-        created_at: 0,
+        ..UsageRecord::unused(request_id, "")
     }
 }
 

@@ -56,6 +56,29 @@ pub struct UsageRecord {
     pub created_at: i64,
 }
 
+impl UsageRecord {
+    /// A request that used nothing (yet): no tokens, no cost, funded by credits at no
+    /// discount, ended by being abandoned until told otherwise.
+    pub fn unused(request_id: &str, org_id: &str) -> Self {
+        Self {
+            request_id: request_id.into(),
+            org_id: org_id.into(),
+            key_id: String::new(),
+            model: String::new(),
+            endpoint: String::new(),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            reasoning_tokens: 0,
+            cost_micros: 0,
+            funding: "credits".into(),
+            multiplier_bp: 10_000,
+            finish_reason: "abandoned".into(),
+            created_at: 0,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Ledger {
     pool: AnyPool,
@@ -95,7 +118,9 @@ impl Ledger {
         }
         let mut tx = self.pool.begin().await?;
         open_account(&mut tx, &org_account(org_id)).await?;
-        transfer(&mut tx, "grants", &org_account(org_id), amount(micros)?, "grant", None, memo).await?;
+        let (org, micros) = (org_account(org_id), amount(micros)?);
+        move_balances(&mut tx, &[("grants".into(), -micros), (org.clone(), micros)]).await?;
+        record(&mut tx, "grants", &org, micros, "grant", None, memo).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -241,22 +266,8 @@ impl Ledger {
             .await?;
         let mut released = 0;
         for r in rows {
-            let usage = UsageRecord {
-                request_id: r.try_get("request_id")?,
-                org_id: r.try_get("org_id")?,
-                key_id: String::new(),
-                model: String::new(),
-                endpoint: String::new(),
-                prompt_tokens: 0,
-                cached_tokens: 0,
-                completion_tokens: 0,
-                reasoning_tokens: 0,
-                cost_micros: 0,
-                funding: "credits".into(),
-                multiplier_bp: 10_000,
-                finish_reason: "abandoned".into(),
-                created_at: 0,
-            };
+            let (id, org): (String, String) = (r.try_get("request_id")?, r.try_get("org_id")?);
+            let usage = UsageRecord::unused(&id, &org);
             // One hold that fails to settle must not keep the others held.
             match self.settle(&usage).await {
                 Ok(settled) => released += settled as u32,
@@ -340,24 +351,7 @@ async fn move_balances(tx: &mut Transaction<'_, Any>, deltas: &[(String, i64)]) 
     Ok(())
 }
 
-/// Moves `micros` between two accounts and records it (nothing for zero).
-async fn transfer(
-    tx: &mut Transaction<'_, Any>,
-    from: &str,
-    to: &str,
-    micros: i64,
-    kind: &str,
-    request_id: Option<&str>,
-    memo: &str,
-) -> Result<(), LedgerError> {
-    if micros == 0 {
-        return Ok(());
-    }
-    move_balances(tx, &[(from.to_string(), -micros), (to.to_string(), micros)]).await?;
-    record(tx, from, to, micros, kind, request_id, memo).await
-}
-
-/// The transfer's row (the balances are moved by the caller).
+/// A transfer's row (`move_balances` moves the balances).
 async fn record(
     tx: &mut Transaction<'_, Any>,
     from: &str,

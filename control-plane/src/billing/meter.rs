@@ -60,20 +60,10 @@ impl Billing {
         let worst: u64 =
             ask.prompts.iter().map(|&p| worst_case_micros(&prices, p as u64, ask.max_completion_each)).sum();
         let record = UsageRecord {
-            request_id: crate::api::new_id("req_"),
-            org_id: key.org_id.clone(),
             key_id: key.id.clone(),
             model: model.entry.id.clone(),
             endpoint: ask.endpoint.into(),
-            prompt_tokens: 0,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
-            cost_micros: 0,
-            funding: "credits".into(),
-            multiplier_bp: 10_000,
-            finish_reason: "abandoned".into(),
-            created_at: 0,
+            ..UsageRecord::unused(&crate::api::new_id("req_"), &key.org_id)
         };
         let hold = NewHold { request_id: record.request_id.clone(), org_id: key.org_id.clone(), amount: worst };
         let pending = Pending {
@@ -206,10 +196,6 @@ impl Meter {
         }
     }
 
-    pub fn request_id(&self) -> String {
-        self.0.pending.lock().unwrap_or_else(|e| e.into_inner()).record.request_id.clone()
-    }
-
     fn with(&self, f: impl FnOnce(&mut Pending)) {
         // A poisoned lock means a panic mid-update; the counts are still the best bill.
         let mut p = self.0.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -280,22 +266,7 @@ mod tests {
     async fn held_request(billing: &Billing, store: &Store, org: &str, id: &str) -> Meter {
         let hold = NewHold { request_id: id.into(), org_id: org.into(), amount: 1_000 };
         assert_eq!(store.ledger().hold(&hold).await.unwrap(), Admission::Held);
-        let record = UsageRecord {
-            request_id: id.into(),
-            org_id: org.into(),
-            key_id: "key_t".into(),
-            model: "v/m".into(),
-            endpoint: "chat.completions".into(),
-            prompt_tokens: 0,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
-            cost_micros: 0,
-            funding: "credits".into(),
-            multiplier_bp: 10_000,
-            finish_reason: "abandoned".into(),
-            created_at: 0,
-        };
+        let record = UsageRecord { key_id: "key_t".into(), ..UsageRecord::unused(id, org) };
         let pending = Pending { record, prompts: vec![10], outputs: vec![Counted::default()] };
         billing.meter(PRICES, pending)
     }
