@@ -1,6 +1,7 @@
 //! The command line: one typed struct per command.
 
 use crate::accounts::BillingMode;
+use crate::billing::plans::Plan;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -27,6 +28,12 @@ pub enum Command {
     /// What requests used and cost.
     #[command(subcommand)]
     Usage(UsageCommand),
+    /// Operator commands for personal accounts.
+    #[command(subcommand)]
+    Users(UsersCommand),
+    /// Operator commands for personal subscription plans.
+    #[command(subcommand)]
+    Plans(PlansCommand),
 }
 
 /// Where accounts are stored; shared by `serve` and the operator commands.
@@ -78,6 +85,9 @@ pub struct ServeConfig {
     /// Requests an organization may send at once after a quiet spell.
     #[arg(long, env = "TESSERA_RATE_LIMIT_BURST", default_value_t = 20)]
     pub rate_limit_burst: u32,
+    /// Seconds between refreshes of each model's supply state (subscription discount).
+    #[arg(long, env = "TESSERA_SUPPLY_REFRESH_SECS", default_value_t = 600)]
+    pub supply_refresh_secs: u64,
     /// Credit granted to the bootstrap organization on first start, in US dollars.
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,
@@ -165,6 +175,20 @@ pub enum CreditsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Buys credit for an organization through the payment processor (one-time
+    /// methods such as pm_dev_crypto are accepted).
+    Buy {
+        #[arg(long)]
+        org: String,
+        #[arg(long)]
+        usd: f64,
+        #[arg(long, default_value = crate::billing::payments::DEV_CARD)]
+        payment_method: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// An organization's spendable balance and the credit its requests in flight hold.
     Show {
         #[arg(long)]
@@ -184,6 +208,57 @@ pub enum UsageCommand {
         org: String,
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum UsersCommand {
+    /// Creates a person and their personal organization (whose keys may be billed to
+    /// their plan).
+    Create {
+        email: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PlansCommand {
+    /// Starts a plan, paid now with a recurring payment method.
+    Start {
+        /// User id or e-mail address.
+        #[arg(long)]
+        user: String,
+        #[arg(long, value_enum)]
+        plan: Plan,
+        #[arg(long, default_value = crate::billing::payments::DEV_CARD)]
+        payment_method: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Changes a plan: upgrades now (pro-rated), downgrades at the next period.
+    Change {
+        #[arg(long)]
+        user: String,
+        #[arg(long, value_enum)]
+        plan: Plan,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A user's plan, its included usage and windows.
+    Show {
+        #[arg(long)]
+        user: String,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

@@ -16,5 +16,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Keys(cmd) => ops::keys(cmd).await,
         Command::Credits(cmd) => ops::credits(cmd).await,
         Command::Usage(cmd) => ops::usage(cmd).await,
+        Command::Users(cmd) => ops::users(cmd).await,
+        Command::Plans(cmd) => ops::plans(cmd).await,
     }
 }

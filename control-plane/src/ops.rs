@@ -3,9 +3,13 @@
 
 use crate::accounts::{NewKey, Store};
 use crate::billing::cost::{usd, usd_to_micros};
-use crate::config::{CreditsCommand, KeysCommand, OrgsCommand, StoreArgs, UsageCommand};
+use crate::billing::payments::DevProcessor;
+use crate::billing::subscriptions::Subscriptions;
+use crate::config::{CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, UsageCommand, UsersCommand};
+use crate::limits::now_us;
 use anyhow::Result;
 use serde_json::json;
+use std::sync::Arc;
 
 async fn open(store: &StoreArgs) -> Result<Store> {
     std::fs::create_dir_all(&store.data_dir)?;
@@ -87,6 +91,18 @@ pub async fn credits(cmd: CreditsCommand) -> Result<()> {
             let human = format!("granted {} to {}; balance {}", usd(micros as i64), org.id, usd(balance));
             print(json, json!({"org_id": org.id, "granted_micros": micros, "balance_micros": balance}), human);
         }
+        CreditsCommand::Buy { org, usd: dollars, payment_method, store, json } => {
+            let store = open(&store).await?;
+            let org = store.find_org(&org).await?;
+            let micros = usd_to_micros(dollars)?;
+            let ledger = store.ledger();
+            let reference = ledger.purchase(&DevProcessor::default(), &org.id, micros, &payment_method).await?;
+            let balance = ledger.balance(&org.id).await?;
+            let human = format!("{} bought {} ({reference}); balance {}", org.id, usd(micros as i64), usd(balance));
+            let value =
+                json!({"org_id": org.id, "bought_micros": micros, "balance_micros": balance, "payment": reference});
+            print(json, value, human);
+        }
         CreditsCommand::Show { org, store, json } => {
             let store = open(&store).await?;
             let org = store.find_org(&org).await?;
@@ -123,6 +139,67 @@ pub async fn usage(cmd: UsageCommand) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("\n");
             print(json, json!(records), human);
+        }
+    }
+    Ok(())
+}
+
+pub async fn users(cmd: UsersCommand) -> Result<()> {
+    match cmd {
+        UsersCommand::Create { email, store, json } => {
+            let user = open(&store).await?.create_user(&email).await?;
+            let human = format!("created user {} ({}); personal organization {}", user.id, user.email, user.org_id);
+            print(json, json!(user), human);
+        }
+    }
+    Ok(())
+}
+
+/// Plans through the development processor: no real payment processor runs here.
+fn plans_of(store: &Store) -> Subscriptions {
+    store.subscriptions(Arc::new(DevProcessor::default()))
+}
+
+pub async fn plans(cmd: PlansCommand) -> Result<()> {
+    match cmd {
+        PlansCommand::Start { user, plan, payment_method, store, json } => {
+            let store = open(&store).await?;
+            let user = store.find_user(&user).await?;
+            let s = plans_of(&store).start(&user.id, plan, &payment_method, now_us()).await?;
+            let human = format!(
+                "{} is on the {} plan: {} paid, {} of usage included this period",
+                user.email,
+                plan.as_str(),
+                usd(s.paid_micros),
+                usd(s.included_micros)
+            );
+            print(json, json!(s), human);
+        }
+        PlansCommand::Change { user, plan, store, json } => {
+            let store = open(&store).await?;
+            let user = store.find_user(&user).await?;
+            let plans = plans_of(&store);
+            let change = plans.change(&user.id, plan, now_us()).await?;
+            let s = plans.get(&user.id).await?;
+            print(json, json!({"change": change, "subscription": s}), format!("{}: {change:?}", user.email));
+        }
+        PlansCommand::Show { user, store, json } => {
+            let store = open(&store).await?;
+            let user = store.find_user(&user).await?;
+            let s = plans_of(&store).get(&user.id).await?;
+            let human = match &s {
+                None => format!("{} has no plan", user.email),
+                Some(s) => format!(
+                    "{}: {} plan ({:?}), {} of {} included usage left this period, {} in flight",
+                    user.email,
+                    s.plan.as_str(),
+                    s.status,
+                    usd(s.left_micros()),
+                    usd(s.included_micros),
+                    s.in_flight
+                ),
+            };
+            print(json, json!(s), human);
         }
     }
     Ok(())

@@ -3,7 +3,9 @@
 
 use crate::accounts::{BillingMode, NewKey, Store};
 use crate::api::{self, AppState};
-use crate::billing::Billing;
+use crate::billing::payments::DevProcessor;
+use crate::billing::subscriptions::Subscriptions;
+use crate::billing::supply::{Refresher, Supply};
 use crate::catalog::Catalog;
 use crate::config::ServeConfig;
 use crate::limits::RateConfig;
@@ -34,8 +36,15 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         local.push(worker);
     }
     let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
-    let billing = Billing::new(store.ledger());
+    // No real payment processor can run here: plans and credit purchases go through
+    // the development processor (see billing::payments).
+    let billing = store.billing(Arc::new(DevProcessor::default()));
     tokio::spawn(release_stale_holds(store.ledger()));
+    tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
+    let loads: Vec<(String, Arc<Replica>)> = models.all().map(|m| (m.entry.id.clone(), m.replica.clone())).collect();
+    billing.supply().reload().await?;
+    let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
+    tokio::spawn(refresh_supply(billing.supply().clone(), refresh, loads));
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
     let app = Arc::new(AppState { store, models, billing, limits });
@@ -108,6 +117,33 @@ async fn release_stale_holds(ledger: crate::billing::Ledger) {
             Ok(0) => {}
             Ok(n) => tracing::warn!("released {n} holds left by requests that never settled"),
             Err(e) => tracing::error!("releasing stale holds: {e}"),
+        }
+    }
+}
+
+/// Renews plans whose period is over, every minute (a request renews its own plan
+/// sooner, at admission).
+async fn renew_subscriptions(subscriptions: Subscriptions) {
+    let mut every = tokio::time::interval(Duration::from_secs(60));
+    loop {
+        every.tick().await;
+        if let Err(e) = subscriptions.renew_due(crate::limits::now_us()).await {
+            tracing::error!("renewing plans: {e}");
+        }
+    }
+}
+
+/// Samples every model's replicas' load every few seconds; the supply state follows
+/// once per `slot`.
+async fn refresh_supply(supply: Supply, slot: Duration, models: Vec<(String, Arc<Replica>)>) {
+    let mut refresher = Refresher::new(supply, slot, crate::limits::now_us());
+    let mut every = tokio::time::interval((slot / 60).clamp(Duration::from_millis(100), Duration::from_secs(10)));
+    loop {
+        every.tick().await;
+        let loads: Vec<(String, Vec<_>)> =
+            models.iter().map(|(id, replica)| (id.clone(), replica.load().into_iter().collect())).collect();
+        if let Err(e) = refresher.sample(crate::limits::now_us(), &loads).await {
+            tracing::error!("recording supply states: {e}");
         }
     }
 }

@@ -19,13 +19,26 @@ async fn suite(store: Store) {
     assert!(matches!(store.find_org("nobody").await, Err(StoreError::NoOrg(_))));
     assert!(matches!(store.create_org("  ").await, Err(StoreError::Invalid(_))));
 
-    let new = NewKey { org_id: "acme", name: "ci", billing_mode: BillingMode::Subscription, fallback_to_credits: true };
+    // Subscription billing is for personal accounts only.
+    let sub =
+        |org_id| NewKey { org_id, name: "ci", billing_mode: BillingMode::Subscription, fallback_to_credits: true };
+    assert!(matches!(store.create_key(sub("acme")).await, Err(StoreError::Invalid(_))));
+    let ada = store.create_user("ada@example.com").await.unwrap();
+    assert_eq!(store.find_user("ada@example.com").await.unwrap(), ada);
+    assert_eq!(store.find_user(&ada.id).await.unwrap(), ada);
+    assert!(matches!(store.create_user("ada@example.com").await, Err(StoreError::Invalid(_))), "one per address");
+    assert!(matches!(store.create_user("not an address").await, Err(StoreError::Invalid(_))));
+    assert!(matches!(store.find_user("bob@example.com").await, Err(StoreError::NoUser(_))));
+    let (personal, _) = store.create_key(sub(&ada.org_id)).await.unwrap();
+    assert_eq!((personal.billing_mode, personal.fallback_to_credits), (BillingMode::Subscription, true));
+    let credits_with_fallback =
+        NewKey { org_id: "acme", name: "x", billing_mode: BillingMode::Credits, fallback_to_credits: true };
+    assert!(matches!(store.create_key(credits_with_fallback).await, Err(StoreError::Invalid(_))));
+
+    let new = NewKey { org_id: "acme", name: "ci", billing_mode: BillingMode::Credits, fallback_to_credits: false };
     let (key, secret) = store.create_key(new).await.unwrap();
     assert!(keys::well_formed(&secret));
-    assert_eq!(
-        (key.org_id.as_str(), key.billing_mode, key.fallback_to_credits),
-        (acme.id.as_str(), BillingMode::Subscription, true)
-    );
+    assert_eq!((key.org_id.as_str(), key.billing_mode), (acme.id.as_str(), BillingMode::Credits));
     let (other_key, other_secret) = store
         .create_key(NewKey {
             org_id: &other.id,
@@ -63,7 +76,7 @@ async fn the_store_on_sqlite() {
     suite(Store::open(&url).await.unwrap()).await;
     // Reopening runs no migration twice and keeps the data.
     let again = Store::open(&url).await.unwrap();
-    assert_eq!(again.count_orgs().await.unwrap(), 2);
+    assert_eq!(again.count_orgs().await.unwrap(), 3, "acme, other and ada's own");
 }
 
 #[tokio::test]
@@ -71,7 +84,7 @@ async fn the_store_on_postgresql() {
     let server = postgres::Server::start();
     suite(Store::open(&server.url).await.unwrap()).await;
     let again = Store::open(&server.url).await.unwrap();
-    assert_eq!(again.count_orgs().await.unwrap(), 2);
+    assert_eq!(again.count_orgs().await.unwrap(), 3, "acme, other and ada's own");
 }
 
 /// Two stores on one database stand for two control-plane processes: a key revoked

@@ -3,4 +3,4 @@
 pub mod keys;
 pub mod store;
 
-pub use store::{ApiKey, BillingMode, NewKey, Org, Store, StoreError};
+pub use store::{ApiKey, BillingMode, NewKey, Org, Store, StoreError, User};

@@ -20,6 +20,8 @@ pub enum StoreError {
     Url(String),
     #[error("organization {0:?} not found")]
     NoOrg(String),
+    #[error("user {0:?} not found")]
+    NoUser(String),
     #[error("API key {0:?} not found")]
     NoKey(String),
     #[error("{0}")]
@@ -30,6 +32,15 @@ pub enum StoreError {
 pub struct Org {
     pub id: String,
     pub name: String,
+    pub created_at: i64,
+}
+
+/// A person, with a personal organization of their own.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct User {
+    pub id: String,
+    pub email: String,
+    pub org_id: String,
     pub created_at: i64,
 }
 
@@ -98,6 +109,27 @@ impl Store {
     /// The credit ledger in the same database.
     pub fn ledger(&self) -> crate::billing::Ledger {
         crate::billing::Ledger::new(self.pool.clone())
+    }
+
+    /// Personal plans in the same database, paid through `processor`.
+    pub fn subscriptions(
+        &self,
+        processor: std::sync::Arc<dyn crate::billing::payments::PaymentProcessor>,
+    ) -> crate::billing::subscriptions::Subscriptions {
+        crate::billing::subscriptions::Subscriptions::new(self.pool.clone(), processor)
+    }
+
+    /// Each model's supply state, kept in the same database.
+    pub fn supply(&self) -> crate::billing::supply::Supply {
+        crate::billing::supply::Supply::new(self.pool.clone())
+    }
+
+    /// Billing on this database: credits, plans paid through `processor`, supply.
+    pub fn billing(
+        &self,
+        processor: std::sync::Arc<dyn crate::billing::payments::PaymentProcessor>,
+    ) -> crate::billing::Billing {
+        crate::billing::Billing::new(self.ledger(), self.subscriptions(processor), self.supply())
     }
 
     /// Request rate limits kept in the same database.
@@ -188,12 +220,73 @@ impl Store {
         Ok(sqlx::query("SELECT COUNT(*) AS n FROM orgs").fetch_one(&self.pool).await?.try_get("n")?)
     }
 
+    /// Creates a user and their personal organization (named after the address).
+    pub async fn create_user(&self, email: &str) -> Result<User, StoreError> {
+        let email = email.trim();
+        let well_formed = email.split_once('@').is_some_and(|(name, host)| !name.is_empty() && host.contains('.'));
+        if !well_formed || email.chars().any(char::is_whitespace) {
+            return Err(StoreError::Invalid(format!("{email:?} is not an e-mail address")));
+        }
+        let taken = sqlx::query("SELECT id FROM users WHERE email = $1").bind(email).fetch_optional(&self.pool).await?;
+        if taken.is_some() {
+            return Err(StoreError::Invalid(format!("a user with the address {email} exists")));
+        }
+        let org = Org { id: keys::random_id("org_"), name: email.to_string(), created_at: now() };
+        let user =
+            User { id: keys::random_id("user_"), email: email.to_string(), org_id: org.id.clone(), created_at: now() };
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
+            .bind(&org.id)
+            .bind(&org.name)
+            .bind(org.created_at)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO users (id, email, org_id, created_at) VALUES ($1, $2, $3, $4)")
+            .bind(&user.id)
+            .bind(&user.email)
+            .bind(&user.org_id)
+            .bind(user.created_at)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(user)
+    }
+
+    /// A user by id or e-mail address.
+    pub async fn find_user(&self, id_or_email: &str) -> Result<User, StoreError> {
+        let row = sqlx::query("SELECT id, email, org_id, created_at FROM users WHERE id = $1 OR email = $2")
+            .bind(id_or_email)
+            .bind(id_or_email)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| StoreError::NoUser(id_or_email.to_string()))?;
+        Ok(User {
+            id: row.try_get("id")?,
+            email: row.try_get("email")?,
+            org_id: row.try_get("org_id")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+
     /// Creates a key and returns it with its secret, which is not kept.
     pub async fn create_key(&self, new: NewKey<'_>) -> Result<(ApiKey, String), StoreError> {
         if new.name.trim().is_empty() {
             return Err(StoreError::Invalid("a key needs a name".into()));
         }
         let org = self.find_org(new.org_id).await?;
+        if new.billing_mode == BillingMode::Subscription {
+            let personal =
+                sqlx::query("SELECT id FROM users WHERE org_id = $1").bind(&org.id).fetch_optional(&self.pool).await?;
+            if personal.is_none() {
+                return Err(StoreError::Invalid(format!(
+                    "subscription billing is for personal accounts; {} is an organization and pays with credits",
+                    org.id
+                )));
+            }
+        }
+        if new.fallback_to_credits && new.billing_mode != BillingMode::Subscription {
+            return Err(StoreError::Invalid("credit fallback is for subscription keys".into()));
+        }
         let secret = keys::generate();
         let key = ApiKey {
             id: keys::random_id("key_"),

@@ -64,6 +64,11 @@ pub enum ApiError {
         org: String,
         decision: crate::limits::Decision,
     },
+    /// A subscription's usage window or concurrency is spent for now.
+    SubscriptionLimited {
+        message: String,
+        retry_after_us: u64,
+    },
     /// The organization's credit does not cover the request; retrying will not help.
     InsufficientQuota {
         message: String,
@@ -90,7 +95,9 @@ impl ApiError {
             }
             Self::BadBody { status, .. } => *status,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
-            Self::InsufficientQuota { .. } | Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::InsufficientQuota { .. } | Self::RateLimited { .. } | Self::SubscriptionLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             _ => StatusCode::BAD_REQUEST,
         }
@@ -191,6 +198,9 @@ impl ApiError {
                     crate::limits::go_duration(decision.retry_after_us)
                 ),
             ),
+            Self::SubscriptionLimited { message, .. } => {
+                ("requests", Some("rate_limit_exceeded"), None, message.clone())
+            }
             Self::InsufficientQuota { message } => {
                 ("insufficient_quota", Some("insufficient_quota"), None, message.clone())
             }
@@ -227,6 +237,20 @@ impl IntoResponse for ApiError {
         if matches!(self, Self::InsufficientQuota { .. }) {
             // A 429 the SDKs would otherwise retry (API-WIRE.md).
             response.headers_mut().insert("x-should-retry", axum::http::HeaderValue::from_static("false"));
+        }
+        if let Self::SubscriptionLimited { retry_after_us, .. } = &self {
+            let h = response.headers_mut();
+            for (name, value) in [
+                ("retry-after", retry_after_us.div_ceil(1_000_000)),
+                ("retry-after-ms", retry_after_us.div_ceil(1_000)),
+            ] {
+                h.insert(name, axum::http::HeaderValue::from(value));
+            }
+            // The SDKs retry a 429 after at most a minute: a window hours from resetting
+            // is not worth their retries.
+            if *retry_after_us > 60_000_000 {
+                h.insert("x-should-retry", axum::http::HeaderValue::from_static("false"));
+            }
         }
         if matches!(self, Self::Overloaded) {
             response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));

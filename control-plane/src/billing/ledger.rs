@@ -6,6 +6,8 @@
 //! row and re-checks the condition for each concurrent writer, SQLite serialises the
 //! writers, so no number of control planes can overdraw an organization.
 
+use super::payments::{Charge, PaymentProcessor};
+use super::subscriptions::record_payment;
 use crate::accounts::keys;
 use serde::Serialize;
 use sqlx::{Any, AnyPool, Row, Transaction};
@@ -113,16 +115,39 @@ impl Ledger {
 
     /// Credit for an organization from outside the ledger (a grant or a purchase).
     pub async fn grant(&self, org_id: &str, micros: u64, memo: &str) -> Result<(), LedgerError> {
-        if micros == 0 {
-            return Err(LedgerError::Invalid("a grant must be positive".into()));
-        }
         let mut tx = self.pool.begin().await?;
-        open_account(&mut tx, &org_account(org_id)).await?;
-        let (org, micros) = (org_account(org_id), amount(micros)?);
-        move_balances(&mut tx, &[("grants".into(), -micros), (org.clone(), micros)]).await?;
-        record(&mut tx, "grants", &org, micros, "grant", None, memo).await?;
+        grant_in(&mut tx, org_id, micros, memo).await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Credit bought with `method` (one-time methods too): charged through the
+    /// processor, then granted. Returns the processor's reference.
+    pub async fn purchase(
+        &self,
+        processor: &dyn PaymentProcessor,
+        org_id: &str,
+        micros: u64,
+        method: &str,
+    ) -> Result<String, LedgerError> {
+        if micros == 0 {
+            return Err(LedgerError::Invalid("a purchase must be positive".into()));
+        }
+        let key = keys::random_id("credits_");
+        let charge = Charge {
+            idempotency_key: key.clone(),
+            method: method.into(),
+            amount_micros: amount(micros)?,
+            description: "credits".into(),
+        };
+        let receipt = processor.charge(&charge).await.map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        let mut tx = self.pool.begin().await?;
+        grant_in(&mut tx, org_id, micros, &format!("purchase {}", receipt.reference)).await?;
+        let now_us = crate::limits::now_us();
+        record_payment(&mut tx, &key, org_id, "credits", charge.amount_micros, method, &receipt.reference, now_us)
+            .await?;
+        tx.commit().await?;
+        Ok(receipt.reference)
     }
 
     /// An organization's spendable credit (holds of requests in flight excluded).
@@ -194,30 +219,38 @@ impl Ledger {
             tx.rollback().await?;
             return Ok(false);
         }
-        let row = sqlx::query("SELECT org_id, amount FROM holds WHERE request_id = $1")
+        let row = sqlx::query("SELECT org_id, amount, funding, user_id FROM holds WHERE request_id = $1")
             .bind(&usage.request_id)
             .fetch_one(&mut *tx)
             .await?;
         let org: String = row.try_get("org_id")?;
         let held: i64 = row.try_get("amount")?;
+        let funding: String = row.try_get("funding")?;
+        let user: Option<String> = row.try_get("user_id")?;
         let asked = amount(usage.cost_micros)?;
         if asked > held {
             // A correct worst case never allows this: charge what was held, and say so.
             tracing::warn!("{}: cost {asked} exceeds its hold {held}; charging the hold", usage.request_id);
         }
         let cost = asked.min(held);
-        let (holds, revenue) = (holds_account(&org), revenue_account(&org));
-        let id = Some(usage.request_id.as_str());
-        open_account(&mut tx, &revenue).await?;
-        move_balances(&mut tx, &[(org_account(&org), held - cost), (holds.clone(), -held), (revenue.clone(), cost)])
-            .await?;
-        if cost > 0 {
-            record(&mut tx, &holds, &revenue, cost, "charge", id, "").await?;
+        match user.filter(|_| funding == "subscription") {
+            // Included usage, which is not money in the ledger.
+            Some(user) => super::subscriptions::settle(&mut tx, &user, held, cost).await?,
+            None => {
+                let (holds, revenue) = (holds_account(&org), revenue_account(&org));
+                let id = Some(usage.request_id.as_str());
+                open_account(&mut tx, &revenue).await?;
+                let deltas = [(org_account(&org), held - cost), (holds.clone(), -held), (revenue.clone(), cost)];
+                move_balances(&mut tx, &deltas).await?;
+                if cost > 0 {
+                    record(&mut tx, &holds, &revenue, cost, "charge", id, "").await?;
+                }
+                if held > cost {
+                    record(&mut tx, &holds, &org_account(&org), held - cost, "release", id, "").await?;
+                }
+            }
         }
-        if held > cost {
-            record(&mut tx, &holds, &org_account(&org), held - cost, "release", id, "").await?;
-        }
-        let u = UsageRecord { cost_micros: cost as u64, org_id: org, ..usage.clone() };
+        let u = UsageRecord { cost_micros: cost as u64, org_id: org, funding, ..usage.clone() };
         sqlx::query(
             "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
              completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at) \
@@ -307,6 +340,17 @@ impl Ledger {
         }
         Ok(accounts.len())
     }
+}
+
+async fn grant_in(tx: &mut Transaction<'_, Any>, org_id: &str, micros: u64, memo: &str) -> Result<(), LedgerError> {
+    if micros == 0 {
+        return Err(LedgerError::Invalid("a grant must be positive".into()));
+    }
+    open_account(tx, &org_account(org_id)).await?;
+    let (org, micros) = (org_account(org_id), amount(micros)?);
+    move_balances(tx, &[("grants".into(), -micros), (org.clone(), micros)]).await?;
+    record(tx, "grants", &org, micros, "grant", None, memo).await?;
+    Ok(())
 }
 
 async fn account_balance(pool: &AnyPool, id: &str) -> Result<i64, LedgerError> {

@@ -11,6 +11,8 @@
 
 use super::cost::{Tokens, cost_micros, usd, worst_case_micros};
 use super::ledger::{Admission, Ledger, NewHold, UsageRecord};
+use super::subscriptions::{Refusal, Subscriptions};
+use super::supply::Supply;
 use crate::accounts::{ApiKey, BillingMode};
 use crate::api::error::ApiError;
 use crate::catalog::Prices;
@@ -21,9 +23,15 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio_util::task::TaskTracker;
 
+/// The time now, in µs since the epoch; tests inject their own.
+pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
+
 #[derive(Clone)]
 pub struct Billing {
     ledger: Ledger,
+    subscriptions: Subscriptions,
+    supply: Supply,
+    clock: Clock,
     /// Holds and settlements in flight.
     tasks: TaskTracker,
     /// Meters not yet settled, for shutdown to settle.
@@ -38,57 +46,91 @@ pub struct Ask<'a> {
     pub max_completion_each: u64,
 }
 
+/// Who pays for a request, decided at admission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Funding {
+    Credits,
+    /// Included subscription usage, at the supply multiplier in effect when the
+    /// request started (basis points), locked for the request.
+    Subscription {
+        multiplier_bp: i64,
+    },
+}
+
+/// Why a request could not be funded.
+enum Refused {
+    Credit { balance: i64 },
+    Subscription(Refusal),
+    Failed,
+}
+
 impl Billing {
-    pub fn new(ledger: Ledger) -> Self {
-        Self { ledger, tasks: TaskTracker::new(), open: Default::default() }
+    pub fn new(ledger: Ledger, subscriptions: Subscriptions, supply: Supply) -> Self {
+        Self {
+            ledger,
+            subscriptions,
+            supply,
+            clock: Arc::new(crate::limits::now_us),
+            tasks: TaskTracker::new(),
+            open: Default::default(),
+        }
+    }
+
+    /// The same, on another clock (tests).
+    pub fn with_clock(self, clock: Clock) -> Self {
+        Self { clock, ..self }
     }
 
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
     }
 
+    pub fn subscriptions(&self) -> &Subscriptions {
+        &self.subscriptions
+    }
+
+    pub fn supply(&self) -> &Supply {
+        &self.supply
+    }
+
     /// Holds the request's worst-case cost, or refuses it before anything runs.
     pub async fn admit(&self, key: &ApiKey, model: &ServedModel, ask: Ask<'_>) -> Result<Meter, ApiError> {
-        if key.billing_mode == BillingMode::Subscription && !key.fallback_to_credits {
-            return Err(ApiError::InsufficientQuota {
-                message: "This key is billed to a subscription, and subscription plans are not available yet; \
-                          use a credits key or one with credit fallback."
-                    .into(),
-            });
-        }
-        let prices = model.entry.prices;
+        self.admit_priced(key, &model.entry.id, model.entry.prices, ask).await
+    }
+
+    /// `admit` for a model known by its id and prices.
+    pub async fn admit_priced(
+        &self,
+        key: &ApiKey,
+        model: &str,
+        prices: Prices,
+        ask: Ask<'_>,
+    ) -> Result<Meter, ApiError> {
         let worst: u64 =
             ask.prompts.iter().map(|&p| worst_case_micros(&prices, p as u64, ask.max_completion_each)).sum();
         let record = UsageRecord {
             key_id: key.id.clone(),
-            model: model.entry.id.clone(),
+            model: model.into(),
             endpoint: ask.endpoint.into(),
             ..UsageRecord::unused(&crate::api::new_id("req_"), &key.org_id)
         };
-        let hold = NewHold { request_id: record.request_id.clone(), org_id: key.org_id.clone(), amount: worst };
-        let pending = Pending {
-            record,
-            prompts: ask.prompts.iter().map(|&p| p as u64).collect(),
-            outputs: vec![Counted::default(); ask.prompts.len()],
-        };
+        let prompts = ask.prompts.iter().map(|&p| p as u64).collect();
+        let pending = Pending { record, prompts, outputs: vec![Counted::default(); ask.prompts.len()] };
+        let now = (self.clock)();
         // The hold and the meter that settles it are made together in a task: if this
         // request is cancelled meanwhile, the meter is dropped unreceived and settles.
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let billing = self.clone();
+        let (billing, key) = (self.clone(), key.clone());
         self.tasks.spawn(async move {
-            let admitted = match billing.ledger.hold(&hold).await {
-                Ok(Admission::Held) => Ok(billing.meter(prices, pending)),
-                Ok(Admission::Insufficient { balance }) => Err(Some(balance)),
-                Err(e) => {
-                    tracing::error!("billing hold: {e}");
-                    Err(None)
-                }
+            let admitted = match billing.take_hold(&key, &pending.record, worst, now).await {
+                Ok(funding) => Ok(billing.meter(prices, funding, pending)),
+                Err(refused) => Err(refused),
             };
             let _ = tx.send(admitted);
         });
         match rx.await {
             Ok(Ok(meter)) => Ok(meter),
-            Ok(Err(Some(balance))) => Err(ApiError::InsufficientQuota {
+            Ok(Err(Refused::Credit { balance })) => Err(ApiError::InsufficientQuota {
                 message: format!(
                     "You exceeded your current quota: the organization's credit balance is {} and this request may \
                      cost up to {}. Add credits, or lower max_tokens.",
@@ -96,15 +138,42 @@ impl Billing {
                     usd(worst as i64)
                 ),
             }),
-            Ok(Err(None)) | Err(_) => Err(ApiError::Internal("billing hold failed".into())),
+            Ok(Err(Refused::Subscription(refusal))) => Err(refusal_error(refusal, now)),
+            Ok(Err(Refused::Failed)) | Err(_) => Err(ApiError::Internal("billing hold failed".into())),
         }
     }
 
-    fn meter(&self, prices: Prices, pending: Pending) -> Meter {
+    /// Subscription keys draw included usage at the current discount; when it cannot
+    /// pay, keys with credit fallback (and credits keys) draw credit at standard rates.
+    async fn take_hold(&self, key: &ApiKey, record: &UsageRecord, worst: u64, now: i64) -> Result<Funding, Refused> {
+        let failed = |e: &dyn std::fmt::Display| {
+            tracing::error!("billing hold: {e}");
+            Refused::Failed
+        };
+        if key.billing_mode == BillingMode::Subscription {
+            let multiplier_bp = self.supply.state(&record.model).multiplier_bp();
+            let amount = discounted(worst, multiplier_bp, true) as i64;
+            match self.subscriptions.hold(&key.org_id, &record.request_id, amount, now).await {
+                Ok(Ok(())) => return Ok(Funding::Subscription { multiplier_bp }),
+                Ok(Err(refusal)) if !key.fallback_to_credits => return Err(Refused::Subscription(refusal)),
+                Ok(Err(_)) => {}
+                Err(e) => return Err(failed(&e)),
+            }
+        }
+        let hold = NewHold { request_id: record.request_id.clone(), org_id: key.org_id.clone(), amount: worst };
+        match self.ledger.hold(&hold).await {
+            Ok(Admission::Held) => Ok(Funding::Credits),
+            Ok(Admission::Insufficient { balance }) => Err(Refused::Credit { balance }),
+            Err(e) => Err(failed(&e)),
+        }
+    }
+
+    fn meter(&self, prices: Prices, funding: Funding, pending: Pending) -> Meter {
         let id = pending.record.request_id.clone();
         let inner = Arc::new(Inner {
             billing: self.clone(),
             prices,
+            funding,
             pending: Mutex::new(pending),
             settled: AtomicBool::new(false),
         });
@@ -135,6 +204,7 @@ pub struct Meter(Arc<Inner>);
 struct Inner {
     billing: Billing,
     prices: Prices,
+    funding: Funding,
     pending: Mutex<Pending>,
     /// The ledger has this settlement; the drop has nothing left to do.
     settled: AtomicBool,
@@ -203,6 +273,49 @@ impl Meter {
     }
 }
 
+/// `micros` × the multiplier (basis points): rounded up for a hold, which must cover
+/// the cost; to the nearest micro-dollar for the cost itself.
+fn discounted(micros: u64, multiplier_bp: i64, round_up: bool) -> u64 {
+    let scaled = micros as u128 * multiplier_bp.max(0) as u128;
+    (if round_up { scaled.div_ceil(10_000) } else { (scaled + 5_000) / 10_000 }) as u64
+}
+
+/// A subscription that cannot pay, as the client sees it: a rate limit until the
+/// window resets, or no quota at all without an active plan.
+fn refusal_error(refusal: Refusal, now: i64) -> ApiError {
+    match refusal {
+        Refusal::NoPlan => ApiError::InsufficientQuota {
+            message: "This key is billed to a subscription, and its account has no active plan. Start a plan, or \
+                      use a key with credit fallback."
+                .into(),
+        },
+        Refusal::PastDue => ApiError::InsufficientQuota {
+            message: "This key is billed to a subscription whose renewal payment failed. Update the payment method \
+                      and start the plan again, or use a key with credit fallback."
+                .into(),
+        },
+        Refusal::Concurrency { limit } => ApiError::SubscriptionLimited {
+            message: format!(
+                "Your plan runs at most {limit} requests at once, and {limit} are running. Retry when one finishes."
+            ),
+            retry_after_us: 1_000_000,
+        },
+        Refusal::Exhausted { window, left, asked, resets_at } => {
+            let wait = (resets_at - now).max(1) as u64;
+            ApiError::SubscriptionLimited {
+                message: format!(
+                    "Your subscription's {window} usage limit is reached: {} left, and this request may use up to {}. \
+                     It resets in {}; lower max_tokens, or use a key with credit fallback.",
+                    usd(left),
+                    usd(asked),
+                    crate::limits::go_duration(wait)
+                ),
+                retry_after_us: wait,
+            }
+        }
+    }
+}
+
 /// Settles, retrying a failing database a few times; true once the ledger has it.
 async fn settle_with_retries(ledger: Ledger, usage: UsageRecord) -> bool {
     for attempt in 0..5u32 {
@@ -231,11 +344,20 @@ impl Inner {
             }
             t.completion += o.completion;
         }
+        let standard = cost_micros(&self.prices, t);
+        let (cost, funding, multiplier_bp) = match self.funding {
+            Funding::Credits => (standard, "credits", 10_000),
+            Funding::Subscription { multiplier_bp } => {
+                (discounted(standard, multiplier_bp, false), "subscription", multiplier_bp as u64)
+            }
+        };
         UsageRecord {
             prompt_tokens: t.prompt,
             cached_tokens: t.cached,
             completion_tokens: t.completion,
-            cost_micros: cost_micros(&self.prices, t),
+            cost_micros: cost,
+            funding: funding.into(),
+            multiplier_bp,
             ..p.record.clone()
         }
     }
@@ -268,7 +390,7 @@ mod tests {
         assert_eq!(store.ledger().hold(&hold).await.unwrap(), Admission::Held);
         let record = UsageRecord { key_id: "key_t".into(), ..UsageRecord::unused(id, org) };
         let pending = Pending { record, prompts: vec![10], outputs: vec![Counted::default()] };
-        billing.meter(PRICES, pending)
+        billing.meter(PRICES, Funding::Credits, pending)
     }
 
     #[tokio::test]
@@ -278,7 +400,7 @@ mod tests {
         let org = store.create_org("o").await.unwrap().id;
         let ledger = store.ledger();
         ledger.grant(&org, 10_000, "t").await.unwrap();
-        let billing = Billing::new(ledger.clone());
+        let billing = store.billing(Arc::new(crate::billing::payments::DevProcessor::default()));
 
         // Settled by the endpoint: 10 prompt tokens at $1/M and 5 completion tokens at $2/M.
         let done = held_request(&billing, &store, &org, "r-done").await;

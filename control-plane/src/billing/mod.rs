@@ -1,10 +1,16 @@
 //! Paying for tokens: the prices applied to a request's counts (`cost`), the credit
-//! ledger with its holds and settlements (`ledger`), and the meter that carries one
-//! request from admission to settlement (`meter`).
+//! ledger with its holds and settlements (`ledger`), personal plans (`plans`) paid
+//! through a processor (`payments`) whose included usage pays requests
+//! (`subscriptions`) at each model's supply discount (`supply`), and the meter that
+//! carries one request from admission to settlement (`meter`).
 
 pub mod cost;
 pub mod ledger;
 pub mod meter;
+pub mod payments;
+pub mod plans;
+pub mod subscriptions;
+pub mod supply;
 
 pub use ledger::{Ledger, LedgerError, UsageRecord};
-pub use meter::{Ask, Billing, Meter};
+pub use meter::{Ask, Billing, Clock, Funding, Meter};
