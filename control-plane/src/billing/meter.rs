@@ -181,6 +181,14 @@ impl Billing {
         Meter(inner)
     }
 
+    /// Waits for the holds and settlements in flight (tests: a dropped meter settles
+    /// in a task of its own).
+    pub async fn quiesce(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+        self.tasks.reopen();
+    }
+
     /// At shutdown: settles every request still open with what it used so far, then
     /// waits (up to `limit`) for settlements in flight.
     pub async fn shutdown(&self, limit: Duration) {

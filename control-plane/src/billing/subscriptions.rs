@@ -233,6 +233,21 @@ impl Subscriptions {
         Ok(self.get(user_id).await?.expect("just inserted"))
     }
 
+    /// Puts another payment method on file for renewals and upgrades; it must be
+    /// recurring.
+    pub async fn set_payment_method(&self, user_id: &str, method: &str) -> Result<(), PlanError> {
+        self.recurring(method)?;
+        let done = sqlx::query("UPDATE subscriptions SET payment_method = $1 WHERE user_id = $2")
+            .bind(method)
+            .bind(user_id)
+            .execute(&self.pool)
+            .await?;
+        if done.rows_affected() == 0 {
+            return Err(PlanError::NoPlan(user_id.into()));
+        }
+        Ok(())
+    }
+
     /// Upgrades now, pro-rated: the price difference for the rest of the period is
     /// charged, and included usage becomes the new multiplier × everything paid this
     /// period, less what was already spent. Downgrades wait for the next period.
