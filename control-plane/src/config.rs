@@ -34,6 +34,9 @@ pub enum Command {
     /// Operator commands for personal subscription plans.
     #[command(subcommand)]
     Plans(PlansCommand),
+    /// Each model's supply state (the subscription discount) and its history.
+    #[command(subcommand)]
+    Supply(SupplyCommand),
 }
 
 /// Where accounts are stored; shared by `serve` and the operator commands.
@@ -259,6 +262,20 @@ pub enum PlansCommand {
     Show {
         #[arg(long)]
         user: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SupplyCommand {
+    /// The state in effect for each model, and each model's states over the last hours.
+    Show {
+        /// Hours of history to list.
+        #[arg(long, default_value_t = 24)]
+        hours: u32,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

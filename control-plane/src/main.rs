@@ -18,5 +18,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Usage(cmd) => ops::usage(cmd).await,
         Command::Users(cmd) => ops::users(cmd).await,
         Command::Plans(cmd) => ops::plans(cmd).await,
+        Command::Supply(cmd) => ops::supply(cmd).await,
     }
 }

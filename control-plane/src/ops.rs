@@ -5,7 +5,9 @@ use crate::accounts::{NewKey, Store};
 use crate::billing::cost::{usd, usd_to_micros};
 use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
-use crate::config::{CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, UsageCommand, UsersCommand};
+use crate::config::{
+    CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, SupplyCommand, UsageCommand, UsersCommand,
+};
 use crate::limits::now_us;
 use anyhow::Result;
 use serde_json::json;
@@ -200,6 +202,40 @@ pub async fn plans(cmd: PlansCommand) -> Result<()> {
                 ),
             };
             print(json, json!(s), human);
+        }
+    }
+    Ok(())
+}
+
+pub async fn supply(cmd: SupplyCommand) -> Result<()> {
+    match cmd {
+        SupplyCommand::Show { hours, store, json } => {
+            let store = open(&store).await?;
+            let supply = store.supply();
+            supply.reload().await?;
+            let since = now_us() - hours as i64 * 3_600_000_000;
+            let mut models = Vec::new();
+            let mut human = Vec::new();
+            for p in supply.current() {
+                let history = supply.history(&p.model, since).await?;
+                human.push(format!(
+                    "{}  {}  {}% off  (mean load {}%, {} states in {hours} h)",
+                    p.model,
+                    p.state.as_str(),
+                    p.state.discount_percent(),
+                    p.load_bp / 100,
+                    history.len()
+                ));
+                models.push(json!({
+                    "model": p.model,
+                    "state": p.state,
+                    "discount_percent": p.state.discount_percent(),
+                    "multiplier_bp": p.state.multiplier_bp(),
+                    "updated_at_us": p.updated_at,
+                    "history": history,
+                }));
+            }
+            print(json, json!({"models": models}), human.join("\n"));
         }
     }
     Ok(())

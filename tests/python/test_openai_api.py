@@ -647,6 +647,70 @@ class RateLimits(unittest.TestCase):
         client(key).models.list()
 
 
+class Subscriptions(unittest.TestCase):
+    """Personal keys billed to a plan's included usage, at the model's supply discount."""
+
+    def personal_key(self, email, plan=None):
+        user = cli("users", "create", email)
+        if plan:
+            cli("plans", "start", "--user", email, "--plan", plan)
+        key = cli("keys", "create", "--org", user["org_id"], "--name", "p", "--billing", "subscription")["secret"]
+        return user, key
+
+    def test_a_plan_pays_for_requests_at_the_supply_discount(self):
+        user, key = self.personal_key("sam@example.com")
+        with self.assertRaises(openai.RateLimitError) as e:
+            client(key).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+        self.assertEqual(e.exception.code, "insufficient_quota", "no plan yet")
+        # Plans renew monthly: a one-time method is refused.
+        with self.assertRaises(subprocess.CalledProcessError):
+            cli("plans", "start", "--user", user["email"], "--plan", "basic", "--payment-method", "pm_dev_crypto")
+        plan = cli("plans", "start", "--user", user["email"], "--plan", "basic")
+        self.assertEqual((plan["paid_micros"], plan["included_micros"]), (10_000_000, 20_000_000))
+
+        client(key).chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=8)
+        rec = usage_records(user["org_id"])[0]
+        self.assertEqual(rec["funding"], "subscription")
+        self.assertIn(rec["multiplier_bp"], (10_000, 7_500, 5_000, 2_500))
+        standard = expected_cost(MODEL, rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"])
+        self.assertEqual(rec["cost_micros"], (standard * rec["multiplier_bp"] + 5_000) // 10_000)
+        now = cli("plans", "show", "--user", user["email"])
+        self.assertEqual((now["spent_micros"], now["held_micros"], now["in_flight"]), (rec["cost_micros"], 0, 0))
+        self.assertIsNotNone(now["window_5h"]["start"], "the first request started the windows")
+        self.assertEqual(balance(user["org_id"]), 0, "credit untouched")
+
+    def test_supply_states_follow_the_replicas_load(self):
+        # The suite's server refreshes every two seconds: wait for a state per model.
+        deadline = time.monotonic() + 60
+        models = []
+        while len(models) < 4 and time.monotonic() < deadline:
+            models = cli("supply", "show")["models"]
+        self.assertEqual(sorted(m["model"] for m in models),
+                         ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"])
+        spec = {"low": (0, 10_000), "medium": (25, 7_500), "high": (50, 5_000), "surplus": (75, 2_500)}
+        for m in models:
+            self.assertEqual((m["discount_percent"], m["multiplier_bp"]), spec[m["state"]], m)
+            self.assertTrue(m["history"], m)
+            self.assertEqual(m["history"][-1]["state"], m["state"])
+            self.assertGreater(m["history"][-1]["samples"], 0, "computed from the replicas' load reports")
+
+    def test_a_plan_runs_its_concurrency_and_refuses_more(self):
+        user, key = self.personal_key("kim@example.com", plan="basic")
+        count = [{"role": "user", "content": "Count from 1 to 300, one number per line."}]
+        # Basic runs two at once. A streamed request is admitted when its response starts.
+        streams = [client(key).chat.completions.create(model=MODEL, messages=count, max_tokens=400, stream=True)
+                   for _ in range(2)]
+        try:
+            with self.assertRaises(openai.RateLimitError) as e:
+                client(key).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+            self.assertEqual(e.exception.code, "rate_limit_exceeded")
+            self.assertIn("at most 2", e.exception.message)
+            self.assertEqual(e.exception.response.headers["retry-after"], "1")
+        finally:
+            for s in streams:
+                s.close()
+
+
 class Models(unittest.TestCase):
     def test_list_and_retrieve(self):
         ids = sorted(m.id for m in client().models.list())

@@ -106,6 +106,8 @@ fn the_openai_sdk_works_against_tessera_serve() {
         // The suite's own bursts stay clear of the default limit; the rate-limit test
         // gives its organization a limit of its own.
         .args(["--rate-limit-rpm", "100000"])
+        // Supply states every two seconds rather than ten minutes, for the suite to see.
+        .args(["--supply-refresh-secs", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
