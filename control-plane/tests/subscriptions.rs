@@ -28,6 +28,7 @@ struct Fixture {
     store: Store,
     billing: Billing,
     clock: Arc<AtomicI64>,
+    processor: Arc<DevProcessor>,
     user: User,
     /// A model of this fixture's own: tests sharing a database do not share its supply.
     model: String,
@@ -37,10 +38,10 @@ impl Fixture {
     async fn new(store: Store, email: &str) -> Self {
         let clock = Arc::new(AtomicI64::new(T0));
         let now = clock.clone();
-        let billing =
-            store.billing(Arc::new(DevProcessor::default())).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
+        let processor = Arc::new(DevProcessor::default());
+        let billing = store.billing(processor.clone()).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
         let user = store.create_user(email).await.unwrap();
-        Self { store, billing, clock, user, model: format!("vendor-t/{email}") }
+        Self { store, billing, clock, processor, user, model: format!("vendor-t/{email}") }
     }
 
     fn at(&self, t: i64) {
@@ -278,6 +279,25 @@ async fn a_declined_renewal_leaves_the_plan_past_due(store: Store) {
     f.run(&key, 0).await.unwrap();
 }
 
+/// Two upgrades at once: whichever way they interleave, every charge kept is in the
+/// plan's `paid_micros`, and a charge for a change that lost the race is refunded.
+async fn racing_upgrades_keep_only_what_they_apply(store: Store) {
+    let f = Fixture::new(store, "fay@example.com").await;
+    let subs = f.billing.subscriptions();
+    subs.start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
+    let half = T0 + (add_months(T0, 1) - T0) / 2;
+    let (pro, max) = tokio::join!(subs.change(&f.user.id, Plan::Pro, half), subs.change(&f.user.id, Plan::Max, half));
+    let conflicts = [&pro, &max].iter().filter(|r| matches!(r, Err(PlanError::Conflict(_)))).count();
+    assert!([&pro, &max].iter().all(|r| r.is_ok() || matches!(r, Err(PlanError::Conflict(_)))), "{pro:?} {max:?}");
+    assert_eq!(f.processor.refunded().len(), conflicts);
+    let s = f.subscription().await;
+    let payments = subs.payments(&f.user.id).await.unwrap();
+    let kept: i64 = payments.iter().map(|p| p.amount_micros).sum();
+    assert_eq!(kept, s.paid_micros, "{payments:?}");
+    assert_eq!(s.included_micros, s.plan.included_for(s.paid_micros));
+    assert!(payments.iter().all(|p| !f.processor.refunded().contains(&p.processor_ref)));
+}
+
 /// Two control planes (two pools on one PostgreSQL) admit 40 requests of one Max user
 /// at once: exactly its concurrency (4) run; then the 5-hour cap holds exactly.
 async fn exact_across_control_planes(a: Store, b: Store) {
@@ -336,6 +356,7 @@ async fn on(store_url: impl Fn(&str) -> String) {
     credit_fallback_and_the_locked_discount(Store::open(&store_url("b")).await.unwrap()).await;
     concurrency_and_plan_changes(Store::open(&store_url("c")).await.unwrap()).await;
     a_declined_renewal_leaves_the_plan_past_due(Store::open(&store_url("d")).await.unwrap()).await;
+    racing_upgrades_keep_only_what_they_apply(Store::open(&store_url("e")).await.unwrap()).await;
 }
 
 #[tokio::test]

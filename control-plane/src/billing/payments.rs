@@ -50,6 +50,10 @@ pub trait PaymentProcessor: Send + Sync {
     fn method_kind(&self, method: &str) -> Option<MethodKind>;
 
     fn charge<'a>(&'a self, charge: &'a Charge) -> PaymentFuture<'a>;
+
+    /// Gives a charge back in full (one that paid for nothing: its plan change lost a
+    /// race with another).
+    fn refund<'a>(&'a self, reference: &'a str) -> PaymentFuture<'a>;
 }
 
 /// A stand-in processor for development and tests: no real payment processor can run
@@ -59,6 +63,14 @@ pub trait PaymentProcessor: Send + Sync {
 #[derive(Default)]
 pub struct DevProcessor {
     charged: Mutex<HashMap<String, Receipt>>,
+    refunded: Mutex<Vec<String>>,
+}
+
+impl DevProcessor {
+    /// The references of the charges refunded so far.
+    pub fn refunded(&self) -> Vec<String> {
+        self.refunded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 pub const DEV_CARD: &str = "pm_dev_card";
@@ -90,6 +102,18 @@ impl PaymentProcessor for DevProcessor {
             Ok(receipt.clone())
         })
     }
+
+    fn refund<'a>(&'a self, reference: &'a str) -> PaymentFuture<'a> {
+        Box::pin(async move {
+            let known =
+                self.charged.lock().unwrap_or_else(|e| e.into_inner()).values().any(|r| r.reference == reference);
+            if !known {
+                return Err(PaymentError::Unavailable(format!("no charge {reference} to refund")));
+            }
+            self.refunded.lock().unwrap_or_else(|e| e.into_inner()).push(reference.to_string());
+            Ok(Receipt { reference: format!("re_{reference}") })
+        })
+    }
 }
 
 #[cfg(test)]
@@ -113,5 +137,8 @@ mod tests {
         assert_ne!(p.charge(&charge("k2", DEV_CARD)).await.unwrap(), first);
         assert!(matches!(p.charge(&charge("k3", DEV_CARD_DECLINED)).await, Err(PaymentError::Declined(_))));
         assert!(matches!(p.charge(&charge("k4", "pm_nope")).await, Err(PaymentError::UnknownMethod(_))));
+        p.refund(&first.reference).await.unwrap();
+        assert_eq!(p.refunded(), [first.reference]);
+        assert!(p.refund("ch_unknown").await.is_err());
     }
 }

@@ -31,6 +31,8 @@ pub enum PlanError {
         "plans renew every month and need a recurring payment method (a card); {0:?} is one-time only and can buy credits"
     )]
     NotRecurring(String),
+    #[error("{0}'s plan changed while this change was being paid for; the charge was refunded: try again")]
+    Conflict(String),
     #[error("{0}")]
     Payment(#[from] PaymentError),
 }
@@ -164,6 +166,17 @@ macro_rules! sub_columns {
     };
 }
 
+/// Money taken through the processor, as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Payment {
+    /// The charge's idempotency key.
+    pub id: String,
+    pub purpose: String,
+    pub amount_micros: i64,
+    pub processor_ref: String,
+    pub created_at: i64,
+}
+
 /// What a plan change did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "change")]
@@ -215,7 +228,7 @@ impl Subscriptions {
             .bind(user_id)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
+        let inserted = sqlx::query(
             "INSERT INTO subscriptions (user_id, plan, status, payment_method, started_at, period, period_start, \
              period_end, paid_micros, included_micros) VALUES ($1, $2, 'active', $3, $4, 0, $4, $5, $6, $7)",
         )
@@ -227,10 +240,40 @@ impl Subscriptions {
         .bind(plan.price_micros())
         .bind(plan.included_micros())
         .execute(&mut *tx)
-        .await?;
+        .await;
+        if let Err(sqlx::Error::Database(e)) = &inserted
+            && e.is_unique_violation()
+        {
+            drop(tx);
+            self.refund(&receipt.reference).await;
+            let plan = self.get(user_id).await?.map_or("another", |s| s.plan.as_str());
+            return Err(PlanError::AlreadySubscribed(user_id.into(), plan));
+        }
+        inserted?;
         record_payment(&mut tx, &key, user_id, "plan", plan.price_micros(), method, &receipt.reference, now).await?;
         tx.commit().await?;
         Ok(self.get(user_id).await?.expect("just inserted"))
+    }
+
+    /// Payments recorded for `payer` (a user or an organization), oldest first.
+    pub async fn payments(&self, payer: &str) -> Result<Vec<Payment>, PlanError> {
+        let rows = sqlx::query(
+            "SELECT id, purpose, amount_micros, processor_ref, created_at FROM payments WHERE payer = $1 \
+             ORDER BY created_at, id",
+        )
+        .bind(payer)
+        .fetch_all(&self.pool)
+        .await?;
+        let payment = |r: &sqlx::any::AnyRow| -> Result<Payment, sqlx::Error> {
+            Ok(Payment {
+                id: r.try_get("id")?,
+                purpose: r.try_get("purpose")?,
+                amount_micros: r.try_get("amount_micros")?,
+                processor_ref: r.try_get("processor_ref")?,
+                created_at: r.try_get("created_at")?,
+            })
+        };
+        Ok(rows.iter().map(payment).collect::<Result<_, _>>()?)
     }
 
     /// Puts another payment method on file for renewals and upgrades; it must be
@@ -296,7 +339,14 @@ impl Subscriptions {
         .bind(s.period)
         .execute(&mut *tx)
         .await?;
-        if done.rows_affected() == 1 && charged > 0 {
+        if done.rows_affected() == 0 {
+            drop(tx);
+            if charged > 0 {
+                self.refund(&reference).await;
+            }
+            return Err(PlanError::Conflict(user_id.into()));
+        }
+        if charged > 0 {
             record_payment(&mut tx, &key, user_id, "upgrade", charged, &s.payment_method, &reference, now).await?;
         }
         tx.commit().await?;
@@ -454,6 +504,14 @@ impl Subscriptions {
         .await?;
         tx.commit().await?;
         Ok(Ok(()))
+    }
+
+    /// Refunds a charge that paid for nothing; a refund that fails is logged for
+    /// people to settle, since the plan change itself has been refused.
+    async fn refund(&self, reference: &str) {
+        if let Err(e) = self.processor.refund(reference).await {
+            tracing::error!("refunding charge {reference}, which paid for nothing: {e}");
+        }
     }
 
     fn recurring(&self, method: &str) -> Result<(), PlanError> {
