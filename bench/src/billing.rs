@@ -1,7 +1,8 @@
 //! What billing costs a request: the hold taken at admission and the settlement at the
 //! end, timed one by one (p50, p99) on SQLite and on PostgreSQL; then how many requests
 //! one process admits per second for one organization — key check and rate limit, with
-//! and without hold and settlement — side by side in the same run.
+//! and without hold and settlement — side by side in the same run. Holds and
+//! settlements of subscription requests are timed too.
 
 #[path = "../../control-plane/tests/support/postgres.rs"]
 mod postgres;
@@ -14,7 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tessera_control_plane::accounts::{BillingMode, NewKey, Store};
 use tessera_control_plane::billing::ledger::{NewHold, UsageRecord};
-use tessera_control_plane::limits::RateConfig;
+use tessera_control_plane::billing::payments::{DEV_CARD, DevProcessor};
+use tessera_control_plane::billing::plans::Plan;
+use tessera_control_plane::limits::{RateConfig, now_us};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -88,6 +91,25 @@ async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
     holds.sort_by(f64::total_cmp);
     settles.sort_by(f64::total_cmp);
 
+    // The same for a personal key on a plan: its hold checks the month, both windows
+    // and the plan's concurrency on the subscription's row.
+    let user = store.create_user("bench@example.com").await?;
+    let subscriptions = store.subscriptions(Arc::new(DevProcessor::default()));
+    subscriptions.start(&user.id, Plan::Max, DEV_CARD, now_us()).await?;
+    let (mut sub_holds, mut sub_settles) = (Vec::new(), Vec::new());
+    for i in 0..args.iterations {
+        let id = format!("sub-{i}");
+        let t = Instant::now();
+        let admitted = subscriptions.hold(&user.org_id, &id, 5_000, now_us()).await?;
+        sub_holds.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(admitted.is_ok(), "the plan refused a benchmark request: {admitted:?}");
+        let t = Instant::now();
+        ledger.settle(&UsageRecord { funding: "subscription".into(), ..usage(id, &user.org_id) }).await?;
+        sub_settles.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    sub_holds.sort_by(f64::total_cmp);
+    sub_settles.sort_by(f64::total_cmp);
+
     let mut rates = Vec::new();
     for billing in [false, true] {
         let done = Arc::new(AtomicU64::new(0));
@@ -129,6 +151,10 @@ async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
             "hold_p99_us": round(percentile(&holds, 0.99)),
             "settle_p50_us": round(percentile(&settles, 0.5)),
             "settle_p99_us": round(percentile(&settles, 0.99)),
+            "subscription_hold_p50_us": round(percentile(&sub_holds, 0.5)),
+            "subscription_hold_p99_us": round(percentile(&sub_holds, 0.99)),
+            "subscription_settle_p50_us": round(percentile(&sub_settles, 0.5)),
+            "subscription_settle_p99_us": round(percentile(&sub_settles, 0.99)),
             "concurrency": args.concurrency,
             "admitted_per_s_billing_off": round(rates[0]),
             "admitted_per_s_billing_on": round(rates[1]),
