@@ -274,6 +274,8 @@ async fn a_declined_renewal_leaves_the_plan_past_due(store: Store) {
     f.at(add_months(T0, 1));
     assert!(matches!(f.run(&key, 0).await, Err(ApiError::InsufficientQuota { .. })));
     assert_eq!(f.subscription().await.status, Status::PastDue);
+    let change = subs.change(&f.user.id, Plan::Max, add_months(T0, 1)).await;
+    assert!(matches!(change, Err(PlanError::PastDue(_))), "{change:?}");
     // Started again with a good card, it is active from now.
     subs.start(&f.user.id, Plan::Basic, DEV_CARD, add_months(T0, 1)).await.unwrap();
     f.run(&key, 0).await.unwrap();

@@ -25,6 +25,8 @@ pub enum PlanError {
     AlreadySubscribed(String, &'static str),
     #[error("{0} has no plan")]
     NoPlan(String),
+    #[error("{0}'s renewal payment failed: start the plan again (`tessera plans start`) with a working card")]
+    PastDue(String),
     #[error("{0} is already on the {1} plan")]
     SamePlan(String, &'static str),
     #[error(
@@ -296,6 +298,9 @@ impl Subscriptions {
     /// period, less what was already spent. Downgrades wait for the next period.
     pub async fn change(&self, user_id: &str, plan: Plan, now: i64) -> Result<Change, PlanError> {
         let mut s = self.current(user_id, now).await?;
+        if s.status == Status::PastDue {
+            return Err(PlanError::PastDue(user_id.into()));
+        }
         if plan == s.plan {
             if s.pending_plan.is_none() {
                 return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
