@@ -19,6 +19,8 @@ CREATE TABLE users (
 -- windows start with the first request after they lapse (NULL: not running).
 CREATE TABLE subscriptions (
     user_id TEXT PRIMARY KEY REFERENCES users (id),
+    -- new each time a plan is started: names its charges (idempotency keys)
+    id TEXT NOT NULL UNIQUE,
     plan TEXT NOT NULL,
     -- a downgrade, taking effect when the period renews
     pending_plan TEXT,
@@ -56,9 +58,18 @@ CREATE TABLE payments (
     created_at BIGINT NOT NULL
 );
 
--- A hold is paid from credits (`org_id`'s balance) or from `user_id`'s included usage.
+-- A hold is paid from credits (`org_id`'s balance) or from `user_id`'s included usage,
+-- and is owned by the control-plane process that took it (`owner`).
 ALTER TABLE holds ADD COLUMN funding TEXT NOT NULL DEFAULT 'credits';
 ALTER TABLE holds ADD COLUMN user_id TEXT;
+ALTER TABLE holds ADD COLUMN owner TEXT;
+
+-- Control-plane processes alive, by heartbeat (µs): the holds of one that stops beating
+-- are released, so that a crash frees a plan's concurrency within a minute, not a day.
+CREATE TABLE control_planes (
+    id TEXT PRIMARY KEY,
+    heartbeat_at BIGINT NOT NULL
+);
 
 -- Each model's supply state per refresh slot (slot = start time / refresh interval),
 -- written once by whichever control plane computes it first: every control plane reads

@@ -3,6 +3,7 @@
 
 use crate::accounts::{BillingMode, NewKey, Store};
 use crate::api::{self, AppState};
+use crate::billing::Billing;
 use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
 use crate::billing::supply::{Refresher, Supply};
@@ -39,6 +40,8 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));
+    billing.heartbeat(DEAD_AFTER.as_micros() as i64).await?;
+    tokio::spawn(keep_alive(billing.clone()));
     tokio::spawn(release_stale_holds(store.ledger()));
     tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
     let loads: Vec<(String, Arc<Replica>)> = models.all().map(|m| (m.entry.id.clone(), m.replica.clone())).collect();
@@ -105,9 +108,27 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
     Ok(())
 }
 
-/// Holds a control plane took and never settled because it died mid-request: their
-/// credit goes back to the organization once no request can still be running on them
-/// (the longest generation takes minutes; a day is far past it).
+/// A control plane silent this long is dead: the holds it took are released.
+const DEAD_AFTER: Duration = Duration::from_secs(60);
+
+/// Beats this process's heart every 10 s, releasing the holds of processes that died
+/// mid-request (their credit back to the organizations, their plan concurrency back to
+/// the users).
+async fn keep_alive(billing: Billing) {
+    let mut every = tokio::time::interval(Duration::from_secs(10));
+    loop {
+        every.tick().await;
+        match billing.heartbeat(DEAD_AFTER.as_micros() as i64).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!("released {n} holds of a control plane that stopped"),
+            Err(e) => tracing::error!("heartbeat: {e}"),
+        }
+    }
+}
+
+/// Holds that no live process owns and no heartbeat covers (taken before holds had
+/// owners): their credit goes back to the organization once no request can still be
+/// running on them (the longest generation takes minutes; a day is far past it).
 async fn release_stale_holds(ledger: crate::billing::Ledger) {
     const STALE_SECS: i64 = 24 * 3600;
     let mut every = tokio::time::interval(Duration::from_secs(3600));

@@ -84,6 +84,8 @@ impl UsageRecord {
 #[derive(Clone)]
 pub struct Ledger {
     pool: AnyPool,
+    /// The control-plane process whose holds these are; its heartbeat keeps them.
+    owner: Option<String>,
 }
 
 fn org_account(org: &str) -> String {
@@ -110,7 +112,38 @@ fn amount(v: u64) -> Result<i64, LedgerError> {
 
 impl Ledger {
     pub fn new(pool: AnyPool) -> Self {
-        Self { pool }
+        Self { pool, owner: None }
+    }
+
+    /// The same, taking holds on behalf of control-plane process `owner`.
+    pub fn owned_by(self, owner: &str) -> Self {
+        Self { owner: Some(owner.into()), ..self }
+    }
+
+    /// Records that control-plane process `owner` is alive at `now_us`.
+    pub async fn heartbeat(&self, owner: &str, now_us: i64) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO control_planes (id, heartbeat_at) VALUES ($1, $2) \
+             ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+        )
+        .bind(owner)
+        .bind(now_us)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Settles as unused every open hold whose owning process has not beaten its heart
+    /// since `alive_since_us`. Returns how many.
+    pub async fn release_orphaned(&self, alive_since_us: i64) -> Result<u32, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT request_id, org_id FROM holds WHERE settled_at IS NULL AND owner IS NOT NULL \
+             AND owner NOT IN (SELECT id FROM control_planes WHERE heartbeat_at >= $1)",
+        )
+        .bind(alive_since_us)
+        .fetch_all(&self.pool)
+        .await?;
+        self.settle_unused(rows).await
     }
 
     /// Credit for an organization from outside the ledger (a grant or a purchase).
@@ -194,11 +227,12 @@ impl Ledger {
             )
             .await?;
         }
-        sqlx::query("INSERT INTO holds (request_id, org_id, amount, created_at) VALUES ($1, $2, $3, $4)")
+        sqlx::query("INSERT INTO holds (request_id, org_id, amount, created_at, owner) VALUES ($1, $2, $3, $4, $5)")
             .bind(&h.request_id)
             .bind(&h.org_id)
             .bind(micros)
             .bind(now())
+            .bind(&self.owner)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -297,6 +331,10 @@ impl Ledger {
             .bind(now() - age_secs)
             .fetch_all(&self.pool)
             .await?;
+        self.settle_unused(rows).await
+    }
+
+    async fn settle_unused(&self, rows: Vec<sqlx::any::AnyRow>) -> Result<u32, LedgerError> {
         let mut released = 0;
         for r in rows {
             let (id, org): (String, String) = (r.try_get("request_id")?, r.try_get("org_id")?);

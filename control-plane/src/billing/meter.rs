@@ -10,7 +10,7 @@
 //! wait for them.
 
 use super::cost::{Tokens, cost_micros, usd, worst_case_micros};
-use super::ledger::{Admission, Ledger, NewHold, UsageRecord};
+use super::ledger::{Admission, Ledger, LedgerError, NewHold, UsageRecord};
 use super::subscriptions::{Refusal, Subscriptions};
 use super::supply::Supply;
 use crate::accounts::{ApiKey, BillingMode};
@@ -28,6 +28,8 @@ pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 
 #[derive(Clone)]
 pub struct Billing {
+    /// This control-plane process, as the owner of its holds.
+    process: String,
     ledger: Ledger,
     subscriptions: Subscriptions,
     supply: Supply,
@@ -65,10 +67,14 @@ enum Refused {
 }
 
 impl Billing {
+    /// Billing for one control-plane process: its holds are taken in the name of a
+    /// fresh process id, which `heartbeat` keeps alive.
     pub fn new(ledger: Ledger, subscriptions: Subscriptions, supply: Supply) -> Self {
+        let process = crate::accounts::keys::random_id("cp_");
         Self {
-            ledger,
-            subscriptions,
+            ledger: ledger.owned_by(&process),
+            subscriptions: subscriptions.owned_by(&process),
+            process,
             supply,
             clock: Arc::new(crate::limits::now_us),
             tasks: TaskTracker::new(),
@@ -179,6 +185,15 @@ impl Billing {
         });
         self.open.lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
         Meter(inner)
+    }
+
+    /// Says this process is alive, and releases the holds of processes that stopped
+    /// saying so for `dead_after_us` (crashed mid-request): their credit returns to the
+    /// organizations, their concurrency slots to the users. Returns how many.
+    pub async fn heartbeat(&self, dead_after_us: i64) -> Result<u32, LedgerError> {
+        let now = (self.clock)();
+        self.ledger.heartbeat(&self.process, now).await?;
+        self.ledger.release_orphaned(now - dead_after_us).await
     }
 
     /// Waits for the holds and settlements in flight (tests: a dropped meter settles
@@ -301,6 +316,12 @@ fn refusal_error(refusal: Refusal, now: i64) -> ApiError {
             message: "This key is billed to a subscription whose renewal payment failed. Update the payment method \
                       and start the plan again, or use a key with credit fallback."
                 .into(),
+        },
+        Refusal::Renewing => ApiError::SubscriptionLimited {
+            message: "Your plan's new period could not be paid for yet (the payment processor did not answer); it \
+                      is tried again with your next request."
+                .into(),
+            retry_after_us: 60_000_000,
         },
         Refusal::Concurrency { limit } => ApiError::SubscriptionLimited {
             message: format!(

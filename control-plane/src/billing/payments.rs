@@ -58,7 +58,8 @@ pub trait PaymentProcessor: Send + Sync {
 
 /// A stand-in processor for development and tests: no real payment processor can run
 /// here. Its methods: `pm_dev_card` (recurring, always succeeds), `pm_dev_crypto`
-/// (one-time, always succeeds), `pm_dev_card_declined` (recurring, always declined).
+/// (one-time, always succeeds), `pm_dev_card_declined` (recurring, always declined),
+/// `pm_dev_card_unreachable` (recurring; the processor never answers for it).
 /// It remembers charges by idempotency key, as real processors do.
 #[derive(Default)]
 pub struct DevProcessor {
@@ -76,11 +77,12 @@ impl DevProcessor {
 pub const DEV_CARD: &str = "pm_dev_card";
 pub const DEV_CRYPTO: &str = "pm_dev_crypto";
 pub const DEV_CARD_DECLINED: &str = "pm_dev_card_declined";
+pub const DEV_CARD_UNREACHABLE: &str = "pm_dev_card_unreachable";
 
 impl PaymentProcessor for DevProcessor {
     fn method_kind(&self, method: &str) -> Option<MethodKind> {
         match method {
-            DEV_CARD | DEV_CARD_DECLINED => Some(MethodKind::Recurring),
+            DEV_CARD | DEV_CARD_DECLINED | DEV_CARD_UNREACHABLE => Some(MethodKind::Recurring),
             DEV_CRYPTO => Some(MethodKind::OneTime),
             _ => None,
         }
@@ -92,6 +94,9 @@ impl PaymentProcessor for DevProcessor {
                 None => return Err(PaymentError::UnknownMethod(charge.method.clone())),
                 Some(_) if charge.method == DEV_CARD_DECLINED => {
                     return Err(PaymentError::Declined("the development card that always declines".into()));
+                }
+                Some(_) if charge.method == DEV_CARD_UNREACHABLE => {
+                    return Err(PaymentError::Unavailable("the development processor did not answer".into()));
                 }
                 Some(_) => {}
             }

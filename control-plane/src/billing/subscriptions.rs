@@ -9,8 +9,9 @@
 //! Control planes sharing a PostgreSQL queue on that row lock, so neither the caps nor
 //! the concurrency can be overshot however many of them admit at once.
 
-use super::payments::{Charge, MethodKind, PaymentError, PaymentProcessor};
+use super::payments::{Charge, MethodKind, PaymentError, PaymentProcessor, Receipt};
 use super::plans::{Plan, WINDOW_5H_US, WINDOW_7D_US, add_months};
+use crate::accounts::keys;
 use serde::Serialize;
 use sqlx::{Any, AnyPool, Row, Transaction};
 use std::sync::Arc;
@@ -68,6 +69,8 @@ impl Window {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Subscription {
     pub user_id: String,
+    /// New each time the plan is started; its charges are named after it.
+    pub id: String,
     pub plan: Plan,
     /// A downgrade waiting for the next period.
     pub pending_plan: Option<Plan>,
@@ -99,6 +102,9 @@ pub enum Refusal {
     Concurrency {
         limit: u32,
     },
+    /// The period is over and its renewal could not be charged yet (the processor
+    /// did not answer): tried again with the next request.
+    Renewing,
     /// A window (or the month) cannot cover the request's worst case until it resets.
     Exhausted {
         window: &'static str,
@@ -158,11 +164,13 @@ impl Subscription {
 pub struct Subscriptions {
     pool: AnyPool,
     processor: Arc<dyn PaymentProcessor>,
+    /// The control-plane process whose holds these are (see `Ledger::owned_by`).
+    owner: Option<String>,
 }
 
 macro_rules! sub_columns {
     () => {
-        "user_id, plan, pending_plan, status, payment_method, started_at, period, period_start, period_end, \
+        "user_id, id, plan, pending_plan, status, payment_method, started_at, period, period_start, period_end, \
          paid_micros, included_micros, spent_micros, held_micros, in_flight, window_5h_start, window_5h_spent, \
          window_7d_start, window_7d_spent"
     };
@@ -193,7 +201,12 @@ pub enum Change {
 
 impl Subscriptions {
     pub fn new(pool: AnyPool, processor: Arc<dyn PaymentProcessor>) -> Self {
-        Self { pool, processor }
+        Self { pool, processor, owner: None }
+    }
+
+    /// The same, taking holds on behalf of control-plane process `owner`.
+    pub fn owned_by(self, owner: &str) -> Self {
+        Self { owner: Some(owner.into()), ..self }
     }
 
     pub fn processor(&self) -> &dyn PaymentProcessor {
@@ -215,46 +228,54 @@ impl Subscriptions {
         if exists.is_none() {
             return Err(PlanError::NoUser(user_id.into()));
         }
-        if let Some(s) = self.get(user_id).await?
-            && s.status == Status::Active
-        {
-            return Err(PlanError::AlreadySubscribed(user_id.into(), s.plan.as_str()));
-        }
+        let past_due = match self.get(user_id).await? {
+            Some(s) if s.status == Status::Active => {
+                return Err(PlanError::AlreadySubscribed(user_id.into(), s.plan.as_str()));
+            }
+            Some(_) => true,
+            None => false,
+        };
         self.recurring(method)?;
-        let key = format!("plan:{user_id}:{now}");
+        let id = keys::random_id("sub_");
+        let key = format!("plan:{id}");
         let receipt = self.charge(&key, method, plan.price_micros(), format!("{} plan", plan.as_str())).await?;
-        let mut tx = self.pool.begin().await?;
-        // A past-due subscription is replaced; an active one (raced in by another
-        // operator since the check) is not, and the insert below fails.
-        sqlx::query("DELETE FROM subscriptions WHERE user_id = $1 AND status = 'past_due'")
-            .bind(user_id)
-            .execute(&mut *tx)
-            .await?;
-        let inserted = sqlx::query(
-            "INSERT INTO subscriptions (user_id, plan, status, payment_method, started_at, period, period_start, \
-             period_end, paid_micros, included_micros) VALUES ($1, $2, 'active', $3, $4, 0, $4, $5, $6, $7)",
-        )
-        .bind(user_id)
-        .bind(plan.as_str())
-        .bind(method)
-        .bind(now)
-        .bind(add_months(now, 1))
-        .bind(plan.price_micros())
-        .bind(plan.included_micros())
-        .execute(&mut *tx)
-        .await;
-        if let Err(sqlx::Error::Database(e)) = &inserted
-            && e.is_unique_violation()
-        {
-            drop(tx);
-            self.refund(&receipt.reference).await;
-            let plan = self.get(user_id).await?.map_or("another", |s| s.plan.as_str());
-            return Err(PlanError::AlreadySubscribed(user_id.into(), plan));
-        }
-        inserted?;
-        record_payment(&mut tx, &key, user_id, "plan", plan.price_micros(), method, &receipt.reference, now).await?;
-        tx.commit().await?;
-        Ok(self.get(user_id).await?.expect("just inserted"))
+        let written = async {
+            let mut tx = self.pool.begin().await?;
+            // A past-due plan is started again in place, keeping the holds and
+            // concurrency of its requests still in flight; a plan raced in by another
+            // operator since the check above makes this write fail.
+            let sql = if past_due {
+                "UPDATE subscriptions SET id = $2, plan = $3, pending_plan = NULL, status = 'active',                  payment_method = $4, started_at = $5, period = 0, period_start = $5, period_end = $6,                  paid_micros = $7, included_micros = $8, spent_micros = 0, window_5h_start = NULL,                  window_5h_spent = 0, window_7d_start = NULL, window_7d_spent = 0                  WHERE user_id = $1 AND status = 'past_due'"
+            } else {
+                "INSERT INTO subscriptions (user_id, id, plan, status, payment_method, started_at, period,                  period_start, period_end, paid_micros, included_micros)                  VALUES ($1, $2, $3, 'active', $4, $5, 0, $5, $6, $7, $8)"
+            };
+            let done = sqlx::query(sql)
+                .bind(user_id)
+                .bind(&id)
+                .bind(plan.as_str())
+                .bind(method)
+                .bind(now)
+                .bind(add_months(now, 1))
+                .bind(plan.price_micros())
+                .bind(plan.included_micros())
+                .execute(&mut *tx)
+                .await;
+            let raced = match &done {
+                Ok(d) => d.rows_affected() == 0,
+                Err(sqlx::Error::Database(e)) => e.is_unique_violation(),
+                Err(_) => false,
+            };
+            if raced {
+                return Err(PlanError::Conflict(user_id.into()));
+            }
+            done?;
+            record_payment(&mut tx, &key, user_id, "plan", plan.price_micros(), method, &receipt.reference, now)
+                .await?;
+            tx.commit().await?;
+            Ok(())
+        };
+        self.keep_or_refund(&receipt, written.await).await?;
+        self.get(user_id).await?.ok_or_else(|| PlanError::NoPlan(user_id.into()))
     }
 
     /// Payments recorded for `payer` (a user or an organization), oldest first.
@@ -301,60 +322,72 @@ impl Subscriptions {
         if s.status == Status::PastDue {
             return Err(PlanError::PastDue(user_id.into()));
         }
-        if plan == s.plan {
-            if s.pending_plan.is_none() {
-                return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
-            }
-            sqlx::query("UPDATE subscriptions SET pending_plan = NULL WHERE user_id = $1")
-                .bind(user_id)
-                .execute(&self.pool)
-                .await?;
-            return Ok(Change::DowngradeCancelled);
+        if plan == s.plan && s.pending_plan.is_none() {
+            return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
         }
-        if plan < s.plan {
-            sqlx::query("UPDATE subscriptions SET pending_plan = $1 WHERE user_id = $2")
-                .bind(plan.as_str())
-                .bind(user_id)
-                .execute(&self.pool)
-                .await?;
-            return Ok(Change::DowngradeScheduled { at: s.period_end });
+        if plan <= s.plan {
+            // Scheduling or calling off a downgrade, for this period only: a renewal
+            // in between makes it a conflict.
+            let pending = (plan < s.plan).then_some(plan.as_str());
+            let done = sqlx::query(
+                "UPDATE subscriptions SET pending_plan = $1 WHERE user_id = $2 AND period = $3 AND status = 'active'",
+            )
+            .bind(pending)
+            .bind(user_id)
+            .bind(s.period)
+            .execute(&self.pool)
+            .await?;
+            if done.rows_affected() == 0 {
+                return Err(PlanError::Conflict(user_id.into()));
+            }
+            return Ok(match pending {
+                Some(_) => Change::DowngradeScheduled { at: s.period_end },
+                None => Change::DowngradeCancelled,
+            });
         }
         let (length, rest) = ((s.period_end - s.period_start) as i128, (s.period_end - now).max(0) as i128);
         let difference = (plan.price_micros() - s.plan.price_micros()) as i128;
         let charged = ((difference * rest + length / 2) / length) as i64;
-        let key = format!("upgrade:{user_id}:{}:{}", s.period, plan.as_str());
-        let reference = if charged > 0 {
+        // Each attempt its own charge: one that loses a race is refunded alone.
+        let key = format!("upgrade:{}:{}", s.id, keys::random_id(""));
+        let receipt = if charged > 0 {
             let description = format!("upgrade to {}, pro-rated", plan.as_str());
-            self.charge(&key, &s.payment_method, charged, description).await?.reference
+            Some(self.charge(&key, &s.payment_method, charged, description).await?)
         } else {
-            String::new()
+            None
         };
         s.paid_micros += charged;
-        let mut tx = self.pool.begin().await?;
-        // Only if nothing changed the plan or the period since it was read.
-        let done = sqlx::query(
-            "UPDATE subscriptions SET plan = $1, pending_plan = NULL, paid_micros = $2, included_micros = $3 \
-             WHERE user_id = $4 AND plan = $5 AND period = $6",
-        )
-        .bind(plan.as_str())
-        .bind(s.paid_micros)
-        .bind(plan.included_for(s.paid_micros))
-        .bind(user_id)
-        .bind(s.plan.as_str())
-        .bind(s.period)
-        .execute(&mut *tx)
-        .await?;
-        if done.rows_affected() == 0 {
-            drop(tx);
-            if charged > 0 {
-                self.refund(&reference).await;
+        let written = async {
+            let mut tx = self.pool.begin().await?;
+            // Only if nothing changed the plan or the period since it was read.
+            let done = sqlx::query(
+                "UPDATE subscriptions SET plan = $1, pending_plan = NULL, paid_micros = $2, included_micros = $3 \
+                 WHERE user_id = $4 AND plan = $5 AND period = $6 AND id = $7 AND status = 'active'",
+            )
+            .bind(plan.as_str())
+            .bind(s.paid_micros)
+            .bind(plan.included_for(s.paid_micros))
+            .bind(user_id)
+            .bind(s.plan.as_str())
+            .bind(s.period)
+            .bind(&s.id)
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 0 {
+                return Err(PlanError::Conflict(user_id.into()));
             }
-            return Err(PlanError::Conflict(user_id.into()));
+            if let Some(r) = &receipt {
+                record_payment(&mut tx, &key, user_id, "upgrade", charged, &s.payment_method, &r.reference, now)
+                    .await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        };
+        let written = written.await;
+        match &receipt {
+            Some(r) => self.keep_or_refund(r, written).await?,
+            None => written?,
         }
-        if charged > 0 {
-            record_payment(&mut tx, &key, user_id, "upgrade", charged, &s.payment_method, &reference, now).await?;
-        }
-        tx.commit().await?;
         Ok(Change::Upgraded { charged_micros: charged })
     }
 
@@ -392,25 +425,33 @@ impl Subscriptions {
 
     /// Moves a subscription into the period that contains `now`, charging that period's
     /// price (the pending downgrade's, if any): included usage starts afresh, unspent
-    /// usage does not roll over. A declined payment leaves it past due. Periods missed
-    /// while nothing ran are not charged. True if this call renewed it.
+    /// usage does not roll over. A declined payment leaves it past due; a processor
+    /// that cannot be reached leaves it due, to be tried again. Periods missed while
+    /// nothing ran are not charged. True if this call renewed it.
+    ///
+    /// Control planes renewing the same period at once send the same idempotency key,
+    /// so the processor charges once; one of them writes the new period.
     async fn renew(&self, s: &Subscription, now: i64) -> Result<bool, PlanError> {
         let mut period = s.period + 1;
         while add_months(s.started_at, period + 1) <= now {
             period += 1;
         }
         let plan = s.pending_plan.unwrap_or(s.plan);
-        let key = format!("renewal:{}:{period}", s.user_id);
+        let key = format!("renewal:{}:{period}", s.id);
         let description = format!("{} plan, month {}", plan.as_str(), period + 1);
         let receipt = match self.charge(&key, &s.payment_method, plan.price_micros(), description).await {
             Ok(r) => r,
-            Err(PlanError::Payment(e)) => {
+            Err(PlanError::Payment(e @ (PaymentError::Declined(_) | PaymentError::UnknownMethod(_)))) => {
                 tracing::warn!("{}'s renewal was not paid: {e}", s.user_id);
-                sqlx::query("UPDATE subscriptions SET status = 'past_due' WHERE user_id = $1 AND period = $2")
-                    .bind(&s.user_id)
-                    .bind(s.period)
-                    .execute(&self.pool)
-                    .await?;
+                sqlx::query(
+                    "UPDATE subscriptions SET status = 'past_due' WHERE user_id = $1 AND id = $2 AND period = $3 \
+                     AND status = 'active'",
+                )
+                .bind(&s.user_id)
+                .bind(&s.id)
+                .bind(s.period)
+                .execute(&self.pool)
+                .await?;
                 return Ok(false);
             }
             Err(e) => return Err(e),
@@ -418,7 +459,8 @@ impl Subscriptions {
         let mut tx = self.pool.begin().await?;
         let done = sqlx::query(
             "UPDATE subscriptions SET plan = $1, pending_plan = NULL, period = $2, period_start = $3, period_end = $4, \
-             paid_micros = $5, included_micros = $6, spent_micros = 0 WHERE user_id = $7 AND period = $8",
+             paid_micros = $5, included_micros = $6, spent_micros = 0 \
+             WHERE user_id = $7 AND id = $8 AND period = $9 AND status = 'active'",
         )
         .bind(plan.as_str())
         .bind(period)
@@ -427,22 +469,14 @@ impl Subscriptions {
         .bind(plan.price_micros())
         .bind(plan.included_micros())
         .bind(&s.user_id)
+        .bind(&s.id)
         .bind(s.period)
         .execute(&mut *tx)
         .await?;
         let renewed = done.rows_affected() == 1;
         if renewed {
-            record_payment(
-                &mut tx,
-                &key,
-                &s.user_id,
-                "renewal",
-                plan.price_micros(),
-                &s.payment_method,
-                &receipt.reference,
-                now,
-            )
-            .await?;
+            let (price, method) = (plan.price_micros(), &s.payment_method);
+            record_payment(&mut tx, &key, &s.user_id, "renewal", price, method, &receipt.reference, now).await?;
         }
         tx.commit().await?;
         Ok(renewed)
@@ -465,6 +499,10 @@ impl Subscriptions {
         match self.current(&user_id, now).await {
             Ok(_) => {}
             Err(PlanError::NoPlan(_)) => return Ok(Err(Refusal::NoPlan)),
+            Err(PlanError::Payment(e)) => {
+                tracing::warn!("{user_id}'s renewal is due and could not be charged yet: {e}");
+                return Ok(Err(Refusal::Renewing));
+            }
             Err(e) => return Err(e),
         }
         let mut tx = self.pool.begin().await?;
@@ -497,18 +535,28 @@ impl Subscriptions {
         .execute(&mut *tx)
         .await?;
         sqlx::query(
-            "INSERT INTO holds (request_id, org_id, amount, created_at, funding, user_id) \
-             VALUES ($1, $2, $3, $4, 'subscription', $5)",
+            "INSERT INTO holds (request_id, org_id, amount, created_at, funding, user_id, owner) \
+             VALUES ($1, $2, $3, $4, 'subscription', $5, $6)",
         )
         .bind(request_id)
         .bind(org_id)
         .bind(amount)
         .bind(now / 1_000_000)
         .bind(&user_id)
+        .bind(&self.owner)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok(Ok(()))
+    }
+
+    /// A charge whose plan change was then not written is refunded: it paid for
+    /// nothing.
+    async fn keep_or_refund(&self, receipt: &Receipt, written: Result<(), PlanError>) -> Result<(), PlanError> {
+        if written.is_err() {
+            self.refund(&receipt.reference).await;
+        }
+        written
     }
 
     /// Refunds a charge that paid for nothing; a refund that fails is logged for
@@ -533,7 +581,7 @@ impl Subscriptions {
         method: &str,
         amount_micros: i64,
         description: String,
-    ) -> Result<super::payments::Receipt, PlanError> {
+    ) -> Result<Receipt, PlanError> {
         let charge = Charge { idempotency_key: key.into(), method: method.into(), amount_micros, description };
         Ok(self.processor.charge(&charge).await?)
     }
@@ -541,7 +589,9 @@ impl Subscriptions {
 
 /// Settles a subscription hold (inside `Ledger::settle`'s transaction): the hold is
 /// returned, the cost spent from the period and both windows, the concurrency slot
-/// freed. A request that outlived its window or period counts in the one running now.
+/// freed. A request counts against the windows that admitted it, whose caps covered
+/// its hold; if they have lapsed meanwhile, the cost lands in counters the next
+/// admission clears (or in windows begun since, erring on the side of the caps).
 pub(super) async fn settle(
     tx: &mut Transaction<'_, Any>,
     user_id: &str,
@@ -598,6 +648,7 @@ fn sub_from_row(r: &sqlx::any::AnyRow) -> Result<Subscription, sqlx::Error> {
     let status: String = r.try_get("status")?;
     Ok(Subscription {
         user_id: r.try_get("user_id")?,
+        id: r.try_get("id")?,
         plan: plan("plan")?.ok_or_else(|| sqlx::Error::Decode("a subscription without a plan".into()))?,
         pending_plan: plan("pending_plan")?,
         status: if status == "past_due" { Status::PastDue } else { Status::Active },
@@ -623,6 +674,7 @@ mod tests {
     fn fresh(plan: Plan) -> Subscription {
         Subscription {
             user_id: "u".into(),
+            id: "sub_t".into(),
             plan,
             pending_plan: None,
             status: Status::Active,

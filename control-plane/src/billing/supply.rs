@@ -208,20 +208,27 @@ pub struct Refresher {
     supply: Supply,
     slot_us: i64,
     slot: i64,
+    /// When this refresher began sampling the current slot.
+    began_us: i64,
     samples: HashMap<String, Samples>,
 }
 
 impl Refresher {
     pub fn new(supply: Supply, slot: Duration, now_us: i64) -> Self {
         let slot_us = (slot.as_micros() as i64).max(1);
-        Self { supply, slot_us, slot: now_us / slot_us, samples: HashMap::new() }
+        Self { supply, slot_us, slot: now_us / slot_us, began_us: now_us, samples: HashMap::new() }
     }
 
     /// Takes one sample of each model's replicas' latest reports; at a slot's end,
     /// records every model's state for the slot that begins.
     pub async fn sample(&mut self, now_us: i64, loads: &[(String, Vec<pb::LoadReport>)]) -> Result<(), sqlx::Error> {
         let slot = now_us / self.slot_us;
-        if slot != self.slot {
+        // A refresher that saw less than half of the slot (it started late) leaves the
+        // slot's state to one that saw more, or to the next slot.
+        let saw_enough = self.began_us <= self.slot * self.slot_us + self.slot_us / 2;
+        if slot != self.slot && !saw_enough {
+            self.supply.reload().await?;
+        } else if slot != self.slot {
             let models: Vec<&String> = loads.iter().map(|(m, _)| m).collect();
             for model in models {
                 let s = self.samples.get(model).copied().unwrap_or_default();
@@ -236,8 +243,11 @@ impl Refresher {
                 };
                 self.supply.record(point).await?;
             }
+        }
+        if slot != self.slot {
             self.samples.clear();
             self.slot = slot;
+            self.began_us = slot * self.slot_us;
         }
         for (model, reports) in loads {
             if let Some(l) = load_bp(reports) {
@@ -316,6 +326,11 @@ mod tests {
         let c = store.supply();
         c.reload().await.unwrap();
         assert_eq!(c.state(&model), SupplyState::Surplus);
+        // A control plane that starts late in slot 11 does not decide slot 12.
+        let mut late = Refresher::new(c.clone(), slot, 11 * slot_us + slot_us * 3 / 4);
+        late.sample(11 * slot_us + slot_us * 3 / 4, &idle).await.unwrap();
+        late.sample(12 * slot_us, &idle).await.unwrap();
+        assert_eq!(c.state(&model), SupplyState::Surplus, "slot 11's state still");
         // Slot 12, from B's samples (A is gone): low; the history has both.
         rb.sample(12 * slot_us, &busy).await.unwrap();
         assert_eq!(b.state(&model), SupplyState::Low);
