@@ -37,6 +37,23 @@ pub enum Command {
     /// Each model's supply state (the subscription discount) and its history.
     #[command(subcommand)]
     Supply(SupplyCommand),
+    /// The cluster's nodes (etcd).
+    #[command(subcommand)]
+    Nodes(NodesCommand),
+    /// Desired replicas per model (etcd).
+    #[command(subcommand)]
+    Deployments(DeploymentsCommand),
+    /// The replicas running in the cluster (etcd).
+    #[command(subcommand)]
+    Replicas(ReplicasCommand),
+}
+
+/// Where the cluster's state is: etcd.
+#[derive(Args, Clone, Debug)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated.
+    #[arg(long, env = "TESSERA_ETCD", value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
 }
 
 /// Where accounts are stored; shared by `serve` and the operator commands.
@@ -278,6 +295,80 @@ pub enum SupplyCommand {
         hours: u32,
         #[command(flatten)]
         store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum NodesCommand {
+    /// Every live node: state, devices, labels, cordon and drain, replica count.
+    List {
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Places nothing new on a node (what runs there stays).
+    Cordon {
+        node: String,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Undoes cordon and drain.
+    Uncordon {
+        node: String,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Moves a node's replicas elsewhere, each leaving once its replacement is ready.
+    Drain {
+        node: String,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DeploymentsCommand {
+    /// Writes the `[[deployment]]` tables of a TOML file (model, replicas,
+    /// tensor_parallel, constraints).
+    Apply {
+        file: PathBuf,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    List {
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sets a deployed model's replica count.
+    Scale {
+        model: String,
+        replicas: u32,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ReplicasCommand {
+    /// Every replica: model, node, state, devices, address and live load.
+    List {
+        #[command(flatten)]
+        etcd: EtcdArgs,
         #[arg(long)]
         json: bool,
     },

@@ -6,6 +6,7 @@ pub mod api;
 pub mod billing;
 pub mod catalog;
 pub mod chat;
+pub mod cluster;
 pub mod config;
 pub mod limits;
 pub mod ops;

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use tessera_control_plane::config::{Cli, Command};
-use tessera_control_plane::{ops, serve};
+use tessera_control_plane::{cluster, ops, serve};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -19,5 +19,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Users(cmd) => ops::users(cmd).await,
         Command::Plans(cmd) => ops::plans(cmd).await,
         Command::Supply(cmd) => ops::supply(cmd).await,
+        Command::Nodes(cmd) => cluster::commands::nodes(cmd).await,
+        Command::Deployments(cmd) => cluster::commands::deployments(cmd).await,
+        Command::Replicas(cmd) => cluster::commands::replicas(cmd).await,
     }
 }

@@ -1,10 +1,11 @@
-//! Contracts between Tessera processes: the worker's gRPC service (`worker.proto`) and
-//! the prefix-block hash that the worker's KV cache and the control plane's router must
-//! compute identically, and the rendering of the ModelCard's chat template, which both
-//! sides do. The etcd key layout joins them with the cluster.
+//! Contracts between Tessera processes: the worker's gRPC service (`worker.proto`), the
+//! prefix-block hash that the worker's KV cache and the control plane's router must
+//! compute identically, the rendering of the ModelCard's chat template, which both
+//! sides do, and the etcd key layout and records of the cluster (`cluster`).
 
 pub mod block_hash;
 pub mod chat_template;
+pub mod cluster;
 
 /// How the worker's INVALID_ARGUMENT for a request's grammar begins; the control plane
 /// answers it as a 400 naming the parameter the grammar came from.

@@ -1,6 +1,7 @@
 //! The Tessera worker: loads a model, runs its forward pass, and serves many requests
 //! at once through its engine, over gRPC.
 
+pub mod agent;
 pub mod device;
 pub mod engine;
 pub mod generate;

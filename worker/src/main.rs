@@ -20,6 +20,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Serve the model over gRPC (worker.proto) with the batching engine.
     Serve(tessera_worker::serve::ServeConfig),
+    /// Run this machine as a node of a cluster: register in etcd, serve the replicas
+    /// placed on it, drain on SIGTERM.
+    Agent(tessera_worker::agent::AgentConfig),
     /// Fetch a known model into the cache and print its path.
     Fetch {
         #[arg(default_value = model_cache::SMOLLM2_135M_INSTRUCT.name)]
@@ -51,6 +54,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(config) => run_serve(config),
+        Command::Agent(config) => tokio::runtime::Runtime::new()?.block_on(tessera_worker::agent::run(config)),
         Command::Fetch { name } => {
             println!("{}", model_cache::resolve(&name)?.display());
             Ok(())

@@ -1,0 +1,396 @@
+//! Where replicas go: the placement leader's decision, as a plain function of the
+//! cluster's state (live nodes, operator cordons and drains, deployments, current
+//! assignments, running replicas) to the assignments to add and remove. Running it
+//! again on its own result changes nothing, so the leader can reconcile after any
+//! change and at start-up.
+//!
+//! Rules:
+//! - A replica's tensor-parallel shards share one node: it needs `tensor_parallel`
+//!   free devices there, of the deployment's kind and memory, on a node carrying its
+//!   labels.
+//! - A device is free when no assignment names it and no replica still running on it
+//!   (a draining one, say) does: two replicas never share a device.
+//! - New replicas go where they fit most tightly (best fit: fewest devices left free),
+//!   preferring nodes with fewer replicas of the same model, then by node id.
+//! - Cordoned nodes, draining nodes and nodes an operator is draining take nothing new.
+//!   Assignments on nodes that are gone are dropped and placed again. Assignments on a
+//!   draining node stay until a replacement is ready elsewhere (or none can be placed
+//!   and the node itself is leaving), so that a drain never leaves a model without the
+//!   replicas it had.
+//! - Replicas above a deployment's count, and those of models no longer deployed, are
+//!   removed (the most recently placed first).
+
+use std::collections::{BTreeMap, BTreeSet};
+use tessera_proto::cluster::{Assignment, Deployment, DeviceKind, NodeRecord, NodeState, ReplicaRecord, ReplicaState};
+
+/// A live node and what operators said about it.
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    pub record: NodeRecord,
+    pub cordoned: bool,
+    pub drain_requested: bool,
+}
+
+impl NodeView {
+    /// May take new replicas.
+    fn schedulable(&self) -> bool {
+        !self.cordoned && !self.leaving()
+    }
+
+    /// Its replicas are to move elsewhere.
+    fn leaving(&self) -> bool {
+        self.drain_requested || self.record.state == NodeState::Draining
+    }
+}
+
+/// The cluster as the leader sees it.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterState {
+    pub nodes: Vec<NodeView>,
+    pub deployments: Vec<Deployment>,
+    pub assignments: Vec<Assignment>,
+    pub replicas: Vec<ReplicaRecord>,
+}
+
+/// What to change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub add: Vec<Assignment>,
+    /// Assignments to delete, as (node, replica).
+    pub remove: Vec<(String, String)>,
+    /// Replicas that could not be placed, by model: no node has room.
+    pub unplaced: BTreeMap<String, u32>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.add.is_empty() && self.remove.is_empty()
+    }
+}
+
+/// Decides the changes. `weights` names the weights of a model (None: not in the
+/// catalog, so it cannot be placed); `new_id` names new replicas; `leader_revision` is
+/// stamped on what this leader writes.
+pub fn plan(
+    state: &ClusterState,
+    weights: impl Fn(&str) -> Option<String>,
+    mut new_id: impl FnMut(&str) -> String,
+    leader_revision: i64,
+) -> Plan {
+    let mut out = Plan::default();
+    let nodes: BTreeMap<&str, &NodeView> = state.nodes.iter().map(|n| (n.record.id.as_str(), n)).collect();
+    let ready: BTreeSet<&str> =
+        state.replicas.iter().filter(|r| r.state == ReplicaState::Ready).map(|r| r.replica.as_str()).collect();
+
+    // Devices taken on each node, by assignments and by replicas still running.
+    let mut taken: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+    for a in &state.assignments {
+        taken.entry(a.node.clone()).or_default().extend(&a.devices);
+    }
+    for r in &state.replicas {
+        taken.entry(r.node.clone()).or_default().extend(&r.devices);
+    }
+
+    let deployed: BTreeMap<&str, &Deployment> = state.deployments.iter().map(|d| (d.model.as_str(), d)).collect();
+    let mut by_model: BTreeMap<&str, Vec<&Assignment>> = BTreeMap::new();
+    for a in &state.assignments {
+        if !nodes.contains_key(a.node.as_str()) {
+            // The node is gone: so is the replica. Placed again below.
+            out.remove.push((a.node.clone(), a.replica.clone()));
+            if let Some(t) = taken.get_mut(&a.node) {
+                a.devices.iter().for_each(|d| {
+                    t.remove(d);
+                });
+            }
+        } else if !deployed.contains_key(a.model.as_str()) {
+            out.remove.push((a.node.clone(), a.replica.clone()));
+        } else {
+            by_model.entry(a.model.as_str()).or_default().push(a);
+        }
+    }
+
+    // Replicas of each model per node, for the spreading preference.
+    let mut per_node_model: BTreeMap<(String, String), u32> = BTreeMap::new();
+    for list in by_model.values() {
+        for a in list {
+            *per_node_model.entry((a.node.clone(), a.model.clone())).or_default() += 1;
+        }
+    }
+
+    for d in &state.deployments {
+        let current = by_model.get(d.model.as_str()).cloned().unwrap_or_default();
+        let (staying, leaving): (Vec<&Assignment>, Vec<&Assignment>) =
+            current.into_iter().partition(|a| nodes.get(a.node.as_str()).is_some_and(|n| !n.leaving()));
+        let want = d.replicas as usize;
+        // Too many where they may stay: the latest placed go first.
+        if staying.len() > want {
+            let mut extra = staying.clone();
+            extra.sort_by(|a, b| (b.leader_revision, &b.replica).cmp(&(a.leader_revision, &a.replica)));
+            for a in extra.iter().take(staying.len() - want) {
+                out.remove.push((a.node.clone(), a.replica.clone()));
+            }
+        }
+        let missing = want.saturating_sub(staying.len());
+        let Some(weights) = weights(&d.model) else {
+            out.unplaced.insert(d.model.clone(), missing as u32);
+            continue;
+        };
+        for _ in 0..missing {
+            match fit(d, &state.nodes, &taken, &per_node_model) {
+                Some((node, devices)) => {
+                    taken.entry(node.clone()).or_default().extend(&devices);
+                    *per_node_model.entry((node.clone(), d.model.clone())).or_default() += 1;
+                    out.add.push(Assignment {
+                        replica: new_id(&d.model),
+                        model: d.model.clone(),
+                        weights: weights.clone(),
+                        node,
+                        devices,
+                        leader_revision,
+                    });
+                }
+                None => {
+                    *out.unplaced.entry(d.model.clone()).or_default() += 1;
+                }
+            }
+        }
+        // Leaving replicas go once enough ready replicas stand elsewhere; a node that
+        // is itself leaving (SIGTERM) drains whatever happens.
+        let ready_staying = staying.iter().filter(|a| ready.contains(a.replica.as_str())).count();
+        for a in &leaving {
+            let node_leaving = nodes.get(a.node.as_str()).is_some_and(|n| n.record.state == NodeState::Draining);
+            if node_leaving || ready_staying >= want {
+                out.remove.push((a.node.clone(), a.replica.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// The best-fitting node for one replica of `d`, and the devices it gets there.
+fn fit(
+    d: &Deployment,
+    nodes: &[NodeView],
+    taken: &BTreeMap<String, BTreeSet<u32>>,
+    per_node_model: &BTreeMap<(String, String), u32>,
+) -> Option<(String, Vec<u32>)> {
+    let need = d.tensor_parallel.max(1) as usize;
+    let c = &d.constraints;
+    let mut best: Option<((usize, u32, String), Vec<u32>)> = None;
+    for n in nodes.iter().filter(|n| n.schedulable()) {
+        if !c.labels.iter().all(|(k, v)| n.record.labels.get(k) == Some(v)) {
+            continue;
+        }
+        let used = taken.get(&n.record.id);
+        let free: Vec<u32> = n
+            .record
+            .devices
+            .iter()
+            .filter(|dev| used.is_none_or(|u| !u.contains(&dev.index)))
+            .filter(|dev| c.device_kind.is_none_or(|k: DeviceKind| dev.kind == k))
+            .filter(|dev| c.min_device_memory_bytes.is_none_or(|m| dev.memory_bytes >= m))
+            .map(|dev| dev.index)
+            .collect();
+        if free.len() < need {
+            continue;
+        }
+        let same = per_node_model.get(&(n.record.id.clone(), d.model.clone())).copied().unwrap_or(0);
+        let rank = (free.len() - need, same, n.record.id.clone());
+        if best.as_ref().is_none_or(|(b, _)| rank < *b) {
+            best = Some((rank, free[..need].to_vec()));
+        }
+    }
+    best.map(|((_, _, node), devices)| (node, devices))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_proto::cluster::{Constraints, Device};
+
+    fn node(id: &str, devices: u32) -> NodeView {
+        let device = |index| Device { index, kind: DeviceKind::Cpu, name: "cpu".into(), memory_bytes: 1 << 30 };
+        NodeView {
+            record: NodeRecord {
+                id: id.into(),
+                host: "127.0.0.1".into(),
+                devices: (0..devices).map(device).collect(),
+                labels: BTreeMap::new(),
+                state: NodeState::Ready,
+                registered_at: 0,
+            },
+            cordoned: false,
+            drain_requested: false,
+        }
+    }
+
+    fn deployment(model: &str, replicas: u32, tp: u32) -> Deployment {
+        Deployment { model: model.into(), replicas, tensor_parallel: tp, constraints: Constraints::default() }
+    }
+
+    fn run(state: &ClusterState) -> Plan {
+        // Unique across runs, as the leader's random ids are.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let id = |m: &str| format!("{m}-{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        plan(state, |m| Some(format!("w-{m}")), id, 7)
+    }
+
+    /// Applies a plan as the leader and agents would: assignments written, replicas
+    /// ready where assigned.
+    fn apply(state: &mut ClusterState, p: &Plan) {
+        state.assignments.retain(|a| !p.remove.contains(&(a.node.clone(), a.replica.clone())));
+        state.assignments.extend(p.add.iter().cloned());
+        state.replicas = state
+            .assignments
+            .iter()
+            .map(|a| ReplicaRecord {
+                replica: a.replica.clone(),
+                model: a.model.clone(),
+                node: a.node.clone(),
+                devices: a.devices.clone(),
+                addr: String::new(),
+                state: ReplicaState::Ready,
+                block_size: 16,
+            })
+            .collect();
+    }
+
+    fn devices_used_once(state: &ClusterState) {
+        let mut seen = BTreeSet::new();
+        for a in &state.assignments {
+            for d in &a.devices {
+                assert!(seen.insert((a.node.clone(), *d)), "device {d} of {} assigned twice", a.node);
+            }
+        }
+    }
+
+    #[test]
+    fn replicas_fill_the_nodes_exactly_and_a_second_pass_changes_nothing() {
+        // 3 nodes × 2 devices; a TP-2 model ×1 and a TP-1 model ×4 fill all 6.
+        let mut s = ClusterState {
+            nodes: vec![node("a", 2), node("b", 2), node("c", 2)],
+            deployments: vec![deployment("big", 1, 2), deployment("small", 4, 1)],
+            ..Default::default()
+        };
+        let p = run(&s);
+        assert_eq!((p.add.len(), p.unplaced.len()), (5, 0), "{p:?}");
+        let big = p.add.iter().find(|a| a.model == "big").unwrap();
+        assert_eq!(big.devices.len(), 2, "both shards on one node");
+        assert!(p.add.iter().all(|a| a.weights == format!("w-{}", a.model) && a.leader_revision == 7));
+        apply(&mut s, &p);
+        devices_used_once(&s);
+        assert!(run(&s).is_empty(), "idempotent");
+        // One more replica has nowhere to go.
+        s.deployments[1].replicas = 5;
+        let p = run(&s);
+        assert_eq!((p.add.len(), p.unplaced.get("small")), (0, Some(&1)));
+    }
+
+    #[test]
+    fn a_lost_node_s_replicas_move_and_cordoned_nodes_take_nothing() {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 2), node("b", 2), node("c", 2)],
+            deployments: vec![deployment("m", 2, 1)],
+            ..Default::default()
+        };
+        s.nodes[2].cordoned = true;
+        let p = run(&s);
+        assert!(p.add.iter().all(|a| a.node != "c"), "cordoned: {p:?}");
+        apply(&mut s, &p);
+        // Best fit packs both onto one node; that node dies.
+        let lost = s.assignments[0].node.clone();
+        s.nodes.retain(|n| n.record.id != lost);
+        s.replicas.retain(|r| r.node != lost);
+        let p = run(&s);
+        let gone: Vec<_> =
+            s.assignments.iter().filter(|a| a.node == lost).map(|a| (a.node.clone(), a.replica.clone())).collect();
+        assert!(gone.iter().all(|g| p.remove.contains(g)));
+        assert_eq!(p.add.len(), gone.len());
+        assert!(p.add.iter().all(|a| a.node != lost && a.node != "c"));
+        apply(&mut s, &p);
+        devices_used_once(&s);
+        assert_eq!(s.assignments.len(), 2);
+    }
+
+    #[test]
+    fn a_drained_node_keeps_its_replicas_until_replacements_are_ready() {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 1), node("b", 1)],
+            deployments: vec![deployment("m", 1, 1)],
+            ..Default::default()
+        };
+        let p = run(&s);
+        apply(&mut s, &p);
+        let first = s.assignments[0].clone();
+        let other = if first.node == "a" { 1 } else { 0 };
+        let index = 1 - other;
+        s.nodes[index].drain_requested = true;
+        // A replacement is placed on the other node; the drained one stays meanwhile.
+        let p = run(&s);
+        assert_eq!(p.add.len(), 1);
+        assert_eq!(p.add[0].node, s.nodes[other].record.id);
+        assert!(p.remove.is_empty(), "kept until the replacement is ready: {p:?}");
+        s.assignments.extend(p.add.iter().cloned());
+        // Loading: still kept.
+        let mut loading = ReplicaRecord {
+            replica: p.add[0].replica.clone(),
+            model: "m".into(),
+            node: p.add[0].node.clone(),
+            devices: vec![0],
+            addr: String::new(),
+            state: ReplicaState::Loading,
+            block_size: 16,
+        };
+        s.replicas.push(loading.clone());
+        let p = run(&s);
+        assert!(p.is_empty(), "{p:?}");
+        // Ready: the drained node's replica goes.
+        loading.state = ReplicaState::Ready;
+        s.replicas.retain(|r| r.replica != loading.replica);
+        s.replicas.push(loading);
+        let p = run(&s);
+        assert_eq!(p.remove, vec![(first.node.clone(), first.replica.clone())]);
+        assert!(p.add.is_empty());
+    }
+
+    #[test]
+    fn scaling_down_and_undeploying_remove_replicas() {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 4)],
+            deployments: vec![deployment("m", 3, 1), deployment("x", 1, 1)],
+            ..Default::default()
+        };
+        let p = run(&s);
+        apply(&mut s, &p);
+        s.deployments = vec![deployment("m", 1, 1)];
+        let p = run(&s);
+        assert_eq!(p.remove.len(), 3, "two extra m and the x: {p:?}");
+        apply(&mut s, &p);
+        assert_eq!(s.assignments.len(), 1);
+        assert!(run(&s).is_empty());
+    }
+
+    #[test]
+    fn constraints_pick_the_nodes() {
+        let mut eu = node("eu-1", 2);
+        eu.record.labels.insert("region".into(), "eu".into());
+        let s = ClusterState {
+            nodes: vec![node("us-1", 2), eu],
+            deployments: vec![Deployment {
+                constraints: Constraints { labels: [("region".into(), "eu".into())].into(), ..Default::default() },
+                ..deployment("m", 2, 1)
+            }],
+            ..Default::default()
+        };
+        let p = run(&s);
+        assert_eq!(p.add.iter().map(|a| a.node.as_str()).collect::<Vec<_>>(), ["eu-1", "eu-1"]);
+        let cuda_only = ClusterState {
+            deployments: vec![Deployment {
+                constraints: Constraints { device_kind: Some(DeviceKind::Cuda), ..Default::default() },
+                ..deployment("m", 1, 1)
+            }],
+            ..s
+        };
+        assert_eq!(run(&cuda_only).unplaced.get("m"), Some(&1));
+    }
+}

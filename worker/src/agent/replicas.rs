@@ -1,0 +1,174 @@
+//! The engine replicas a node runs, in this process: each one loads its weights, serves
+//! worker.proto on a port of its own, and is drained — no new requests, the running
+//! ones finished — before it stops. Running them in the agent's process means that a
+//! node that dies takes its replicas with it, as a machine would.
+
+use crate::device::Device;
+use crate::serve::{self, ServeConfig};
+use std::collections::BTreeMap;
+use tessera_proto::block_hash::BLOCK_TOKENS;
+use tessera_proto::cluster::{Assignment, ReplicaRecord, ReplicaState};
+use tokio::sync::{mpsc, oneshot};
+
+/// How each replica's engine is sized (the model and devices come from its assignment).
+#[derive(Debug, Clone)]
+pub struct EngineTemplate {
+    pub device: Device,
+    pub kv_cache_bytes: Option<u64>,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+/// A replica's record changed (or, None, it stopped): the agent publishes it.
+pub type Changes = mpsc::UnboundedSender<(String, Option<ReplicaRecord>)>;
+
+struct Running {
+    record: ReplicaRecord,
+    /// Taken when draining begins.
+    stop: Option<oneshot::Sender<()>>,
+}
+
+/// The replicas of this node, by id.
+pub struct Replicas {
+    host: String,
+    template: EngineTemplate,
+    changes: Changes,
+    running: BTreeMap<String, Running>,
+}
+
+impl Replicas {
+    pub fn new(host: &str, template: EngineTemplate, changes: Changes) -> Self {
+        Self { host: host.into(), template, changes, running: BTreeMap::new() }
+    }
+
+    /// The records of every replica this node runs.
+    pub fn records(&self) -> Vec<ReplicaRecord> {
+        self.running.values().map(|r| r.record.clone()).collect()
+    }
+
+    /// Notes a state reported by a replica's task (a draining replica stays draining).
+    pub fn update(&mut self, record: &ReplicaRecord) {
+        if let Some(r) = self.running.get_mut(&record.replica)
+            && r.record.state != ReplicaState::Draining
+        {
+            r.record = record.clone();
+        }
+    }
+
+    /// Starts what is assigned and not running; begins draining what runs and is no
+    /// longer assigned (it leaves the table when its task reports it stopped).
+    pub async fn reconcile(&mut self, assigned: &BTreeMap<String, Assignment>) {
+        let gone: Vec<String> = self.running.keys().filter(|id| !assigned.contains_key(*id)).cloned().collect();
+        for id in gone {
+            self.begin_drain(&id);
+        }
+        for (id, a) in assigned {
+            if !self.running.contains_key(id) {
+                self.start(a).await;
+            }
+        }
+    }
+
+    /// Begins draining every replica, for the node to leave.
+    pub fn drain_all(&mut self) {
+        let ids: Vec<String> = self.running.keys().cloned().collect();
+        for id in ids {
+            self.begin_drain(&id);
+        }
+    }
+
+    pub fn record(&self, id: &str) -> Option<ReplicaRecord> {
+        self.running.get(id).map(|r| r.record.clone())
+    }
+
+    /// A replica's task ended (drained, or failed to load).
+    pub fn ended(&mut self, id: &str) {
+        self.running.remove(id);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    async fn start(&mut self, a: &Assignment) {
+        let listener = match tokio::net::TcpListener::bind((self.host.as_str(), 0)).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("replica {}: cannot listen on {}: {e}", a.replica, self.host);
+                return;
+            }
+        };
+        let addr = match listener.local_addr() {
+            Ok(addr) => addr.to_string(),
+            Err(e) => {
+                eprintln!("replica {}: {e}", a.replica);
+                return;
+            }
+        };
+        let record = ReplicaRecord {
+            replica: a.replica.clone(),
+            model: a.model.clone(),
+            node: a.node.clone(),
+            devices: a.devices.clone(),
+            addr,
+            state: ReplicaState::Loading,
+            block_size: BLOCK_TOKENS as u32,
+        };
+        let _ = self.changes.send((record.replica.clone(), Some(record.clone())));
+        let config = ServeConfig {
+            model: a.weights.clone(),
+            listen: record.addr.clone(),
+            kv_cache_bytes: self.template.kv_cache_bytes,
+            kv_cache_fraction: 0.2,
+            device: self.template.device,
+            tensor_parallel_size: a.devices.len().max(1),
+            gpu_memory_fraction: 0.9,
+            cuda_graph_sizes: crate::engine::core::DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
+            enforce_eager: false,
+            max_num_seqs: self.template.max_num_seqs,
+            max_num_batched_tokens: self.template.max_num_batched_tokens,
+        };
+        let (stop_tx, stop_rx) = oneshot::channel();
+        tokio::spawn(run(record.clone(), config, listener, stop_rx, self.changes.clone()));
+        self.running.insert(record.replica.clone(), Running { record, stop: Some(stop_tx) });
+    }
+
+    /// Marks a replica draining (routers stop sending to it) and tells its server to
+    /// finish: it stops accepting, serves its running requests to their end, and its
+    /// task then reports it stopped.
+    fn begin_drain(&mut self, id: &str) {
+        let Some(r) = self.running.get_mut(id) else { return };
+        let Some(stop) = r.stop.take() else { return };
+        r.record.state = ReplicaState::Draining;
+        let _ = self.changes.send((id.to_string(), Some(r.record.clone())));
+        let _ = stop.send(());
+    }
+}
+
+/// One replica's life: load (off the async threads), serve until told to stop, then
+/// report it gone.
+async fn run(
+    mut record: ReplicaRecord,
+    config: ServeConfig,
+    listener: tokio::net::TcpListener,
+    stop: oneshot::Receiver<()>,
+    changes: Changes,
+) {
+    let id = record.replica.clone();
+    let built = tokio::task::spawn_blocking(move || serve::build_service(&config)).await;
+    match built {
+        Ok(Ok(service)) => {
+            record.state = ReplicaState::Ready;
+            let _ = changes.send((id.clone(), Some(record)));
+            let shutdown = async {
+                let _ = stop.await;
+            };
+            if let Err(e) = serve::serve(service, listener, shutdown).await {
+                eprintln!("replica {id}: {e:#}");
+            }
+        }
+        Ok(Err(e)) => eprintln!("replica {id}: loading failed: {e:#}"),
+        Err(e) => eprintln!("replica {id}: loading panicked: {e}"),
+    }
+    let _ = changes.send((id, None));
+}
