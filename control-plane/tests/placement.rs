@@ -144,3 +144,56 @@ async fn current_leader(c: &mut Client) -> String {
     let resp = c.leader(cluster::PLACEMENT_ELECTION).await.expect("a placement leader");
     resp.kv().expect("a leader key").value_str().unwrap().to_string()
 }
+
+/// Runs `tessera ARGS --etcd ENDPOINT --json` and returns its JSON.
+fn tessera(endpoint: &str, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .args(["--etcd", endpoint, "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn operator_commands_read_and_write_the_cluster() {
+    let server = etcd::Etcd::start();
+    let e = server.endpoint.as_str();
+    let mut c = Client::connect([e], None).await.unwrap();
+    register(&mut c, "n1", 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("deploy.toml");
+    std::fs::write(
+        &file,
+        "[[deployment]]\nmodel = \"vendor-a/model-a\"\nreplicas = 2\ntensor_parallel = 2\n\n\
+         [[deployment]]\nmodel = \"vendor-c/model-c\"\nreplicas = 1\n[deployment.constraints]\nlabels = { region = \"eu\" }\n",
+    )
+    .unwrap();
+    let applied = tessera(e, &["deployments", "apply", file.to_str().unwrap()]);
+    assert_eq!(applied.as_array().unwrap().len(), 2);
+    let listed = tessera(e, &["deployments", "list"]);
+    let models: Vec<&str> = listed.as_array().unwrap().iter().map(|d| d["model"].as_str().unwrap()).collect();
+    assert_eq!(models, ["vendor-a/model-a", "vendor-c/model-c"]);
+    assert_eq!(listed[1]["constraints"]["labels"]["region"], "eu");
+    assert_eq!(tessera(e, &["deployments", "scale", "vendor-a/model-a", "3"])["replicas"], 3);
+
+    tessera(e, &["nodes", "cordon", "n1"]);
+    let nodes = tessera(e, &["nodes", "list"]);
+    assert_eq!((nodes[0]["id"].as_str(), nodes[0]["cordoned"].as_bool()), (Some("n1"), Some(true)));
+    tessera(e, &["nodes", "drain", "n1"]);
+    assert_eq!(tessera(e, &["nodes", "list"])[0]["drain_requested"], true);
+    tessera(e, &["nodes", "uncordon", "n1"]);
+    let nodes = tessera(e, &["nodes", "list"]);
+    assert_eq!((nodes[0]["cordoned"].as_bool(), nodes[0]["drain_requested"].as_bool()), (Some(false), Some(false)));
+    assert_eq!(tessera(e, &["replicas", "list"]), serde_json::json!([]));
+
+    // A file with a mistake is refused whole.
+    std::fs::write(&file, "[[deployment]]\nmodel = \"model-a\"\nreplicas = 1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["deployments", "apply", file.to_str().unwrap(), "--etcd", e])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("full id"));
+}
