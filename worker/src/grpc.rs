@@ -203,8 +203,15 @@ impl pb::worker_server::Worker for WorkerService {
     }
 
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
+        // Subscribed first, then the snapshot: the reports after it may repeat changes
+        // the snapshot holds, never miss one.
         let mut rx = self.engine.watch_load();
+        let cached = self.engine.cached_blocks().await.map_err(|e| Status::unavailable(e.to_string()))?;
         let stream = async_stream(move |tx| async move {
+            let first = pb::LoadReport { snapshot: true, stored_block_hashes: cached, ..Default::default() };
+            if tx.send(Ok(first)).await.is_err() {
+                return;
+            }
             loop {
                 match rx.recv().await {
                     Ok(r) => {
@@ -218,6 +225,7 @@ impl pb::worker_server::Worker for WorkerService {
                             removed_block_hashes: r.kv_events.removed,
                             prefix_queried_blocks: r.prefix_queried_blocks,
                             prefix_hit_blocks: r.prefix_hit_blocks,
+                            snapshot: false,
                         };
                         if tx.send(Ok(report)).await.is_err() {
                             return;

@@ -65,7 +65,7 @@ async fn wait_until_idle(client: &mut WorkerClient<Channel>) -> pb::LoadReport {
     loop {
         let r =
             tokio::time::timeout_at(deadline, reports.message()).await.expect("idle within a minute").unwrap().unwrap();
-        if r.running == 0 && r.waiting == 0 && r.kv_blocks_used == 0 {
+        if !r.snapshot && r.running == 0 && r.waiting == 0 && r.kv_blocks_used == 0 {
             return r;
         }
     }
@@ -74,6 +74,33 @@ async fn wait_until_idle(client: &mut WorkerClient<Channel>) -> pb::LoadReport {
 fn prompts(n: usize) -> Vec<Vec<u32>> {
     // Token ids of short distinct texts, straight from the vocabulary.
     (0..n).map(|i| vec![504, 3575 + i as u32 % 50, 282, 4649 + i as u32, 314]).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_stream_opens_with_the_prefix_cache_then_its_changes() {
+    let mut client = start(64 << 20).await;
+    let mut first = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    let empty = first.message().await.unwrap().unwrap();
+    assert!(empty.snapshot && empty.stored_block_hashes.is_empty(), "a fresh cache: {empty:?}");
+    // 40 prompt tokens: two full blocks, cached once computed.
+    let prompt: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
+    collect(client.clone(), request("snap", prompt, 1)).await;
+    let mut second = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    let snapshot = second.message().await.unwrap().unwrap();
+    assert!(snapshot.snapshot);
+    assert!(snapshot.stored_block_hashes.len() >= 2, "{snapshot:?}");
+    // The first watcher learnt the same blocks as changes.
+    let mut learnt = std::collections::BTreeSet::new();
+    while learnt.len() < snapshot.stored_block_hashes.len() {
+        let r = first.message().await.unwrap().unwrap();
+        assert!(!r.snapshot, "only the first report is a snapshot");
+        learnt.extend(r.stored_block_hashes);
+        r.removed_block_hashes.iter().for_each(|h| {
+            learnt.remove(h);
+        });
+    }
+    let snap: std::collections::BTreeSet<u64> = snapshot.stored_block_hashes.into_iter().collect();
+    assert_eq!(learnt, snap);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,6 @@
 //! Operator commands on the cluster, straight in etcd: nodes (list, cordon, uncordon,
 //! drain), deployments (apply a TOML file, list, scale) and replicas (list, with each
-//! ready replica's live load). JSON with `--json`. (Each replica's count of cached
-//! prefix blocks waits for the worker's load stream to open with a snapshot of them.)
+//! ready replica's live load and prefix-cache size). JSON with `--json`.
 
 use super::state;
 use crate::config::{DeploymentsCommand, EtcdArgs, NodesCommand, ReplicasCommand};
@@ -151,7 +150,10 @@ pub async fn replicas(cmd: ReplicasCommand) -> Result<()> {
             let mut rows = Vec::new();
             let mut human = Vec::new();
             for r in &state.replicas {
-                let load = if r.state == cluster::ReplicaState::Ready { load_of(&r.addr).await } else { None };
+                let (cached, load) = match r.state {
+                    cluster::ReplicaState::Ready => load_of(&r.addr).await.unzip(),
+                    _ => (None, None),
+                };
                 human.push(format!(
                     "{}  {}  {}  {:?}  devices {:?}{}",
                     r.replica,
@@ -174,6 +176,7 @@ pub async fn replicas(cmd: ReplicasCommand) -> Result<()> {
                         "kv_blocks_used": l.kv_blocks_used,
                         "kv_blocks_total": l.kv_blocks_total,
                     })),
+                    "cached_blocks": cached,
                 }));
             }
             print(json, json!(rows), human.join("\n"));
@@ -182,12 +185,15 @@ pub async fn replicas(cmd: ReplicasCommand) -> Result<()> {
     Ok(())
 }
 
-/// A replica's first load report, if it answers within two seconds.
-async fn load_of(addr: &str) -> Option<pb::LoadReport> {
+/// A replica's prefix cache (its opening snapshot) and first load report, if it answers
+/// within two seconds.
+async fn load_of(addr: &str) -> Option<(usize, pb::LoadReport)> {
     let ask = async {
         let mut client = WorkerClient::connect(format!("http://{addr}")).await.ok()?;
         let mut stream = client.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.ok()?.into_inner();
-        stream.message().await.ok().flatten()
+        let snapshot = stream.message().await.ok().flatten().filter(|r| r.snapshot)?;
+        let report = stream.message().await.ok().flatten()?;
+        Some((snapshot.stored_block_hashes.len(), report))
     };
     tokio::time::timeout(Duration::from_secs(2), ask).await.ok().flatten()
 }

@@ -79,6 +79,10 @@ async fn watch_load(mut client: WorkerClient<Channel>, slot: Weak<Mutex<Option<p
         if let Ok(stream) = client.watch_load(pb::WatchLoadRequest { interval_ms: 1_000 }).await {
             let mut stream = stream.into_inner();
             while let Ok(Some(report)) = stream.message().await {
+                // The opening snapshot of the prefix cache carries no load.
+                if report.snapshot {
+                    continue;
+                }
                 let Some(slot) = slot.upgrade() else { return };
                 *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
             }

@@ -89,6 +89,12 @@ impl BlockPool {
         self.stats
     }
 
+    /// Every hash the cache holds now (in no particular order): what a new watcher of
+    /// the cache starts from, before the changes that follow.
+    pub fn cached_hashes(&self) -> Vec<BlockHash> {
+        self.cached.keys().copied().collect()
+    }
+
     /// The cache changes since the last call.
     pub fn take_events(&mut self) -> KvEvents {
         std::mem::take(&mut self.events)

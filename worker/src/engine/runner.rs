@@ -40,6 +40,9 @@ enum Command {
         id: SeqId,
         found: oneshot::Sender<bool>,
     },
+    CachedBlocks {
+        hashes: oneshot::Sender<Vec<u64>>,
+    },
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -80,9 +83,19 @@ impl EngineHandle {
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// Load reports, one every `REPORT_INTERVAL`.
+    /// Load reports, one every `REPORT_INTERVAL`, each with the prefix cache's changes
+    /// since the one before.
     pub fn watch_load(&self) -> broadcast::Receiver<LoadReport> {
         self.reports.subscribe()
+    }
+
+    /// Every block hash in the prefix cache now. Taken after subscribing to
+    /// `watch_load`, it and the reports that follow give the cache exactly: changes
+    /// already in it that a report repeats are applied again to the same effect.
+    pub async fn cached_blocks(&self) -> Result<Vec<u64>, EngineError> {
+        let (hashes, answer) = oneshot::channel();
+        self.send(Command::CachedBlocks { hashes })?;
+        answer.await.map_err(|_| EngineError::Stopped)
     }
 
     fn send(&self, c: Command) -> Result<(), EngineError> {
@@ -141,6 +154,9 @@ impl<B: Backend> Loop<B> {
                     }
                 }
                 let _ = found.send(!outputs.is_empty());
+            }
+            Command::CachedBlocks { hashes } => {
+                let _ = hashes.send(self.core.scheduler().pool().cached_hashes());
             }
         }
     }
