@@ -2,6 +2,7 @@
 //! started locally; the cluster issue replaces this static table with etcd placement
 //! and load-aware choice.
 
+pub mod choice;
 pub mod replica;
 
 pub use replica::{Replica, ReplicaError};

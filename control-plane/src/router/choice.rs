@@ -1,0 +1,175 @@
+//! Which replica serves a request: the one with the lowest cost, where cost is the
+//! prompt blocks it would have to compute (those not in its prefix cache) times a
+//! weight, plus its decode load — what it reported running and waiting, and the
+//! requests dispatched to it since that report, counted at dispatch so that a burst
+//! does not pile onto the replica that looked idle a moment ago.
+//!
+//! The prefix index holds, for each replica, exactly the block hashes its cache holds:
+//! it starts from the snapshot that opens the replica's load stream and follows the
+//! changes after it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use tessera_proto::block_hash::BlockHash;
+
+/// The cached blocks of each replica of one model.
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    by_hash: HashMap<BlockHash, HashSet<String>>,
+    by_replica: HashMap<String, HashSet<BlockHash>>,
+}
+
+impl PrefixIndex {
+    /// Replaces what is known of `replica`'s cache with `hashes` (a snapshot).
+    pub fn reset(&mut self, replica: &str, hashes: &[BlockHash]) {
+        self.forget(replica);
+        self.store(replica, hashes);
+    }
+
+    /// `replica` cached these blocks.
+    pub fn store(&mut self, replica: &str, hashes: &[BlockHash]) {
+        let mine = self.by_replica.entry(replica.to_string()).or_default();
+        for &h in hashes {
+            if mine.insert(h) {
+                self.by_hash.entry(h).or_default().insert(replica.to_string());
+            }
+        }
+    }
+
+    /// `replica` evicted these blocks.
+    pub fn remove(&mut self, replica: &str, hashes: &[BlockHash]) {
+        let Some(mine) = self.by_replica.get_mut(replica) else { return };
+        for h in hashes {
+            if mine.remove(h)
+                && let Some(holders) = self.by_hash.get_mut(h)
+            {
+                holders.remove(replica);
+                if holders.is_empty() {
+                    self.by_hash.remove(h);
+                }
+            }
+        }
+    }
+
+    /// Drops a replica (gone, or its stream broke: it is re-read from a snapshot).
+    pub fn forget(&mut self, replica: &str) {
+        let Some(mine) = self.by_replica.remove(replica) else { return };
+        for h in mine {
+            if let Some(holders) = self.by_hash.get_mut(&h) {
+                holders.remove(replica);
+                if holders.is_empty() {
+                    self.by_hash.remove(&h);
+                }
+            }
+        }
+    }
+
+    pub fn cached(&self, replica: &str) -> usize {
+        self.by_replica.get(replica).map_or(0, HashSet::len)
+    }
+
+    /// How many leading blocks of a prompt (its chained block hashes) each replica
+    /// holds. A chain breaks at the first block a replica lacks: later blocks cannot
+    /// be reused without it.
+    pub fn matched(&self, prompt: &[BlockHash]) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        let Some(first) = prompt.first() else { return out };
+        let Some(holders) = self.by_hash.get(first) else { return out };
+        for replica in holders {
+            let mine = &self.by_replica[replica];
+            let n = prompt.iter().take_while(|h| mine.contains(h)).count();
+            out.insert(replica.clone(), n);
+        }
+        out
+    }
+}
+
+/// A replica as the choice sees it.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub id: String,
+    /// Running plus waiting sequences at its last report.
+    pub reported: u32,
+    /// Requests sent to it since that report.
+    pub dispatched: u32,
+}
+
+impl Candidate {
+    fn load(&self) -> u32 {
+        self.reported + self.dispatched
+    }
+}
+
+/// How cache and load weigh against each other.
+#[derive(Debug, Clone, Copy)]
+pub struct Weights {
+    /// Cost of computing one prompt block, in units of one running sequence.
+    pub block: f64,
+    /// A replica with this much load takes nothing more.
+    pub saturated: u32,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self { block: 0.5, saturated: 256 }
+    }
+}
+
+/// The cheapest replica for a prompt of `blocks` blocks of which `matched` are cached
+/// per replica; None when every candidate is saturated (the caller answers 503).
+/// Ties go to the first candidate, so callers order them (e.g. by id).
+pub fn choose<'a>(
+    candidates: &'a [Candidate],
+    blocks: usize,
+    matched: &BTreeMap<String, usize>,
+    w: Weights,
+) -> Option<&'a Candidate> {
+    let cost = |c: &Candidate| {
+        let uncached = blocks - matched.get(&c.id).copied().unwrap_or(0).min(blocks);
+        uncached as f64 * w.block + c.load() as f64
+    };
+    candidates.iter().filter(|c| c.load() < w.saturated).min_by(|a, b| cost(a).total_cmp(&cost(b)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(id: &str, reported: u32, dispatched: u32) -> Candidate {
+        Candidate { id: id.into(), reported, dispatched }
+    }
+
+    #[test]
+    fn the_index_follows_snapshots_and_changes() {
+        let mut ix = PrefixIndex::default();
+        ix.reset("r1", &[1, 2, 3]);
+        ix.store("r2", &[1, 2]);
+        assert_eq!(ix.matched(&[1, 2, 3, 4]), BTreeMap::from([("r1".into(), 3), ("r2".into(), 2)]));
+        ix.remove("r1", &[2]);
+        assert_eq!(ix.matched(&[1, 2, 3]).get("r1"), Some(&1), "the chain breaks at the evicted block");
+        // A new snapshot replaces everything known of the replica.
+        ix.reset("r1", &[9]);
+        assert_eq!((ix.cached("r1"), ix.matched(&[1, 2]).get("r1")), (1, None));
+        ix.forget("r2");
+        assert!(ix.matched(&[1, 2]).is_empty());
+        assert!(!ix.by_hash.contains_key(&1), "no empty holder sets left behind");
+    }
+
+    #[test]
+    fn cache_wins_until_load_outweighs_it() {
+        let w = Weights { block: 0.5, saturated: 8 };
+        let cands = [candidate("a", 0, 0), candidate("b", 2, 0)];
+        // 20 blocks, 16 cached on b: b costs 4×0.5+2 = 4, a costs 10.
+        let matched = BTreeMap::from([("b".to_string(), 16)]);
+        assert_eq!(choose(&cands, 20, &matched, w).unwrap().id, "b");
+        // Dispatched requests count at once: b with 5 more is worse than a.
+        let busy = [candidate("a", 0, 0), candidate("b", 2, 7)];
+        assert_eq!(choose(&busy, 20, &matched, w).unwrap().id, "a");
+        // Nothing cached: the least loaded.
+        assert_eq!(choose(&cands, 20, &BTreeMap::new(), w).unwrap().id, "a");
+        // Saturated replicas are skipped; all saturated: none.
+        let full = [candidate("a", 8, 0), candidate("b", 3, 5)];
+        assert!(choose(&full, 20, &matched, w).is_none());
+        let one_free = [candidate("a", 8, 0), candidate("b", 1, 0)];
+        assert_eq!(choose(&one_free, 1, &BTreeMap::new(), w).unwrap().id, "b");
+    }
+}
