@@ -71,7 +71,12 @@ fn count(list: &[Assignment], model: &str) -> usize {
 }
 
 fn leader_config(id: &str) -> LeaderConfig {
-    LeaderConfig { id: id.into(), lease_ttl_secs: 2, resync: Duration::from_secs(1) }
+    LeaderConfig {
+        id: id.into(),
+        lease_ttl_secs: 2,
+        resync: Duration::from_secs(1),
+        node_grace: Duration::from_secs(1),
+    }
 }
 
 #[tokio::test]

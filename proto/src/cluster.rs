@@ -172,6 +172,8 @@ pub enum ReplicaState {
     Ready,
     /// Finishing its requests; route nothing new to it.
     Draining,
+    /// It could not load or serve; the placement leader places it again.
+    Failed,
 }
 
 /// A replica as the agent serving it reports it, under the agent's lease.

@@ -38,6 +38,9 @@ pub struct WorkerService {
     grammars: Arc<GrammarSource>,
     live: LiveIds,
     next_id: AtomicU64,
+    /// True once the server is shutting down: load streams end (they would otherwise
+    /// hold a graceful shutdown open forever), generations run to their end.
+    closing: tokio::sync::watch::Receiver<bool>,
 }
 
 impl WorkerService {
@@ -47,7 +50,13 @@ impl WorkerService {
             card.eos_token_ids.clone(),
             card.vocab_size as usize,
         ));
-        Self { engine, card, grammars, live: LiveIds::default(), next_id: AtomicU64::new(1) }
+        let (_, closing) = tokio::sync::watch::channel(false);
+        Self { engine, card, grammars, live: LiveIds::default(), next_id: AtomicU64::new(1), closing }
+    }
+
+    /// The same, ending its load streams when `closing` turns true.
+    pub fn closing_on(self, closing: tokio::sync::watch::Receiver<bool>) -> Self {
+        Self { closing, ..self }
     }
 
     /// The request's grammar compiled, off the async threads (a new schema takes
@@ -207,13 +216,18 @@ impl pb::worker_server::Worker for WorkerService {
         // the snapshot holds, never miss one.
         let mut rx = self.engine.watch_load();
         let cached = self.engine.cached_blocks().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut closing = self.closing.clone();
         let stream = async_stream(move |tx| async move {
             let first = pb::LoadReport { snapshot: true, stored_block_hashes: cached, ..Default::default() };
             if tx.send(Ok(first)).await.is_err() {
                 return;
             }
             loop {
-                match rx.recv().await {
+                let next = tokio::select! {
+                    r = rx.recv() => r,
+                    _ = closing.wait_for(|c| *c) => return,
+                };
+                match next {
                     Ok(r) => {
                         let report = pb::LoadReport {
                             running: r.running as u32,

@@ -180,8 +180,15 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // At shutdown, load streams end with it: the graceful shutdown waits only for the
+    // generations running.
+    let (closing, closed) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        let _ = closing.send(true);
+    };
     tonic::transport::Server::builder()
-        .add_service(WorkerServer::new(service))
+        .add_service(WorkerServer::new(service.closing_on(closed)))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
         .await?;
     Ok(())

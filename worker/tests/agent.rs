@@ -130,11 +130,16 @@ async fn a_node_serves_its_assignments_and_drains_on_sigterm() {
     assign(&mut etcd, "n1", "r2").await;
     let r2 = until(&mut etcd, cluster::REPLICAS, |kvs| replica(kvs, "r2", ReplicaState::Ready)).await;
     let running = generate(&r2.addr, 64).await;
+    // A router watching the replica's load does not hold the drain open.
+    let mut router = WorkerClient::connect(format!("http://{}", r2.addr)).await.unwrap();
+    let mut load = router.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    assert!(load.message().await.unwrap().unwrap().snapshot);
     signal(&child, "-TERM");
     let (draining, _) = until(&mut etcd, &nodes, |kvs| node(kvs).filter(|(n, _)| n.state == NodeState::Draining)).await;
     assert_eq!(draining.id, "n1");
     assert_eq!(finish(running).await, (64, pb::FinishReason::Length as i32));
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    while let Ok(Some(_)) = load.message().await {}
     assert!(status.success(), "the agent exits cleanly after draining: {status}");
     let left = etcd.get(cluster::ROOT, Some(GetOptions::new().with_prefix())).await.unwrap();
     let keys: Vec<String> = left.kvs().iter().map(|kv| kv.key_str().unwrap().to_string()).collect();

@@ -5,7 +5,7 @@
 use super::state;
 use crate::config::{DeploymentsCommand, EtcdArgs, NodesCommand, ReplicasCommand};
 use anyhow::{Context, Result};
-use etcd_client::Client;
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp};
 use serde::Deserialize;
 use serde_json::json;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -13,8 +13,19 @@ use tessera_proto::cluster::{self, Cordon, Deployment, Drain};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
 
+/// Every request bounded: an unreachable etcd is an error, not a hang.
+pub fn etcd_options() -> ConnectOptions {
+    ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+        .with_keep_alive_while_idle(true)
+}
+
 async fn connect(etcd: &EtcdArgs) -> Result<Client> {
-    Client::connect(&etcd.etcd, None).await.with_context(|| format!("connecting to etcd at {:?}", etcd.etcd))
+    Client::connect(&etcd.etcd, Some(etcd_options()))
+        .await
+        .with_context(|| format!("connecting to etcd at {:?}", etcd.etcd))
 }
 
 fn now_us() -> i64 {
@@ -136,7 +147,10 @@ pub async fn deployments(cmd: DeploymentsCommand) -> Result<()> {
             let kv = found.kvs().first().with_context(|| format!("no deployment of {model}"))?;
             let mut d: Deployment = cluster::decode(kv.value())?;
             d.replicas = replicas;
-            c.put(key, cluster::encode(&d), None).await?;
+            // Only over the version read: a concurrent change is not undone.
+            let unchanged = Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision());
+            let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(key, cluster::encode(&d), None)]);
+            anyhow::ensure!(c.txn(txn).await?.succeeded(), "{model}'s deployment changed meanwhile; try again");
             print(json, json!(d), format!("{model}: {replicas} replica(s)"));
         }
     }

@@ -19,15 +19,54 @@ pub struct LeaderConfig {
     pub id: String,
     pub lease_ttl_secs: i64,
     pub resync: Duration,
+    /// How long a vanished node's replicas wait for it to come back before moving.
+    pub node_grace: Duration,
 }
 
 /// Campaigns, leads while it can, campaigns again; runs until the process ends.
 pub async fn run(client: Client, config: LeaderConfig, weights: BTreeMap<String, String>) {
+    let mut lost = LostNodes::default();
     loop {
-        if let Err(e) = lead(client.clone(), &config, &weights).await {
+        let mut c = client.clone();
+        let lease = match c.lease_grant(config.lease_ttl_secs.max(2), None).await {
+            Ok(l) => l.id(),
+            Err(e) => {
+                tracing::warn!("placement: {e}; campaigning again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        if let Err(e) = lead(c.clone(), &config, &weights, lease, &mut lost).await {
             tracing::warn!("placement: {e}; campaigning again");
         }
+        // Whatever ended the term, its election key goes now rather than at the
+        // lease's expiry, so that a standby (or this process) leads again at once.
+        let _ = c.lease_revoke(lease).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// When the leader first saw each node missing that still has assignments: a node is
+/// given `node_grace` to come back (its agent re-registering after a lost lease) before
+/// its replicas are placed elsewhere.
+#[derive(Default)]
+struct LostNodes(BTreeMap<String, std::time::Instant>);
+
+impl LostNodes {
+    /// Updates the record from the state read, and marks the nodes still within their
+    /// grace in it.
+    fn mark(&mut self, state: &mut ClusterState, grace: Duration) {
+        let live: std::collections::BTreeSet<&str> = state.nodes.iter().map(|n| n.record.id.as_str()).collect();
+        let missing: std::collections::BTreeSet<String> =
+            state.assignments.iter().filter(|a| !live.contains(a.node.as_str())).map(|a| a.node.clone()).collect();
+        self.0.retain(|node, _| missing.contains(node));
+        let now = std::time::Instant::now();
+        for node in missing {
+            let since = *self.0.entry(node.clone()).or_insert(now);
+            if now.duration_since(since) < grace {
+                state.recently_lost.insert(node);
+            }
+        }
     }
 }
 
@@ -36,8 +75,9 @@ async fn lead(
     mut client: Client,
     config: &LeaderConfig,
     weights: &BTreeMap<String, String>,
+    lease: i64,
+    lost: &mut LostNodes,
 ) -> Result<(), etcd_client::Error> {
-    let lease = client.lease_grant(config.lease_ttl_secs.max(2), None).await?.id();
     let (mut keeper, mut kept) = client.lease_keep_alive(lease).await?;
     // Keep the lease alive while campaigning too: a campaign can wait for long.
     let renew_every = Duration::from_secs((config.lease_ttl_secs / 3).max(1) as u64);
@@ -60,7 +100,8 @@ async fn lead(
 
     let mut resync = tokio::time::interval(config.resync);
     loop {
-        let (state, at) = state::read(&mut client).await?;
+        let (mut state, at) = state::read(&mut client).await?;
+        lost.mark(&mut state, config.node_grace);
         if !reconcile(&mut client, &state, weights, &key, revision).await? {
             return Err(etcd_client::Error::ElectError("leadership lost".into()));
         }
@@ -70,10 +111,12 @@ async fn lead(
         loop {
             tokio::select! {
                 _ = resync.tick() => break,
-                event = watch.message() => {
-                    event?;
-                    break;
-                }
+                event = watch.message() => match event? {
+                    // Created and progress notices change nothing; a cancelled watch
+                    // (compacted past) or a closed one is read afresh.
+                    Some(resp) if !resp.canceled() && resp.events().is_empty() => {}
+                    _ => break,
+                },
                 _ = renew.tick() => keeper.keep_alive().await?,
                 answer = kept.message() => if !matches!(answer, Ok(Some(ref r)) if r.ttl() > 0) {
                     return Err(etcd_client::Error::LeaseKeepAliveError("leader lease lost".into()));
@@ -111,11 +154,11 @@ async fn reconcile(
     Ok(done.succeeded())
 }
 
-/// `vendor-a/model-a` → `model-a-3f9a1c`.
+/// `vendor-a/model-a` → `model-a-3f9a1c0d5e7b` (48 random bits).
 fn new_replica_id(model: &str) -> String {
     let short = model.rsplit('/').next().unwrap_or(model);
     let suffix = crate::accounts::keys::random_id("");
-    format!("{short}-{}", &suffix[..6])
+    format!("{short}-{}", &suffix[..12])
 }
 
 /// Node views from the records (a helper for `state::read`).

@@ -13,10 +13,10 @@
 //! - New replicas go where they fit most tightly (best fit: fewest devices left free),
 //!   preferring nodes with fewer replicas of the same model, then by node id.
 //! - Cordoned nodes, draining nodes and nodes an operator is draining take nothing new.
-//!   Assignments on nodes that are gone are dropped and placed again. Assignments on a
-//!   draining node stay until a replacement is ready elsewhere (or none can be placed
-//!   and the node itself is leaving), so that a drain never leaves a model without the
-//!   replicas it had.
+//!   Assignments on nodes that are gone (past the leader's grace) are dropped and placed
+//!   again; so are those whose replica failed. Assignments on a draining node go one by
+//!   one as ready replicas stand elsewhere to replace them (all at once when the node
+//!   itself is leaving), so that a drain never leaves a model short of replicas.
 //! - Replicas above a deployment's count, and those of models no longer deployed, are
 //!   removed (the most recently placed first).
 
@@ -50,6 +50,9 @@ pub struct ClusterState {
     pub deployments: Vec<Deployment>,
     pub assignments: Vec<Assignment>,
     pub replicas: Vec<ReplicaRecord>,
+    /// Nodes missing for less than the leader's grace (an agent re-registering after
+    /// a lost lease): their assignments are left as they are for now.
+    pub recently_lost: BTreeSet<String>,
 }
 
 /// What to change.
@@ -93,8 +96,13 @@ pub fn plan(
 
     let deployed: BTreeMap<&str, &Deployment> = state.deployments.iter().map(|d| (d.model.as_str(), d)).collect();
     let mut by_model: BTreeMap<&str, Vec<&Assignment>> = BTreeMap::new();
+    let failed: BTreeSet<&str> =
+        state.replicas.iter().filter(|r| r.state == ReplicaState::Failed).map(|r| r.replica.as_str()).collect();
     for a in &state.assignments {
-        if !nodes.contains_key(a.node.as_str()) {
+        if !nodes.contains_key(a.node.as_str()) && state.recently_lost.contains(&a.node) {
+            // Perhaps back in a moment: keep it, devices and all.
+            by_model.entry(a.model.as_str()).or_default().push(a);
+        } else if !nodes.contains_key(a.node.as_str()) {
             // The node is gone: so is the replica. Placed again below.
             out.remove.push((a.node.clone(), a.replica.clone()));
             if let Some(t) = taken.get_mut(&a.node) {
@@ -102,7 +110,9 @@ pub fn plan(
                     t.remove(d);
                 });
             }
-        } else if !deployed.contains_key(a.model.as_str()) {
+        } else if !deployed.contains_key(a.model.as_str()) || failed.contains(a.replica.as_str()) {
+            // Not wanted, or failed: removed (the agent drops it and its devices free
+            // up once its record goes); a failed one is placed again.
             out.remove.push((a.node.clone(), a.replica.clone()));
         } else {
             by_model.entry(a.model.as_str()).or_default().push(a);
@@ -120,13 +130,24 @@ pub fn plan(
     for d in &state.deployments {
         let current = by_model.get(d.model.as_str()).cloned().unwrap_or_default();
         let (staying, leaving): (Vec<&Assignment>, Vec<&Assignment>) =
-            current.into_iter().partition(|a| nodes.get(a.node.as_str()).is_some_and(|n| !n.leaving()));
+            current.into_iter().partition(|a| nodes.get(a.node.as_str()).is_none_or(|n| !n.leaving()));
         let want = d.replicas as usize;
         // Too many where they may stay: the latest placed go first.
         if staying.len() > want {
             let mut extra = staying.clone();
             extra.sort_by(|a, b| (b.leader_revision, &b.replica).cmp(&(a.leader_revision, &a.replica)));
             for a in extra.iter().take(staying.len() - want) {
+                out.remove.push((a.node.clone(), a.replica.clone()));
+            }
+        }
+        // Leaving replicas go as ready ones stand elsewhere: never fewer serving than
+        // wanted. A node that is itself leaving (SIGTERM) drains whatever happens.
+        let ready_staying = staying.iter().filter(|a| ready.contains(a.replica.as_str())).count();
+        let mut removable = (ready_staying + leaving.len()).saturating_sub(want);
+        for a in &leaving {
+            let node_leaving = nodes.get(a.node.as_str()).is_some_and(|n| n.record.state == NodeState::Draining);
+            if node_leaving || removable > 0 {
+                removable = removable.saturating_sub(1);
                 out.remove.push((a.node.clone(), a.replica.clone()));
             }
         }
@@ -152,15 +173,6 @@ pub fn plan(
                 None => {
                     *out.unplaced.entry(d.model.clone()).or_default() += 1;
                 }
-            }
-        }
-        // Leaving replicas go once enough ready replicas stand elsewhere; a node that
-        // is itself leaving (SIGTERM) drains whatever happens.
-        let ready_staying = staying.iter().filter(|a| ready.contains(a.replica.as_str())).count();
-        for a in &leaving {
-            let node_leaving = nodes.get(a.node.as_str()).is_some_and(|n| n.record.state == NodeState::Draining);
-            if node_leaving || ready_staying >= want {
-                out.remove.push((a.node.clone(), a.replica.clone()));
             }
         }
     }
@@ -351,6 +363,54 @@ mod tests {
         let p = run(&s);
         assert_eq!(p.remove, vec![(first.node.clone(), first.replica.clone())]);
         assert!(p.add.is_empty());
+    }
+
+    #[test]
+    fn a_vanished_node_keeps_its_replicas_through_the_grace_and_failed_ones_move() {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 1), node("b", 1)],
+            deployments: vec![deployment("m", 1, 1)],
+            ..Default::default()
+        };
+        let p = run(&s);
+        apply(&mut s, &p);
+        let placed = s.assignments[0].clone();
+        // Its node's key is gone for a moment (a lease being replaced): nothing moves.
+        s.nodes.retain(|n| n.record.id != placed.node);
+        s.recently_lost.insert(placed.node.clone());
+        assert!(run(&s).is_empty());
+        // Back: still nothing to do. Failed: removed and placed again on free devices.
+        s.recently_lost.clear();
+        s.nodes = vec![node("a", 1), node("b", 1)];
+        s.replicas[0].state = ReplicaState::Failed;
+        let p = run(&s);
+        assert_eq!(p.remove, vec![(placed.node.clone(), placed.replica.clone())]);
+        assert_eq!(p.add.len(), 1);
+        assert_ne!(p.add[0].node, placed.node, "its devices are busy until the failed replica's record goes");
+    }
+
+    #[test]
+    fn a_drain_releases_one_replica_per_ready_replacement() {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 2), node("b", 2)],
+            deployments: vec![deployment("m", 2, 1)],
+            ..Default::default()
+        };
+        s.nodes[1].cordoned = true;
+        let p = run(&s);
+        apply(&mut s, &p);
+        assert!(s.assignments.iter().all(|a| a.node == "a"));
+        s.nodes[1].cordoned = false;
+        s.nodes[0].drain_requested = true;
+        let p = run(&s);
+        assert_eq!((p.add.len(), p.remove.len()), (2, 0));
+        s.assignments.extend(p.add.iter().cloned());
+        // One replacement ready: one drained replica may go, not both.
+        let mut ready = s.replicas[0].clone();
+        ready.replica = p.add[0].replica.clone();
+        ready.node = "b".into();
+        s.replicas.push(ready);
+        assert_eq!(run(&s).remove.len(), 1);
     }
 
     #[test]

@@ -11,10 +11,10 @@
 pub mod replicas;
 
 use anyhow::{Context, Result};
-use etcd_client::{Client, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use replicas::{EngineTemplate, Replicas};
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_proto::cluster::{self, Assignment, Device, DeviceKind, NodeRecord, NodeState, ReplicaRecord};
 use tokio::sync::mpsc;
 
@@ -45,6 +45,23 @@ pub struct AgentConfig {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Milliseconds a draining replica keeps accepting requests, for routers to learn
+    /// that it drains.
+    #[arg(long, default_value_t = 1000)]
+    pub drain_grace_ms: u64,
+    /// Seconds a drain waits for running requests before cutting them off.
+    #[arg(long, default_value_t = 600)]
+    pub drain_timeout_secs: u64,
+}
+
+/// How agents talk to etcd: every request bounded, and a connection that goes silent
+/// noticed by HTTP/2 pings (a partition must not hang the agent's loop).
+pub fn etcd_options() -> ConnectOptions {
+    ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+        .with_keep_alive_while_idle(true)
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -93,13 +110,17 @@ impl Registration {
         Ok(r)
     }
 
-    /// A new lease, and everything registered again under it.
+    /// A new lease, and everything registered again under it in one transaction: the
+    /// placement leader never sees the node without the replicas it runs.
     async fn register(&mut self, replicas: &[ReplicaRecord]) -> Result<()> {
-        self.lease = self.client.lease_grant(self.ttl, None).await?.id();
-        self.put_node().await?;
+        let lease = self.client.lease_grant(self.ttl, None).await?.id();
+        let with_lease = || Some(PutOptions::new().with_lease(lease));
+        let mut ops = vec![TxnOp::put(cluster::node_key(&self.node.id), cluster::encode(&self.node), with_lease())];
         for r in replicas {
-            self.put_replica(r).await?;
+            ops.push(TxnOp::put(cluster::replica_key(&r.replica), cluster::encode(r), with_lease()));
         }
+        self.client.txn(Txn::new().and_then(ops)).await?;
+        self.lease = lease;
         Ok(())
     }
 
@@ -171,6 +192,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         kv_cache_bytes: config.kv_cache_bytes,
         max_num_seqs: config.max_num_seqs,
         max_num_batched_tokens: config.max_num_batched_tokens,
+        drain_grace: Duration::from_millis(config.drain_grace_ms),
+        drain_deadline: Duration::from_secs(config.drain_timeout_secs),
     };
     let mut replicas = Replicas::new(&config.host, template, changes);
 
@@ -185,13 +208,24 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut renew = tokio::time::interval(Duration::from_secs((ttl / 3).max(1) as u64));
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut leaving = false;
+    // The lease is lost when etcd says so, or when no renewal was confirmed for a whole
+    // time to live (a silent connection says nothing).
+    let mut confirmed = Instant::now();
     loop {
         let mut lease_lost = false;
         tokio::select! {
-            _ = renew.tick() => lease_lost = keeper.keep_alive().await.is_err(),
-            answer = kept.message() => lease_lost = !matches!(answer, Ok(Some(r)) if r.ttl() > 0),
+            _ = renew.tick() => {
+                lease_lost = keeper.keep_alive().await.is_err()
+                    || confirmed.elapsed() > Duration::from_secs(ttl as u64);
+            }
+            answer = kept.message() => match answer {
+                Ok(Some(r)) if r.ttl() > 0 => confirmed = Instant::now(),
+                _ => lease_lost = true,
+            },
             event = watch.message() => match event {
-                Ok(Some(resp)) => {
+                // The watch's own notices (created, progress) change nothing.
+                Ok(Some(resp)) if !resp.canceled() && resp.events().is_empty() => {}
+                Ok(Some(resp)) if !resp.canceled() => {
                     if let Some(h) = resp.header() {
                         revision = revision.max(h.revision());
                     }
@@ -203,9 +237,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         replicas.reconcile(&assigned).await;
                     }
                 }
-                // The watch broke (etcd restarted or unreachable): once etcd answers
-                // again, read the assignments afresh and watch on from there (what
-                // changed meanwhile may have been compacted away).
+                // The watch broke (etcd restarted or unreachable) or was cancelled
+                // (compacted past): once etcd answers, read the assignments afresh and
+                // watch on from there.
                 _ => {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     if let Ok((now, at)) = assignments(&mut watcher, &config.node_id).await
@@ -257,7 +291,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             eprintln!("tessera-worker agent: the lease was lost; registering again");
             match reg.register(&replicas.records()).await {
                 Ok(()) => match reg.client.lease_keep_alive(reg.lease).await {
-                    Ok((k, s)) => (keeper, kept) = (k, s),
+                    Ok((k, s)) => {
+                        (keeper, kept) = (k, s);
+                        confirmed = Instant::now();
+                    }
                     Err(e) => eprintln!("keeping the new lease alive: {e:#}"),
                 },
                 Err(e) => {

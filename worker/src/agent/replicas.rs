@@ -6,17 +6,23 @@
 use crate::device::Device;
 use crate::serve::{self, ServeConfig};
 use std::collections::BTreeMap;
+use std::time::Duration;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::cluster::{Assignment, ReplicaRecord, ReplicaState};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, watch};
 
-/// How each replica's engine is sized (the model and devices come from its assignment).
+/// How each replica's engine is sized (the model and devices come from its assignment),
+/// and how it drains.
 #[derive(Debug, Clone)]
 pub struct EngineTemplate {
     pub device: Device,
     pub kv_cache_bytes: Option<u64>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Between saying "draining" and refusing new requests: time for routers to hear.
+    pub drain_grace: Duration,
+    /// The longest a drain waits for running requests before they are cut off.
+    pub drain_deadline: Duration,
 }
 
 /// A replica's record changed (or, None, it stopped): the agent publishes it.
@@ -24,8 +30,8 @@ pub type Changes = mpsc::UnboundedSender<(String, Option<ReplicaRecord>)>;
 
 struct Running {
     record: ReplicaRecord,
-    /// Taken when draining begins.
-    stop: Option<oneshot::Sender<()>>,
+    /// Set when draining begins.
+    stop: watch::Sender<bool>,
 }
 
 /// The replicas of this node, by id.
@@ -46,10 +52,11 @@ impl Replicas {
         self.running.values().map(|r| r.record.clone()).collect()
     }
 
-    /// Notes a state reported by a replica's task (a draining replica stays draining).
+    /// Notes a state reported by a replica's task (a draining replica stays draining
+    /// unless it fails).
     pub fn update(&mut self, record: &ReplicaRecord) {
         if let Some(r) = self.running.get_mut(&record.replica)
-            && r.record.state != ReplicaState::Draining
+            && (r.record.state != ReplicaState::Draining || record.state == ReplicaState::Failed)
         {
             r.record = record.clone();
         }
@@ -128,47 +135,77 @@ impl Replicas {
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
         };
-        let (stop_tx, stop_rx) = oneshot::channel();
-        tokio::spawn(run(record.clone(), config, listener, stop_rx, self.changes.clone()));
-        self.running.insert(record.replica.clone(), Running { record, stop: Some(stop_tx) });
+        let (stop, stopped) = watch::channel(false);
+        let drain = (self.template.drain_grace, self.template.drain_deadline);
+        tokio::spawn(run(record.clone(), config, listener, stopped, drain, self.changes.clone()));
+        self.running.insert(record.replica.clone(), Running { record, stop });
     }
 
-    /// Marks a replica draining (routers stop sending to it) and tells its server to
-    /// finish: it stops accepting, serves its running requests to their end, and its
-    /// task then reports it stopped.
+    /// Marks a replica draining (routers stop sending to it) and tells it to finish: it
+    /// stops accepting after the grace, serves its running requests to their end (or
+    /// the deadline), and its task then reports it stopped. A failed replica just goes.
     fn begin_drain(&mut self, id: &str) {
         let Some(r) = self.running.get_mut(id) else { return };
-        let Some(stop) = r.stop.take() else { return };
+        if r.record.state == ReplicaState::Failed {
+            self.running.remove(id);
+            let _ = self.changes.send((id.to_string(), None));
+            return;
+        }
+        if *r.stop.borrow() {
+            return;
+        }
         r.record.state = ReplicaState::Draining;
         let _ = self.changes.send((id.to_string(), Some(r.record.clone())));
-        let _ = stop.send(());
+        let _ = r.stop.send(true);
     }
 }
 
 /// One replica's life: load (off the async threads), serve until told to stop, then
-/// report it gone.
+/// report it gone; or, if it cannot load or serve, report it failed (it stays so until
+/// its assignment goes).
 async fn run(
     mut record: ReplicaRecord,
     config: ServeConfig,
     listener: tokio::net::TcpListener,
-    stop: oneshot::Receiver<()>,
+    stop: watch::Receiver<bool>,
+    (grace, deadline): (Duration, Duration),
     changes: Changes,
 ) {
     let id = record.replica.clone();
     let built = tokio::task::spawn_blocking(move || serve::build_service(&config)).await;
-    match built {
+    let failure = match built {
         Ok(Ok(service)) => {
             record.state = ReplicaState::Ready;
-            let _ = changes.send((id.clone(), Some(record)));
-            let shutdown = async {
-                let _ = stop.await;
+            let _ = changes.send((id.clone(), Some(record.clone())));
+            let mut told = stop.clone();
+            let shutdown = async move {
+                let _ = told.wait_for(|s| *s).await;
+                tokio::time::sleep(grace).await;
             };
-            if let Err(e) = serve::serve(service, listener, shutdown).await {
-                eprintln!("replica {id}: {e:#}");
+            let mut told = stop.clone();
+            let cut_off = async move {
+                let _ = told.wait_for(|s| *s).await;
+                tokio::time::sleep(grace + deadline).await;
+            };
+            tokio::select! {
+                served = serve::serve(service, listener, shutdown) => served.err().map(|e| format!("{e:#}")),
+                _ = cut_off => {
+                    eprintln!("replica {id}: drain deadline passed; cutting off its requests");
+                    None
+                }
             }
         }
-        Ok(Err(e)) => eprintln!("replica {id}: loading failed: {e:#}"),
-        Err(e) => eprintln!("replica {id}: loading panicked: {e}"),
+        Ok(Err(e)) => Some(format!("loading failed: {e:#}")),
+        Err(e) => Some(format!("loading panicked: {e}")),
+    };
+    match failure {
+        Some(why) if !*stop.borrow() => {
+            eprintln!("replica {id}: {why}");
+            record.state = ReplicaState::Failed;
+            let _ = changes.send((id, Some(record)));
+        }
+        _ => {
+            let _ = changes.send((id, None));
+        }
     }
-    let _ = changes.send((id, None));
 }
