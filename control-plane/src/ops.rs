@@ -18,7 +18,8 @@ async fn open(store: &StoreArgs) -> Result<Store> {
     Ok(Store::open(&store.database_url()).await?)
 }
 
-fn print(json_out: bool, value: serde_json::Value, human: String) {
+/// Prints `value` as JSON with `--json`, else the line for people.
+pub(crate) fn print(json_out: bool, value: serde_json::Value, human: String) {
     if json_out {
         println!("{value}");
     } else {

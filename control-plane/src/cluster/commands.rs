@@ -4,11 +4,13 @@
 
 use super::state;
 use crate::config::{DeploymentsCommand, EtcdArgs, NodesCommand, ReplicasCommand};
+use crate::limits::now_us;
+use crate::ops::print;
 use anyhow::{Context, Result};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp};
 use serde::Deserialize;
 use serde_json::json;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tessera_proto::cluster::{self, Cordon, Deployment, Drain};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
@@ -26,18 +28,6 @@ async fn connect(etcd: &EtcdArgs) -> Result<Client> {
     Client::connect(&etcd.etcd, Some(etcd_options()))
         .await
         .with_context(|| format!("connecting to etcd at {:?}", etcd.etcd))
-}
-
-fn now_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
-}
-
-fn print(json_out: bool, value: serde_json::Value, human: String) {
-    if json_out {
-        println!("{value}");
-    } else {
-        println!("{human}");
-    }
 }
 
 pub async fn nodes(cmd: NodesCommand) -> Result<()> {
