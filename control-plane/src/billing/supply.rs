@@ -137,6 +137,13 @@ impl Supply {
     /// Records `model`'s state for `slot` unless another control plane already did, and
     /// makes the recorded one current. Returns it.
     pub async fn record(&self, point: SupplyPoint) -> Result<SupplyState, sqlx::Error> {
+        self.insert(&point).await?;
+        self.reload().await?;
+        Ok(self.state(&point.model))
+    }
+
+    /// Writes a slot's state unless one is there already (`reload` makes it current).
+    async fn insert(&self, point: &SupplyPoint) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO supply_states (model, slot, state, load_bp, samples, updated_at) \
              VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (model, slot) DO NOTHING",
@@ -149,8 +156,7 @@ impl Supply {
         .bind(point.updated_at)
         .execute(&self.pool)
         .await?;
-        self.reload().await?;
-        Ok(self.state(&point.model))
+        Ok(())
     }
 
     /// Makes each model's latest recorded state current (at start, and after a write).
@@ -241,8 +247,10 @@ impl Refresher {
                     samples: s.count,
                     updated_at: now_us,
                 };
-                self.supply.record(point).await?;
+                self.supply.insert(&point).await?;
             }
+            // Once for every model: what this or another control plane wrote.
+            self.supply.reload().await?;
         }
         if slot != self.slot {
             self.samples.clear();

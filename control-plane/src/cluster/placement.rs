@@ -247,24 +247,25 @@ mod tests {
         plan(state, |m| Some(format!("w-{m}")), id, 7)
     }
 
+    /// The record an agent publishes for an assignment's replica.
+    fn replica_of(a: &Assignment, state: ReplicaState) -> ReplicaRecord {
+        ReplicaRecord {
+            replica: a.replica.clone(),
+            model: a.model.clone(),
+            node: a.node.clone(),
+            devices: a.devices.clone(),
+            addr: String::new(),
+            state,
+            block_size: 16,
+        }
+    }
+
     /// Applies a plan as the leader and agents would: assignments written, replicas
     /// ready where assigned.
     fn apply(state: &mut ClusterState, p: &Plan) {
         state.assignments.retain(|a| !p.remove.contains(&(a.node.clone(), a.replica.clone())));
         state.assignments.extend(p.add.iter().cloned());
-        state.replicas = state
-            .assignments
-            .iter()
-            .map(|a| ReplicaRecord {
-                replica: a.replica.clone(),
-                model: a.model.clone(),
-                node: a.node.clone(),
-                devices: a.devices.clone(),
-                addr: String::new(),
-                state: ReplicaState::Ready,
-                block_size: 16,
-            })
-            .collect();
+        state.replicas = state.assignments.iter().map(|a| replica_of(a, ReplicaState::Ready)).collect();
     }
 
     fn devices_used_once(state: &ClusterState) {
@@ -344,15 +345,7 @@ mod tests {
         assert!(p.remove.is_empty(), "kept until the replacement is ready: {p:?}");
         s.assignments.extend(p.add.iter().cloned());
         // Loading: still kept.
-        let mut loading = ReplicaRecord {
-            replica: p.add[0].replica.clone(),
-            model: "m".into(),
-            node: p.add[0].node.clone(),
-            devices: vec![0],
-            addr: String::new(),
-            state: ReplicaState::Loading,
-            block_size: 16,
-        };
+        let mut loading = replica_of(&p.add[0], ReplicaState::Loading);
         s.replicas.push(loading.clone());
         let p = run(&s);
         assert!(p.is_empty(), "{p:?}");
