@@ -3,13 +3,15 @@
 //! bf16 matrix ceiling (measured here, not taken from a datasheet), decode steps at
 //! several batch sizes against the memory-bandwidth floor (weights plus KV read once per
 //! step), prefill against the matrix ceiling, and the paged-attention kernel alone
-//! against its bandwidth floor. Times are medians of host-clocked, synchronised runs
+//! against its bandwidth floor, and picking tokens from a step's logits (greedy and
+//! sampled on the device, or downloaded for the host) against one read of them. Times are medians of host-clocked, synchronised runs
 //! after warm-up, so launch overhead counts: decode runs op by op and as a CUDA graph.
 
 use anyhow::{Context, Result};
 use serde_json::json;
 use std::time::Instant;
 use tessera_kernels::cuda::{CudaBackend, CudaBuffer};
+use tessera_kernels::pick::{Draw, PickRow};
 use tessera_kernels::{AttentionShape, Backend, PagedBatch};
 use tessera_worker::model::weights::{LayerWeights, Weights};
 use tessera_worker::model::{KvCache, Model, ModelConfig, SeqInput};
@@ -150,6 +152,31 @@ pub fn run(args: Args) -> Result<()> {
         let floor = bytes / bandwidth;
         line(json!({"case": "paged_attention", "batch": batch, "context": args.context + 1,
             "time_us": round(time * 1e6), "floor_us": round(floor * 1e6), "floor_over_time": round(floor / time)}));
+    }
+
+    // Picking tokens from a decode step's logits: greedy and sampled on the device,
+    // against downloading the logits for the host's sampler (what sampled rows did
+    // before). The floor is one read of the logits.
+    for &batch in &args.batches {
+        let logits = g.random_buffer(batch * config.vocab_size, 13, 4.0)?;
+        let greedy = vec![PickRow::default(); batch];
+        let draw = Draw { temperature: 0.8, top_k: 50, top_p: 0.95, min_p: 0.0, uniform: 0.37 };
+        let sampled = vec![PickRow { draw: Some(draw), ..PickRow::default() }; batch];
+        let nucleus = vec![PickRow { draw: Some(Draw { top_k: 0, ..draw }), ..PickRow::default() }; batch];
+        let floor = (batch * config.vocab_size * 4) as f64 / (bandwidth / 2.0);
+        for (kind, rows) in
+            [("greedy", Some(&greedy)), ("top_k_top_p", Some(&sampled)), ("top_p", Some(&nucleus)), ("download", None)]
+        {
+            let time = median(args.reps, || {
+                match rows {
+                    Some(rows) => drop(g.device_pick(&logits, config.vocab_size, rows)?),
+                    None => drop(g.download(&logits)?),
+                }
+                Ok(g.synchronize()?)
+            })?;
+            line(json!({"case": "pick", "kind": kind, "batch": batch, "vocab": config.vocab_size,
+                "time_us": round(time * 1e6), "floor_us": round(floor * 1e6)}));
+        }
     }
     Ok(())
 }

@@ -10,9 +10,9 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
-pub mod greedy;
 mod ops;
 mod paged;
+pub mod pick;
 pub mod quant;
 
 pub use error::KernelError;

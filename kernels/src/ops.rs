@@ -1,7 +1,7 @@
 //! The `Backend` trait: every op the model needs, and the shapes they share.
 
 use crate::Result;
-use crate::greedy::{GreedyRow, Picked};
+use crate::pick::{PickRow, Picked};
 use crate::quant::GgmlType;
 
 /// How RoPE pairs the dimensions of a head.
@@ -110,9 +110,10 @@ pub trait Backend: Send + Sync {
     /// Runs a captured graph (asynchronously, like any op).
     fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
-    /// Greedy picks from `logits` (`[rows.len(), vocab]`) on the device; None where the
-    /// backend leaves sampling to the host (the CPU, whose logits are host memory).
-    fn greedy_pick(&self, logits: &Self::Buffer, vocab: usize, rows: &[GreedyRow]) -> Result<Option<Vec<Picked>>> {
+    /// Each row's token picked from `logits` (`[rows.len(), vocab]`) on the device; None
+    /// where the backend leaves sampling to the host (the CPU, whose logits are host
+    /// memory).
+    fn device_pick(&self, logits: &Self::Buffer, vocab: usize, rows: &[PickRow]) -> Result<Option<Vec<Picked>>> {
         let _ = (logits, vocab, rows);
         Ok(None)
     }

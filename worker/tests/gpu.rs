@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 use tessera_kernels::Backend;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_kernels::cuda::CudaBackend;
+use tessera_kernels::pick::{Draw, PickRow};
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
-use tessera_worker::engine::sampler::argmax;
+use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
 use tessera_worker::load::load_model;
 use tessera_worker::model::{KvCache, Model, SeqInput};
 use tiny_models::{Variant, random_weights, variants, write_byte_tokenizer, write_dir};
@@ -121,7 +122,18 @@ fn run_all<B: Backend>(e: &mut EngineCore<B>) -> HashMap<u64, (Vec<u32>, usize)>
     done
 }
 
-/// 32 concurrent greedy requests produce the tokens each produces alone.
+/// Request `i` of the batching test: greedy, or every fourth one sampled with a seed.
+fn mixed_request(id: u64, i: usize, prompt: &[u32]) -> Request {
+    let mut r = Request::greedy(id, prompt.to_vec(), 12);
+    if i % 4 == 3 {
+        r.params =
+            SamplingParams { temperature: 0.8, top_k: 50, top_p: 0.95, seed: Some(i as u64), ..Default::default() };
+    }
+    r
+}
+
+/// 32 concurrent requests, greedy and seeded samples, produce the tokens each produces
+/// alone.
 fn batching_invariance<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
     let mut e = engine(backend(), dir, 512);
     let prompts: Vec<Vec<u32>> =
@@ -130,13 +142,13 @@ fn batching_invariance<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            e.add_request(Request::greedy(i as u64, p.clone(), 12)).unwrap();
+            e.add_request(mixed_request(i as u64, i, p)).unwrap();
             run_all(&mut e).remove(&(i as u64)).unwrap().0
         })
         .collect();
     let mut e = engine(backend(), dir, 512);
     for (i, p) in prompts.iter().enumerate() {
-        e.add_request(Request::greedy(100 + i as u64, p.clone(), 12)).unwrap();
+        e.add_request(mixed_request(100 + i as u64, i, p)).unwrap();
     }
     let batched = run_all(&mut e);
     assert!(e.stats().steps < 32 * 12, "the requests ran together ({} steps)", e.stats().steps);
@@ -280,9 +292,7 @@ fn gpu_tensor_parallel_over_nccl_matches_one_model() {
 /// and top alternatives, under repetition, frequency and presence penalties and logit
 /// bias, for rows that ask for 0, 5 or 20 alternatives or none.
 #[test]
-fn gpu_greedy_pick_matches_the_cpu_sampler() {
-    use tessera_kernels::greedy::GreedyRow;
-    use tessera_worker::engine::sampler::{SamplerState, SamplingParams, sample};
+fn gpu_device_pick_matches_the_cpu_sampler() {
     let Some(g) = gpu() else { return };
     let mut rng = rng();
     for vocab in [5000usize, 128_256] {
@@ -309,12 +319,12 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
             let mut state = SamplerState::new(p.clone(), &prompt);
             output.iter().for_each(|&t| state.push(t));
             let mut row = logits[r * vocab..(r + 1) * vocab].to_vec();
-            gpu_rows.push(state.greedy_row().expect("a greedy row"));
+            gpu_rows.push(state.device_row().expect("a greedy row"));
             want.push(sample(&mut row, &mut state));
             params.push(p);
         }
         let got =
-            g.greedy_pick(&g.upload(&logits).unwrap(), vocab, &gpu_rows).unwrap().expect("CUDA picks on the device");
+            g.device_pick(&g.upload(&logits).unwrap(), vocab, &gpu_rows).unwrap().expect("CUDA picks on the device");
         for (r, (got, want)) in got.iter().zip(&want).enumerate() {
             assert_eq!(got.token, want.token, "vocab {vocab} row {r} ({:?})", params[r]);
             match (got.logprob, want.logprob) {
@@ -329,9 +339,81 @@ fn gpu_greedy_pick_matches_the_cpu_sampler() {
         }
     }
     assert!(
-        g.greedy_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[GreedyRow { top_logprobs: Some(21), ..Default::default() }])
+        g.device_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[PickRow { top_logprobs: Some(21), ..Default::default() }])
             .is_err()
     );
+}
+
+/// Sampled rows drawn on the GPU (temperature, top-k, top-p, min-p, after penalties and
+/// bias; greedy rows in the same batch) pick the CPU sampler's token for the same
+/// uniform draw. Tolerance: the two sum probabilities differently (f32 along the sorted
+/// row on the CPU, 2^-40 fixed point on the GPU), so a draw within rounding of a
+/// boundary between two tokens may land on either; at most 1 in 500 may differ. Equal
+/// logits are taken in index order on both.
+/// The same batch drawn again, and a row drawn alone, give the same tokens.
+#[test]
+fn gpu_sampled_draws_match_the_cpu_sampler() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (mut draws, mut differ) = (0, 0);
+    for vocab in [5000usize, 128_256] {
+        for round in 0..8 {
+            let rows = 64;
+            // Peaked rows (a few likely tokens) and flat ones; half the rounds in bf16, as
+            // a model's logits come, where equal logits are common.
+            let spread = [2.0f32, 8.0][round % 2];
+            let tie = |x: f32| if round % 4 >= 2 { bf16::from_f32(x).to_f32() } else { x };
+            let logits: Vec<f32> = (0..rows * vocab).map(|_| tie(rng.random_range(-spread..spread))).collect();
+            let (mut params, mut device_rows, mut want) = (vec![], vec![], vec![]);
+            for r in 0..rows {
+                let p = SamplingParams {
+                    temperature: [0.0, 0.5, 1.0, 1.7][r % 4],
+                    top_k: [-1, 1, 20, 1000, 7][r % 5],
+                    top_p: [1.0, 0.9, 0.5][r % 3],
+                    min_p: [0.0, 0.0, 0.05, 0.3][(r / 3) % 4],
+                    repetition_penalty: [1.0, 1.3][(r / 5) % 2],
+                    frequency_penalty: [0.0, 0.5][(r / 7) % 2],
+                    logit_bias: if r % 6 == 1 { vec![(rng.random_range(0..vocab as u32), 3.0)] } else { vec![] },
+                    seed: Some(rng.random()),
+                    ..Default::default()
+                };
+                let prompt: Vec<u32> = (0..30).map(|_| rng.random_range(0..vocab as u32)).collect();
+                let mut state = SamplerState::new(p.clone(), &prompt);
+                let row = state.device_row().expect("no grammar: a device row");
+                assert_eq!(row.draw.is_some(), p.temperature > 0.0);
+                want.push(sample(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &mut state).token);
+                device_rows.push(row);
+                params.push(p);
+            }
+            let on_gpu = g.upload(&logits).unwrap();
+            let got: Vec<u32> =
+                g.device_pick(&on_gpu, vocab, &device_rows).unwrap().unwrap().iter().map(|p| p.token).collect();
+            for r in 0..rows {
+                if params[r].temperature > 0.0 {
+                    draws += 1;
+                }
+                if got[r] != want[r] {
+                    differ += 1;
+                    eprintln!("vocab {vocab} round {round} row {r}: GPU {} CPU {} ({:?})", got[r], want[r], params[r]);
+                }
+            }
+            let again: Vec<u32> =
+                g.device_pick(&on_gpu, vocab, &device_rows).unwrap().unwrap().iter().map(|p| p.token).collect();
+            assert_eq!(again, got, "the same draws pick the same tokens");
+            let r = 6; // sampled, top_k 20: alone, from its own row of logits
+            let alone = g.upload(&logits[r * vocab..(r + 1) * vocab]).unwrap();
+            let solo = g.device_pick(&alone, vocab, &device_rows[r..r + 1]).unwrap().unwrap();
+            assert_eq!(solo[0].token, got[r], "row {r} drawn alone");
+        }
+    }
+    eprintln!("{differ} of {draws} sampled draws differ from the CPU's");
+    assert!(draws >= 700, "{draws} draws");
+    assert!(differ * 500 <= draws, "{differ} of {draws} draws differ from the CPU's");
+    let bad = PickRow {
+        draw: Some(Draw { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, uniform: 1.0 }),
+        ..Default::default()
+    };
+    assert!(g.device_pick(&g.upload(&[0.0; 4]).unwrap(), 4, &[bad]).is_err(), "uniform must be below 1");
 }
 
 /// `--device cuda` without a usable GPU stops with one line that says why; `--device

@@ -25,7 +25,7 @@ use half::bf16;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
-pub use crate::greedy::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
+pub use crate::pick::{MAX_TOP_LOGPROBS, PickRow, Picked};
 pub use nccl::NcclRank;
 
 pub struct CudaBackend {
@@ -126,6 +126,7 @@ struct Kernels {
     row_argmax: CudaFunction,
     row_max_lse: CudaFunction,
     row_topk: CudaFunction,
+    row_sample: CudaFunction,
     gather_f32: CudaFunction,
 }
 
@@ -250,6 +251,7 @@ impl CudaBackend {
             row_argmax: find("row_argmax")?,
             row_max_lse: find("row_max_lse")?,
             row_topk: find("row_topk")?,
+            row_sample: find("row_sample")?,
             gather_f32: find("gather_f32")?,
         };
         let sm_count = ctx
@@ -472,8 +474,8 @@ impl Backend for CudaBackend {
         Ok(Some(CudaGraphHandle(Mutex::new(GraphExec(graph)))))
     }
 
-    fn greedy_pick(&self, logits: &CudaBuffer, vocab: usize, rows: &[GreedyRow]) -> Result<Option<Vec<Picked>>> {
-        self.pick_greedily(logits, vocab, rows).map(Some)
+    fn device_pick(&self, logits: &CudaBuffer, vocab: usize, rows: &[PickRow]) -> Result<Option<Vec<Picked>>> {
+        self.pick_on_device(logits, vocab, rows).map(Some)
     }
 
     fn replay(&self, graph: &CudaGraphHandle) -> Result<()> {

@@ -1,19 +1,20 @@
-//! Greedy decoding on the GPU: penalties, logit bias, the argmax and the
-//! log-probabilities computed where the logits are, so only a few numbers per row
-//! cross to the host instead of the whole `[rows, vocab]` matrix.
+//! Picking tokens on the GPU: penalties, logit bias, the greedy argmax or a sampled
+//! draw (temperature, top-k, top-p, min-p), and the log-probabilities computed where
+//! the logits are, so only a few numbers per row cross to the host instead of the
+//! whole `[rows, vocab]` matrix.
 
 use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch, per_row};
 use crate::error::expect_len;
-use crate::greedy::{GreedyRow, MAX_TOP_LOGPROBS, Picked};
+use crate::pick::{Draw, MAX_TOP_LOGPROBS, PickRow, Picked};
 use crate::{KernelError, Result};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 const ROW_THREADS: u32 = 1024;
 
 impl CudaBackend {
-    /// Picks each row's token greedily from `logits` (`[rows.len(), vocab]`).
-    pub(super) fn pick_greedily(&self, logits: &CudaBuffer, vocab: usize, rows: &[GreedyRow]) -> Result<Vec<Picked>> {
-        const OP: &str = "greedy_pick";
+    /// Picks each row's token from `logits` (`[rows.len(), vocab]`).
+    pub(super) fn pick_on_device(&self, logits: &CudaBuffer, vocab: usize, rows: &[PickRow]) -> Result<Vec<Picked>> {
+        const OP: &str = "device_pick";
         expect_len(OP, "logits", logits.len(), rows.len() * vocab)?;
         if rows.is_empty() {
             return Ok(Vec::new());
@@ -23,6 +24,14 @@ impl CudaBackend {
                 r.history.iter().map(|h| h.0).chain(r.logit_bias.iter().map(|b| b.0)).find(|&t| t as usize >= vocab);
             if let Some(t) = bad {
                 return Err(KernelError::shape(OP, format!("row {i}: token {t} outside a vocabulary of {vocab}")));
+            }
+            if let Some(d) = r.draw
+                && !(d.temperature > 0.0 && (0.0..1.0).contains(&d.uniform))
+            {
+                return Err(KernelError::shape(
+                    OP,
+                    format!("row {i}: a draw needs temperature > 0 and uniform in [0, 1)"),
+                ));
             }
             if r.top_logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
                 return Err(KernelError::shape(OP, format!("row {i}: more than {MAX_TOP_LOGPROBS} top_logprobs")));
@@ -53,6 +62,22 @@ impl CudaBackend {
         let mut l = self.stream.launch_builder(&self.k.row_argmax);
         l.arg(work.as_ref().unwrap_or(&raw)).arg(&v).arg(&mut tokens);
         launch(&mut l, per_row(n, ROW_THREADS), OP)?;
+        if rows.iter().any(|r| r.draw.is_some()) {
+            // Greedy rows carry temperature 0, and the kernel leaves their argmax as it is.
+            let draw = |f: fn(&Draw) -> f32, off: f32| -> Vec<f32> {
+                rows.iter().map(|r| r.draw.as_ref().map_or(off, f)).collect()
+            };
+            let temperature = self.htod(OP, &draw(|d| d.temperature, 0.0))?;
+            let top_k: Vec<u32> = rows.iter().map(|r| r.draw.map_or(0, |d| d.top_k)).collect();
+            let top_k = self.htod(OP, &top_k)?;
+            let top_p = self.htod(OP, &draw(|d| d.top_p, 1.0))?;
+            let min_p = self.htod(OP, &draw(|d| d.min_p, 0.0))?;
+            let uniform = self.htod(OP, &draw(|d| d.uniform, 0.0))?;
+            let mut l = self.stream.launch_builder(&self.k.row_sample);
+            l.arg(work.as_ref().unwrap_or(&raw)).arg(&v).arg(&temperature).arg(&top_k).arg(&top_p);
+            l.arg(&min_p).arg(&uniform).arg(&mut tokens);
+            launch(&mut l, per_row(n, ROW_THREADS), OP)?;
+        }
 
         let tokens = self.stream.clone_dtoh(&tokens).map_err(device_err(OP))?;
         let (maxes, lses, top) = if want_logprobs {
@@ -106,13 +131,7 @@ impl CudaBackend {
     }
 
     /// `raw` with each row's penalties and bias applied, as a new buffer.
-    fn penalise(
-        &self,
-        op: &'static str,
-        raw: &CudaSlice<f32>,
-        vocab: u32,
-        rows: &[GreedyRow],
-    ) -> Result<CudaSlice<f32>> {
+    fn penalise(&self, op: &'static str, raw: &CudaSlice<f32>, vocab: u32, rows: &[PickRow]) -> Result<CudaSlice<f32>> {
         let mut work = self.stream.clone_dtod(raw).map_err(device_err(op))?;
         let (mut r_idx, mut tok, mut cnt, mut seen) = (vec![], vec![], vec![], vec![]);
         let (mut b_idx, mut b_tok, mut b_val) = (vec![], vec![], vec![]);
@@ -129,7 +148,7 @@ impl CudaBackend {
                 b_val.push(b);
             }
         }
-        let each_row = |f: fn(&GreedyRow) -> f32| -> Vec<f32> { rows.iter().map(f).collect() };
+        let each_row = |f: fn(&PickRow) -> f32| -> Vec<f32> { rows.iter().map(f).collect() };
         if !r_idx.is_empty() {
             let up_u = |v: &[u32]| self.htod(op, v);
             let up_f = |v: &[f32]| self.htod(op, v);

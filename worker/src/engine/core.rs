@@ -13,7 +13,7 @@ use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
 use std::collections::HashMap;
 use tessera_kernels::Backend;
-use tessera_kernels::greedy::GreedyRow;
+use tessera_kernels::pick::PickRow;
 use tessera_proto::block_hash::BlockHasher;
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's limit).
@@ -363,12 +363,12 @@ impl<B: Backend> EngineCore<B> {
             return Ok(Vec::new());
         }
         self.stats.steps += 1;
-        // When every sampled row decodes greedily the device may pick the tokens itself.
-        let greedy: Option<Vec<GreedyRow>> = step
+        // When no sampled row follows a grammar the device may pick the tokens itself.
+        let device_rows: Option<Vec<PickRow>> = step
             .scheduled
             .iter()
             .filter(|s| s.sample)
-            .map(|s| self.requests.get(&s.id).and_then(|r| r.sampler.greedy_row()))
+            .map(|s| self.requests.get_mut(&s.id).and_then(|r| r.sampler.device_row()))
             .collect();
         let forwarded = {
             let inputs: Vec<SeqInput<'_>> = step
@@ -384,8 +384,8 @@ impl<B: Backend> EngineCore<B> {
                     }
                 })
                 .collect();
-            match &greedy {
-                Some(rows) => self.exec.forward_greedy(&inputs, rows)?,
+            match &device_rows {
+                Some(rows) => self.exec.forward_picking(&inputs, rows)?,
                 None => Forwarded::Logits(self.exec.forward(&inputs)?),
             }
         };

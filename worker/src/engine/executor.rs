@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use tessera_kernels::Backend;
-use tessera_kernels::greedy::GreedyRow;
+use tessera_kernels::pick::PickRow;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 
 pub enum Executor<B: Backend> {
@@ -46,11 +46,11 @@ impl<B: Backend> Executor<B> {
         }
     }
 
-    /// `forward` for greedy rows: picked on the device where the backend can (a
+    /// `forward` with each sampled row's pick: made on the device where the backend can (a
     /// tensor-parallel group hands back rank 0's logits instead).
-    pub fn forward_greedy(&mut self, seqs: &[SeqInput<'_>], rows: &[GreedyRow]) -> Result<Forwarded, ModelError> {
+    pub fn forward_picking(&mut self, seqs: &[SeqInput<'_>], rows: &[PickRow]) -> Result<Forwarded, ModelError> {
         match self {
-            Executor::Single { model, kv } => model.forward_greedy(seqs, kv, rows),
+            Executor::Single { model, kv } => model.forward_picking(seqs, kv, rows),
             Executor::Parallel(tp) => Ok(Forwarded::Logits(tp.forward(seqs)?)),
         }
     }

@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use std::collections::HashMap;
-use tessera_kernels::greedy::GreedyRow;
+use tessera_kernels::pick::{Draw, PickRow};
 
 /// How one sequence samples. Defaults are "off" for every filter and penalty.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,6 +66,8 @@ pub struct SamplerState {
     seen: HashMap<u32, ()>,
     /// The grammar the output must follow, if any.
     pub constraint: Option<Constraint>,
+    /// This step's random draw, once a device row has taken it.
+    drawn: Option<f32>,
 }
 
 impl SamplerState {
@@ -76,33 +78,53 @@ impl SamplerState {
         };
         let seen =
             if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
-        Self { params, rng, output_counts: HashMap::new(), seen, constraint: None }
+        Self { params, rng, output_counts: HashMap::new(), seen, constraint: None, drawn: None }
     }
 
-    /// The row a device can decode greedily for this sequence; None unless it samples
-    /// at temperature 0 without a grammar.
-    pub fn greedy_row(&self) -> Option<GreedyRow> {
-        let p = &self.params;
-        if p.temperature > 0.0 || self.constraint.is_some() {
+    /// The row a device can pick for this sequence; None when it follows a grammar,
+    /// which only the host can apply. A sampled row takes this step's random draw from
+    /// the sequence's generator, and the host's sampler uses that same draw should the
+    /// backend hand the logits back instead: one draw per step either way, so a seeded
+    /// request gives the same tokens on any backend.
+    pub fn device_row(&mut self) -> Option<PickRow> {
+        if self.constraint.is_some() {
             return None;
         }
+        let p = &self.params;
         let mut history = Vec::new();
         if p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
             history.extend(self.output_counts.iter().map(|(&t, &c)| (t, c, self.seen.contains_key(&t))));
             history.extend(self.seen.keys().filter(|t| !self.output_counts.contains_key(t)).map(|&t| (t, 0, true)));
         }
-        Some(GreedyRow {
+        let draw = (p.temperature > 0.0).then(|| {
+            let uniform = *self.drawn.get_or_insert_with(|| self.rng.random::<f32>());
+            Draw {
+                temperature: p.temperature,
+                top_k: u32::try_from(p.top_k).unwrap_or(0),
+                top_p: p.top_p,
+                min_p: p.min_p,
+                uniform,
+            }
+        });
+        Some(PickRow {
             repetition_penalty: p.repetition_penalty,
             frequency_penalty: p.frequency_penalty,
             presence_penalty: p.presence_penalty,
             history,
             logit_bias: p.logit_bias.clone(),
             top_logprobs: p.logprobs,
+            draw,
         })
+    }
+
+    /// This step's random draw: the one a device row took, or a new one.
+    fn uniform(&mut self) -> f32 {
+        self.drawn.take().unwrap_or_else(|| self.rng.random::<f32>())
     }
 
     /// Records a token the sequence produced.
     pub fn push(&mut self, token: u32) {
+        self.drawn = None;
         *self.output_counts.entry(token).or_default() += 1;
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token, ());
@@ -135,6 +157,7 @@ pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
         }
         None => (None, Vec::new()),
     };
+    let uniform = (state.params.temperature > 0.0).then(|| state.uniform());
     let p = &state.params;
     apply_penalties(logits, p, &state.output_counts, &state.seen);
     for &(token, bias) in &p.logit_bias {
@@ -145,7 +168,10 @@ pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
     if let Some(c) = &state.constraint {
         c.mask(logits);
     }
-    let token = if p.temperature <= 0.0 { argmax(logits) } else { draw(logits, p, &mut state.rng) };
+    let token = match uniform {
+        Some(u) => draw(logits, p, u),
+        None => argmax(logits),
+    };
     if let Some(c) = &state.constraint {
         c.accept(token as u32);
     }
@@ -166,42 +192,45 @@ fn apply_penalties(logits: &mut [f32], p: &SamplingParams, counts: &HashMap<u32,
     }
 }
 
-/// Temperature, then top-k, top-p and min-p over the survivors, then a draw.
-fn draw(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> usize {
+/// Temperature, then top-k, top-p and min-p over the survivors, then the token at which
+/// the kept probabilities, walked from the most likely, pass `uniform` of their sum.
+/// Weights are relative to the most likely token (1 there) and summed in f64: an f32
+/// running sum over a 100k-token vocabulary drifts by more than a token's share.
+fn draw(logits: &[f32], p: &SamplingParams, uniform: f32) -> usize {
     let k = if p.top_k > 0 { (p.top_k as usize).min(logits.len()) } else { logits.len() };
-    // Candidates by descending logit; a full sort only when no top-k narrows it.
+    // Candidates by descending logit, equal logits by index (as a device picks them); a
+    // full sort only when no top-k narrows it.
+    let before = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
     let mut order: Vec<usize> = (0..logits.len()).collect();
     if k < logits.len() {
-        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        order.select_nth_unstable_by(k - 1, before);
         order.truncate(k);
     }
-    order.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    order.sort_unstable_by(before);
     let max = logits[order[0]];
-    let mut probs: Vec<f32> = order.iter().map(|&i| ((logits[i] - max) / p.temperature).exp()).collect();
-    let total: f32 = probs.iter().sum();
-    probs.iter_mut().for_each(|q| *q /= total);
-    // top-p: the smallest prefix whose mass reaches top_p (at least one token).
-    let mut keep = probs.len();
+    let weights: Vec<f32> = order.iter().map(|&i| ((logits[i] - max) / p.temperature).exp()).collect();
+    // top-p: the smallest prefix whose weight reaches top_p of the whole (at least one).
+    let mut keep = weights.len();
     if p.top_p < 1.0 {
+        let target = p.top_p as f64 * weights.iter().map(|&w| w as f64).sum::<f64>();
         let mut mass = 0.0;
-        for (i, q) in probs.iter().enumerate() {
-            mass += q;
-            if mass >= p.top_p {
+        for (i, &w) in weights.iter().enumerate() {
+            mass += w as f64;
+            if mass >= target {
                 keep = i + 1;
                 break;
             }
         }
     }
-    // min-p: drop tokens less likely than min_p times the most likely one.
+    // min-p: drop tokens less likely than min_p times the most likely one (weight 1).
     if p.min_p > 0.0 {
-        let floor = p.min_p * probs[0];
-        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        keep = keep.min(weights.iter().take_while(|&&w| w >= p.min_p).count().max(1));
     }
-    let mass: f32 = probs[..keep].iter().sum();
-    let mut u = rng.random::<f32>() * mass;
-    for (i, q) in probs[..keep].iter().enumerate() {
-        u -= q;
-        if u <= 0.0 {
+    let target = uniform as f64 * weights[..keep].iter().map(|&w| w as f64).sum::<f64>();
+    let mut mass = 0.0;
+    for (i, &w) in weights[..keep].iter().enumerate() {
+        mass += w as f64;
+        if mass >= target {
             return order[i];
         }
     }
@@ -242,7 +271,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn greedy_rows_carry_the_history_the_penalties_read() {
+    fn device_rows_carry_the_history_the_penalties_read() {
         let params = SamplingParams {
             repetition_penalty: 1.2,
             frequency_penalty: 0.5,
@@ -252,16 +281,49 @@ mod tests {
         };
         let mut state = SamplerState::new(params, &[1, 2, 2]);
         [2, 3, 3].iter().for_each(|&t| state.push(t));
-        let row = state.greedy_row().unwrap();
+        let row = state.device_row().unwrap();
         let mut history = row.history.clone();
         history.sort_unstable();
         assert_eq!(history, vec![(1, 0, true), (2, 1, true), (3, 2, true)]);
         assert_eq!((row.repetition_penalty, row.frequency_penalty, row.presence_penalty), (1.2, 0.5, 0.0));
         assert_eq!((row.logit_bias.clone(), row.top_logprobs), (vec![(4, 2.0)], Some(3)));
-        // Without penalties nothing of the history is needed; sampling rows have none.
-        let plain = SamplerState::new(SamplingParams::greedy(), &[1, 2]);
-        assert!(plain.greedy_row().unwrap().history.is_empty());
-        assert!(SamplerState::new(SamplingParams::default(), &[1]).greedy_row().is_none());
+        assert_eq!(row.draw, None, "temperature 0 picks greedily");
+        // Without penalties nothing of the history is needed.
+        let mut plain = SamplerState::new(SamplingParams::greedy(), &[1, 2]);
+        assert!(plain.device_row().unwrap().history.is_empty());
+    }
+
+    #[test]
+    fn a_device_row_takes_the_steps_draw_and_the_host_reuses_it() {
+        let params = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.05,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let logits = logits_of(&PROBS);
+        // Host only: the tokens a seeded sequence draws.
+        let mut host = SamplerState::new(params.clone(), &[]);
+        let host_tokens: Vec<u32> = (0..50).map(|_| sample(&mut logits.clone(), &mut host).token).collect();
+        // A device row each step (asked twice: one draw all the same), then the logits
+        // handed back to the host: the same tokens.
+        let mut mixed = SamplerState::new(params.clone(), &[]);
+        let mut mixed_tokens = Vec::new();
+        for _ in 0..50 {
+            let draw = mixed.device_row().unwrap().draw.expect("a sampled row draws");
+            assert_eq!(mixed.device_row().unwrap().draw, Some(draw));
+            assert_eq!((draw.temperature, draw.top_k, draw.top_p, draw.min_p), (0.7, 40, 0.9, 0.05));
+            assert!((0.0..1.0).contains(&draw.uniform));
+            let token = sample(&mut logits.clone(), &mut mixed).token;
+            mixed.push(token);
+            mixed_tokens.push(token);
+        }
+        assert_eq!(mixed_tokens, host_tokens);
+        // top_k off (-1) is 0 on the device.
+        let mut off = SamplerState::new(SamplingParams::default(), &[]);
+        assert_eq!(off.device_row().unwrap().draw.unwrap().top_k, 0);
     }
 
     /// Logits whose softmax is exactly `probs`.

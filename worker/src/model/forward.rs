@@ -9,7 +9,7 @@ use super::weights::{self, Weights};
 use crate::loader::TensorSource;
 use std::sync::Arc;
 use tessera_kernels::collective::AllReduce;
-use tessera_kernels::greedy::{GreedyRow, Picked};
+use tessera_kernels::pick::{PickRow, Picked};
 use tessera_kernels::{AttentionShape, Backend, PagedBatch};
 
 pub struct Model<B: Backend> {
@@ -128,22 +128,22 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// `forward` for a batch whose sampled rows all decode greedily, `rows` holding one
-    /// entry per sequence that asks for logits: the backend picks the tokens on its
+    /// `forward` for a batch whose sampled rows can all be picked on a device, `rows`
+    /// holding one entry per sequence that asks for logits: the backend picks the tokens on its
     /// device when it can, and only the picks leave it.
-    pub fn forward_greedy(
+    pub fn forward_picking(
         &self,
         seqs: &[SeqInput<'_>],
         kv: &mut KvCache<B>,
-        rows: &[GreedyRow],
+        rows: &[PickRow],
     ) -> Result<Forwarded, ModelError> {
         let b = &self.backend;
         let vocab = self.config.vocab_size;
         if let Some((logits, batch)) = self.decode_with_graph(seqs, kv)? {
             // The graph's padding rows are picked too, then dropped.
             let mut padded = rows.to_vec();
-            padded.resize(batch, GreedyRow::default());
-            return Ok(match b.greedy_pick(logits, vocab, &padded)? {
+            padded.resize(batch, PickRow::default());
+            return Ok(match b.device_pick(logits, vocab, &padded)? {
                 Some(mut picks) => {
                     picks.truncate(rows.len());
                     Forwarded::Picked(picks)
@@ -152,7 +152,7 @@ impl<B: Backend> Model<B> {
             });
         }
         let Some(logits) = self.forward_on_device(seqs, kv)? else { return Ok(Forwarded::Logits(Vec::new())) };
-        Ok(match b.greedy_pick(&logits, vocab, rows)? {
+        Ok(match b.device_pick(&logits, vocab, rows)? {
             Some(picks) => Forwarded::Picked(picks),
             None => Forwarded::Logits(b.download(&logits)?),
         })

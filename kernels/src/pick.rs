@@ -1,10 +1,11 @@
-//! Greedy decoding where the logits are: what a row asks for and what it gets. A
+//! Picking tokens where the logits are: what a row asks for and what it gets. A
 //! backend that can pick on its device (CUDA) saves downloading the `[rows, vocab]`
 //! logits; the others leave it to the engine's sampler.
 
-/// How one row is decoded greedily (the engine's sampling parameters at temperature 0).
+/// How one row is picked: greedily (the engine's sampling parameters at temperature 0),
+/// or by a draw.
 #[derive(Debug, Clone)]
-pub struct GreedyRow {
+pub struct PickRow {
     pub repetition_penalty: f32,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
@@ -15,10 +16,30 @@ pub struct GreedyRow {
     /// How many alternatives to return with log-probabilities (0..=20); None for no
     /// log-probabilities at all.
     pub top_logprobs: Option<u32>,
+    /// None picks the most likely token after penalties and bias.
+    pub draw: Option<Draw>,
 }
 
-impl Default for GreedyRow {
-    /// No penalty, no bias, no log-probabilities.
+/// A sampled pick: temperature, then top-k, the top-p share of what is left and min-p,
+/// then the token at which the kept probabilities, walked from the most likely, pass
+/// `uniform` of their sum (the engine's CPU sampler's order, so the same draw picks
+/// the same token up to rounding at the boundaries).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draw {
+    /// Above 0.
+    pub temperature: f32,
+    /// 0 is off.
+    pub top_k: u32,
+    /// 1 is off.
+    pub top_p: f32,
+    /// 0 is off.
+    pub min_p: f32,
+    /// The sequence's random draw for this step, in [0, 1).
+    pub uniform: f32,
+}
+
+impl Default for PickRow {
+    /// Greedy, no penalty, no bias, no log-probabilities.
     fn default() -> Self {
         Self {
             repetition_penalty: 1.0,
@@ -27,6 +48,7 @@ impl Default for GreedyRow {
             history: Vec::new(),
             logit_bias: Vec::new(),
             top_logprobs: None,
+            draw: None,
         }
     }
 }
