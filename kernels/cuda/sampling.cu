@@ -75,7 +75,7 @@ extern "C" __global__ void row_argmax(const float* logits, u32 vocab, u32* out) 
     u32 i = 0xffffffffu;
     for (u32 c = threadIdx.x; c < vocab; c += blockDim.x) better(v, i, row[c], c);
     block_argmax(v, i);
-    if (threadIdx.x == 0) out[blockIdx.x] = i;
+    if (threadIdx.x == 0) out[blockIdx.x] = i < vocab ? i : 0;  // an all-NaN row still names a token
 }
 
 // Each row's maximum and log-sum-exp, so that log P(t) = logit(t) - max - lse.
@@ -322,7 +322,7 @@ __device__ u32 cut_at(DrawRow& r, bool by_weight, u64 target, u64* hist, u32* pr
 
 // One block per row. Rows at temperature 0 keep the greedy pick already in `tokens`.
 // top_k 0 is off, top_p 1 is off, min_p 0 is off; uniform is the row's draw in [0, 1).
-extern "C" __global__ void row_sample(const float* logits, u32 vocab, const float* temperature, const u32* top_k,
+extern "C" __global__ void __launch_bounds__(1024) row_sample(const float* logits, u32 vocab, const float* temperature, const u32* top_k,
                                       const float* top_p, const float* min_p, const float* uniform, u32* tokens) {
     __shared__ u64 hist[SAMPLE_BINS];
     __shared__ u64 scratch, above;

@@ -409,8 +409,18 @@ impl<B: Backend> EngineCore<B> {
             }
         };
         let mut outputs = Vec::with_capacity(taken.len());
-        for ((seq_id, mut state), s) in taken.into_iter().zip(sampled) {
-            let mut output = self.advance(seq_id, &mut state, s)?;
+        let mut pending = taken.into_iter().zip(sampled);
+        while let Some(((seq_id, mut state), s)) = pending.next() {
+            let mut output = match self.advance(seq_id, &mut state, s) {
+                Ok(output) => output,
+                Err(e) => {
+                    // The sequences stay scheduled: their states go back with them, so
+                    // that a later step or abort finds them.
+                    self.requests.insert(seq_id, state);
+                    self.requests.extend(pending.map(|(taken, _)| taken));
+                    return Err(e);
+                }
+            };
             if output.finish.is_none() {
                 self.requests.insert(seq_id, state);
             } else {

@@ -226,7 +226,12 @@ fn draw(logits: &[f32], p: &SamplingParams, uniform: f32) -> usize {
     if p.min_p > 0.0 {
         keep = keep.min(weights.iter().take_while(|&&w| w >= p.min_p).count().max(1));
     }
-    let target = uniform as f64 * weights[..keep].iter().map(|&w| w as f64).sum::<f64>();
+    let kept: f64 = weights[..keep].iter().map(|&w| w as f64).sum();
+    if !(kept.is_finite() && kept > 0.0) {
+        // Broken logits (NaN, infinities): the most likely token, as a device picks.
+        return argmax(logits);
+    }
+    let target = uniform as f64 * kept;
     let mut mass = 0.0;
     for (i, &w) in weights[..keep].iter().enumerate() {
         mass += w as f64;
@@ -253,16 +258,18 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - max - log_sum).collect()
 }
 
-/// Indices of the `k` largest values, largest first.
+/// Indices of the `k` largest values, largest first; equal values by index, as a
+/// device orders them.
 fn top_k_indices(v: &[f32], k: usize) -> Vec<usize> {
     let k = k.min(v.len());
     if k == 0 {
         return Vec::new();
     }
+    let before = |a: &usize, b: &usize| v[*b].total_cmp(&v[*a]).then(a.cmp(b));
     let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.select_nth_unstable_by(k - 1, |&a, &b| v[b].total_cmp(&v[a]));
+    idx.select_nth_unstable_by(k - 1, before);
     idx.truncate(k);
-    idx.sort_unstable_by(|&a, &b| v[b].total_cmp(&v[a]));
+    idx.sort_unstable_by(before);
     idx
 }
 
@@ -341,6 +348,13 @@ mod tests {
     }
 
     const PROBS: [f32; 5] = [0.4, 0.3, 0.15, 0.1, 0.05];
+
+    #[test]
+    fn a_draw_from_broken_logits_takes_the_maximum() {
+        let mut state = SamplerState::new(SamplingParams { seed: Some(3), ..Default::default() }, &[]);
+        assert_eq!(sample(&mut [1.0, f32::INFINITY, 0.5], &mut state).token, 1);
+        assert_eq!(sample(&mut [f32::NEG_INFINITY; 3], &mut state).token, 0);
+    }
 
     #[test]
     fn greedy_takes_the_maximum() {
