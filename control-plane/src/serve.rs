@@ -10,7 +10,8 @@ use crate::billing::supply::{Refresher, Supply};
 use crate::catalog::Catalog;
 use crate::config::ServeConfig;
 use crate::limits::RateConfig;
-use crate::router::{Models, Replica};
+use crate::router::choice::Weights;
+use crate::router::{Models, Pool, Replica};
 use crate::workers;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -28,15 +29,17 @@ pub async fn run(config: ServeConfig) -> Result<()> {
 
     let binary = workers::worker_binary(config.worker_bin.as_deref());
     let mut local = Vec::new();
-    let mut replicas = BTreeMap::new();
+    let mut pools = BTreeMap::new();
     for weights in catalog.weights() {
         eprintln!("starting a worker for {weights} (the model is fetched on first use)");
         let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
-        let replica = Replica::connect(&worker.addr).await?;
-        replicas.insert(worker.weights.clone(), Arc::new(replica));
+        let replica = Arc::new(Replica::connect(&worker.addr).await?);
+        let pool = Arc::new(Pool::new(&replica.card.model, Weights::default()));
+        pool.add(&worker.addr, replica.clone())?;
+        pools.insert(worker.weights.clone(), (replica, pool));
         local.push(worker);
     }
-    let models = Models::new(&catalog, &replicas).map_err(anyhow::Error::msg)?;
+    let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));
@@ -44,7 +47,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     tokio::spawn(keep_alive(billing.clone()));
     tokio::spawn(release_stale_holds(store.ledger()));
     tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
-    let loads: Vec<(String, Arc<Replica>)> = models.all().map(|m| (m.entry.id.clone(), m.replica.clone())).collect();
+    let loads: Vec<(String, Arc<Pool>)> = models.all().map(|m| (m.entry.id.clone(), m.pool.clone())).collect();
     billing.supply().reload().await?;
     let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
     tokio::spawn(refresh_supply(billing.supply().clone(), refresh, loads));
@@ -156,13 +159,13 @@ async fn renew_subscriptions(subscriptions: Subscriptions) {
 
 /// Samples every model's replicas' load every few seconds; the supply state follows
 /// once per `slot`.
-async fn refresh_supply(supply: Supply, slot: Duration, models: Vec<(String, Arc<Replica>)>) {
+async fn refresh_supply(supply: Supply, slot: Duration, models: Vec<(String, Arc<Pool>)>) {
     let mut refresher = Refresher::new(supply, slot, crate::limits::now_us());
     let mut every = tokio::time::interval((slot / 60).clamp(Duration::from_millis(100), Duration::from_secs(10)));
     loop {
         every.tick().await;
         let loads: Vec<(String, Vec<_>)> =
-            models.iter().map(|(id, replica)| (id.clone(), replica.load().into_iter().collect())).collect();
+            models.iter().map(|(id, pool)| (id.clone(), pool.loads())).collect();
         if let Err(e) = refresher.sample(crate::limits::now_us(), &loads).await {
             tracing::error!("recording supply states: {e}");
         }

@@ -54,7 +54,7 @@ pub async fn handle(
     let mut outputs = Vec::new();
     for (slot, p) in request.prompts.iter().enumerate() {
         let g = Generation { prompt: p.tokens.clone(), ..request.template.clone() };
-        let out = if g.max_tokens == 0 { None } else { Some(generate::start(&model.replica, g, &meter, slot).await?) };
+        let out = if g.max_tokens == 0 { None } else { Some(generate::start(&model.pool, g, &meter, slot).await?) };
         outputs.push(out);
     }
     let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});

@@ -5,7 +5,7 @@
 use super::error::ApiError;
 use crate::billing::Meter;
 use crate::chat::output::{Reading, Split};
-use crate::router::Replica;
+use crate::router::Pool;
 use tessera_proto::GRAMMAR_REFUSED;
 use tessera_proto::worker::{self as pb};
 use tonic::{Code, Status, Streaming};
@@ -29,8 +29,12 @@ pub struct Output {
     slot: usize,
 }
 
-/// Starts prompt `slot` of a metered request.
-pub async fn start(replica: &Replica, g: Generation, meter: &Meter, slot: usize) -> Result<Output, ApiError> {
+/// Most replicas one request tries before it answers 503.
+const ATTEMPTS: usize = 3;
+
+/// Starts prompt `slot` of a metered request on the replica the pool chooses; one that
+/// cannot be reached is taken out of routing and the next choice tried.
+pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Result<Output, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
         // Random, so control planes sharing a worker never collide.
@@ -44,10 +48,23 @@ pub async fn start(replica: &Replica, g: Generation, meter: &Meter, slot: usize)
         n: g.n,
         grammar,
     };
-    let stream =
-        replica.client.clone().generate(request).await.map_err(|s| worker_error(s, grammar_param))?.into_inner();
-    meter.started(slot);
-    Ok(Output { stream, meter: meter.clone(), slot })
+    let mut tried = Vec::new();
+    while tried.len() < ATTEMPTS {
+        let Some((id, replica)) = pool.choose(&request.prompt_token_ids, &tried) else { break };
+        match replica.client.clone().generate(request.clone()).await {
+            Ok(stream) => {
+                meter.started(slot);
+                return Ok(Output { stream: stream.into_inner(), meter: meter.clone(), slot });
+            }
+            Err(s) if s.code() == Code::Unavailable => {
+                tracing::warn!("replica {id} unreachable ({}); trying another", s.message());
+                pool.broken(&id);
+                tried.push(id);
+            }
+            Err(s) => return Err(worker_error(s, grammar_param)),
+        }
+    }
+    Err(ApiError::Overloaded)
 }
 
 impl Output {

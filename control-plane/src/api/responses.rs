@@ -39,7 +39,7 @@ pub async fn handle(
     let g = &request.generation;
     let ask = Ask { endpoint: "responses", prompts: &[g.prompt.len()], max_completion_each: g.max_tokens as u64 };
     let meter = app.billing.admit(&key, &model, ask).await?;
-    let out = generate::start(&model.replica, g.clone(), &meter, 0).await?;
+    let out = generate::start(&model.pool, g.clone(), &meter, 0).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     if meta.request.stream {
         return Ok(sse::respond(move |tx| async move {

@@ -1,10 +1,13 @@
-//! Which worker serves a model. `tessera serve` has one replica per distinct weights,
-//! started locally; the cluster issue replaces this static table with etcd placement
-//! and load-aware choice.
+//! Which worker serves a model: each catalog model has the pool of replicas serving its
+//! weights (`pool`), which picks one per request by prefix cache and load (`choice`).
+//! `tessera serve` puts one local replica in each pool; cluster mode fills them from
+//! etcd.
 
 pub mod choice;
+pub mod pool;
 pub mod replica;
 
+pub use pool::{Pool, PoolError};
 pub use replica::{Replica, ReplicaError};
 
 use crate::catalog::{Catalog, CatalogModel};
@@ -12,10 +15,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tessera_proto::chat_template::ChatTemplate;
 
-/// A catalog model and the replica serving it.
+/// A catalog model and the replicas serving it.
 pub struct ServedModel {
     pub entry: CatalogModel,
+    /// One replica of the weights, for what every replica shares: tokenizer, card,
+    /// template, token bytes.
     pub replica: Arc<Replica>,
+    /// Where its requests go.
+    pub pool: Arc<Pool>,
     /// The family's template from the catalog, else the one that came with the weights.
     pub template: Option<Arc<ChatTemplate>>,
 }
@@ -34,12 +41,12 @@ pub struct Models {
 }
 
 impl Models {
-    /// Every catalog model whose weights have a replica; an error names a catalog
-    /// template that does not compile.
-    pub fn new(catalog: &Catalog, replicas: &BTreeMap<String, Arc<Replica>>) -> Result<Self, String> {
+    /// Every catalog model whose weights have a pool (and a replica of them, for
+    /// metadata); an error names a catalog template that does not compile.
+    pub fn new(catalog: &Catalog, pools: &BTreeMap<String, (Arc<Replica>, Arc<Pool>)>) -> Result<Self, String> {
         let mut by_id = BTreeMap::new();
         for m in &catalog.models {
-            let Some(replica) = replicas.get(&m.weights).cloned() else { continue };
+            let Some((replica, pool)) = pools.get(&m.weights).cloned() else { continue };
             let template = match &m.chat_template_source {
                 Some(source) => {
                     let card = &replica.card;
@@ -49,7 +56,7 @@ impl Models {
                 }
                 None => replica.template.clone(),
             };
-            by_id.insert(m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica, template }));
+            by_id.insert(m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica, pool, template }));
         }
         Ok(Self { by_id })
     }

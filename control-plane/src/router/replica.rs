@@ -2,7 +2,7 @@
 //! about tokenizing, templating and the bytes of each token.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use tessera_proto::chat_template::ChatTemplate;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
@@ -25,8 +25,6 @@ pub struct Replica {
     pub template: Option<Arc<ChatTemplate>>,
     /// The bytes each token id stands for (byte-level BPE undone), for logprobs.
     token_bytes: Vec<Vec<u8>>,
-    /// The worker's latest load report; None while its stream is down.
-    load: Arc<Mutex<Option<pb::LoadReport>>>,
 }
 
 impl Replica {
@@ -46,14 +44,7 @@ impl Replica {
             ))
         };
         let token_bytes = token_bytes(&tokenizer, &card.tokenizer_json);
-        let load = Arc::new(Mutex::new(None));
-        tokio::spawn(watch_load(client.clone(), Arc::downgrade(&load)));
-        Ok(Self { addr: addr.to_string(), client, card, tokenizer, template, token_bytes, load })
-    }
-
-    /// The worker's latest load report, if it is reporting.
-    pub fn load(&self) -> Option<pb::LoadReport> {
-        self.load.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        Ok(Self { addr: addr.to_string(), client, card, tokenizer, template, token_bytes })
     }
 
     /// Token ids the model accepts: its embedding rows (the tokenizer may know more).
@@ -69,28 +60,6 @@ impl Replica {
     /// replaced; `token_bytes` has the exact bytes).
     pub fn token_text(&self, id: u32) -> String {
         String::from_utf8_lossy(self.token_bytes(id)).into_owned()
-    }
-}
-
-/// Keeps `slot` at the worker's latest load report while the replica lives,
-/// reconnecting after a second when the stream breaks.
-async fn watch_load(mut client: WorkerClient<Channel>, slot: Weak<Mutex<Option<pb::LoadReport>>>) {
-    loop {
-        if let Ok(stream) = client.watch_load(pb::WatchLoadRequest { interval_ms: 1_000 }).await {
-            let mut stream = stream.into_inner();
-            while let Ok(Some(report)) = stream.message().await {
-                // The opening snapshot of the prefix cache carries no load.
-                if report.snapshot {
-                    continue;
-                }
-                let Some(slot) = slot.upgrade() else { return };
-                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-            }
-        }
-        let Some(live) = slot.upgrade() else { return };
-        *live.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        drop(live);
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
 }
 

@@ -1,0 +1,194 @@
+//! The replicas serving one set of weights, and which of them takes each request.
+//!
+//! Each member's `WatchLoad` stream keeps two things current: its load (running and
+//! waiting sequences at the last report, plus the requests dispatched to it since, counted
+//! here at dispatch) and exactly which prompt blocks its prefix cache holds (the stream
+//! opens with a snapshot, then sends changes). A member whose stream breaks leaves routing
+//! at once, its cache forgotten, and comes back when a new stream opens; a member that has
+//! not reported yet is routable with no load, so a fresh replica takes traffic at once.
+
+use super::choice::{self, Candidate, PrefixIndex, Weights};
+use super::replica::Replica;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
+use tessera_proto::worker as pb;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("replica {id} uses KV blocks of {got} tokens; routing needs {BLOCK_TOKENS}")]
+    BlockSize { id: String, got: u32 },
+    #[error("replica {id} serves {got}, not {want}")]
+    Model { id: String, got: String, want: String },
+}
+
+pub struct Pool {
+    /// The served model's name as the workers hash it (their cards' `model`).
+    model: String,
+    hasher: BlockHasher,
+    weights: Weights,
+    members: RwLock<BTreeMap<String, Arc<Member>>>,
+    index: Arc<Mutex<PrefixIndex>>,
+}
+
+struct Member {
+    id: String,
+    replica: Arc<Replica>,
+    load: Mutex<Load>,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Load {
+    /// The last report; None before the first.
+    report: Option<pb::LoadReport>,
+    /// Requests sent since that report.
+    dispatched: u32,
+    /// The load stream is down: no routing here until it is back.
+    broken: bool,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+impl Pool {
+    pub fn new(model: &str, weights: Weights) -> Self {
+        Self {
+            model: model.to_string(),
+            hasher: BlockHasher::new(model),
+            weights,
+            members: RwLock::default(),
+            index: Arc::default(),
+        }
+    }
+
+    /// Adds a replica under `id` (replacing one of that id), after checking that its
+    /// cache events can be matched against prompts hashed here.
+    pub fn add(&self, id: &str, replica: Arc<Replica>) -> Result<(), PoolError> {
+        let card = &replica.card;
+        if card.kv_block_size as usize != BLOCK_TOKENS {
+            return Err(PoolError::BlockSize { id: id.into(), got: card.kv_block_size });
+        }
+        if card.model != self.model {
+            return Err(PoolError::Model { id: id.into(), got: card.model.clone(), want: self.model.clone() });
+        }
+        let member = Arc::new_cyclic(|me: &Weak<Member>| Member {
+            id: id.to_string(),
+            replica: replica.clone(),
+            load: Mutex::default(),
+            follower: tokio::spawn(follow_load(me.clone(), self.index.clone())),
+        });
+        let old = self.members.write().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), member);
+        if old.is_some() {
+            self.index.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
+        }
+        Ok(())
+    }
+
+    /// Takes a replica out of routing (requests already sent to it go on).
+    pub fn remove(&self, id: &str) {
+        self.members.write().unwrap_or_else(|e| e.into_inner()).remove(id);
+        self.index.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        self.members.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+    }
+
+    /// The replica for a prompt, counted as dispatched to; None when every routable
+    /// replica is saturated or none is routable (the caller answers 503).
+    pub fn choose(&self, prompt: &[u32], except: &[String]) -> Option<(String, Arc<Replica>)> {
+        let blocks = self.hasher.hash_prefix(prompt);
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        let candidates: Vec<Candidate> = members
+            .values()
+            .filter(|m| !except.contains(&m.id))
+            .filter_map(|m| {
+                let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
+                let reported = load.report.as_ref().map_or(0, |r| r.running + r.waiting);
+                (!load.broken).then(|| Candidate { id: m.id.clone(), reported, dispatched: load.dispatched })
+            })
+            .collect();
+        let matched = self.index.lock().unwrap_or_else(|e| e.into_inner()).matched(&blocks);
+        let chosen = choice::choose(&candidates, blocks.len(), &matched, self.weights)?;
+        let member = &members[&chosen.id];
+        member.load.lock().unwrap_or_else(|e| e.into_inner()).dispatched += 1;
+        Some((member.id.clone(), member.replica.clone()))
+    }
+
+    /// Marks a replica unreachable (a request to it failed to start); its load stream
+    /// brings it back once it answers again.
+    pub fn broken(&self, id: &str) {
+        if let Some(m) = self.members.read().unwrap_or_else(|e| e.into_inner()).get(id) {
+            m.load.lock().unwrap_or_else(|e| e.into_inner()).broken = true;
+        }
+    }
+
+    /// Each routable replica's last load report.
+    pub fn loads(&self) -> Vec<pb::LoadReport> {
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        members
+            .values()
+            .filter_map(|m| {
+                let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
+                if load.broken { None } else { load.report.clone() }
+            })
+            .collect()
+    }
+
+    /// Cached prompt blocks per replica, as its events say.
+    pub fn cached_blocks(&self, id: &str) -> usize {
+        self.index.lock().unwrap_or_else(|e| e.into_inner()).cached(id)
+    }
+}
+
+/// Follows a member's load stream while the member lives, reconnecting a second after
+/// it breaks.
+async fn follow_load(member: Weak<Member>, index: Arc<Mutex<PrefixIndex>>) {
+    loop {
+        let Some(m) = member.upgrade() else { return };
+        let (id, mut client) = (m.id.clone(), m.replica.client.clone());
+        drop(m);
+        if let Ok(stream) = client.watch_load(pb::WatchLoadRequest { interval_ms: 500 }).await {
+            let mut stream = stream.into_inner();
+            while let Ok(Some(report)) = stream.message().await {
+                if !apply(&member, &index, &id, report) {
+                    return;
+                }
+            }
+        }
+        {
+            let Some(m) = member.upgrade() else { return };
+            index.lock().unwrap_or_else(|e| e.into_inner()).forget(&id);
+            let mut load = m.load.lock().unwrap_or_else(|e| e.into_inner());
+            load.broken = true;
+            load.report = None;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// One report into the member's load and the prefix index; false once the member is gone.
+fn apply(member: &Weak<Member>, index: &Mutex<PrefixIndex>, id: &str, report: pb::LoadReport) -> bool {
+    let Some(m) = member.upgrade() else { return false };
+    {
+        let mut ix = index.lock().unwrap_or_else(|e| e.into_inner());
+        if report.snapshot {
+            ix.reset(id, &report.stored_block_hashes);
+        } else {
+            ix.store(id, &report.stored_block_hashes);
+            ix.remove(id, &report.removed_block_hashes);
+        }
+    }
+    let mut load = m.load.lock().unwrap_or_else(|e| e.into_inner());
+    load.broken = false;
+    if !report.snapshot {
+        load.report = Some(report);
+        load.dispatched = 0;
+    }
+    true
+}
