@@ -164,8 +164,7 @@ async fn refresh_supply(supply: Supply, slot: Duration, models: Vec<(String, Arc
     let mut every = tokio::time::interval((slot / 60).clamp(Duration::from_millis(100), Duration::from_secs(10)));
     loop {
         every.tick().await;
-        let loads: Vec<(String, Vec<_>)> =
-            models.iter().map(|(id, pool)| (id.clone(), pool.loads())).collect();
+        let loads: Vec<(String, Vec<_>)> = models.iter().map(|(id, pool)| (id.clone(), pool.loads())).collect();
         if let Err(e) = refresher.sample(crate::limits::now_us(), &loads).await {
             tracing::error!("recording supply states: {e}");
         }
