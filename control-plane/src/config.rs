@@ -16,6 +16,9 @@ pub struct Cli {
 pub enum Command {
     /// Runs the API on one machine, with local workers and a SQLite database.
     Serve(ServeConfig),
+    /// Runs a control plane of a cluster: placement through etcd (one leader among the
+    /// control planes), the API over the replicas the nodes serve, a shared database.
+    ControlPlane(ClusterConfig),
     /// Operator commands for organizations.
     #[command(subcommand)]
     Orgs(OrgsCommand),
@@ -84,9 +87,8 @@ fn default_data_dir() -> PathBuf {
 pub struct ServeConfig {
     #[command(flatten)]
     pub store: StoreArgs,
-    /// Address of the HTTP API.
-    #[arg(long, env = "TESSERA_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: String,
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
     #[arg(long, env = "TESSERA_CATALOG")]
     pub catalog: Option<PathBuf>,
@@ -96,6 +98,38 @@ pub struct ServeConfig {
     /// KV cache size of each worker, in bytes (default: the worker's).
     #[arg(long)]
     pub kv_cache_bytes: Option<u64>,
+    /// Credit granted to the bootstrap organization on first start, in US dollars.
+    #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
+    pub dev_credit_usd: f64,
+}
+
+/// `tessera control-plane`: several may run against one etcd and one database.
+#[derive(Args, Clone, Debug)]
+pub struct ClusterConfig {
+    /// etcd endpoint, e.g. http://127.0.0.1:2379.
+    #[arg(long, env = "TESSERA_ETCD")]
+    pub etcd: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub api: ApiArgs,
+    /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
+    #[arg(long, env = "TESSERA_CATALOG")]
+    pub catalog: Option<PathBuf>,
+    /// Seconds a leader's election lease lasts: a standby takes over within it.
+    #[arg(long, default_value_t = 5)]
+    pub lease_ttl_secs: i64,
+    /// Seconds a vanished node's replicas wait for it to come back before moving.
+    #[arg(long, default_value_t = 10)]
+    pub node_grace_secs: u64,
+}
+
+/// The HTTP API's settings, the same in both modes.
+#[derive(Args, Clone, Debug)]
+pub struct ApiArgs {
+    /// Address of the HTTP API.
+    #[arg(long, env = "TESSERA_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: String,
     /// Seconds in-flight requests get to finish after SIGINT or SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
@@ -108,9 +142,6 @@ pub struct ServeConfig {
     /// Seconds between refreshes of each model's supply state (subscription discount).
     #[arg(long, env = "TESSERA_SUPPLY_REFRESH_SECS", default_value_t = 600)]
     pub supply_refresh_secs: u64,
-    /// Credit granted to the bootstrap organization on first start, in US dollars.
-    #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
-    pub dev_credit_usd: f64,
 }
 
 #[derive(Subcommand)]

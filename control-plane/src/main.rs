@@ -12,6 +12,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(config) => serve::run(config).await,
+        Command::ControlPlane(config) => cluster::control_plane::run(config).await,
         Command::Orgs(cmd) => ops::orgs(cmd).await,
         Command::Keys(cmd) => ops::keys(cmd).await,
         Command::Credits(cmd) => ops::credits(cmd).await,

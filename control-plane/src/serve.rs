@@ -8,7 +8,7 @@ use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
 use crate::billing::supply::{Refresher, Supply};
 use crate::catalog::Catalog;
-use crate::config::ServeConfig;
+use crate::config::{ApiArgs, ServeConfig};
 use crate::limits::RateConfig;
 use crate::router::choice::Weights;
 use crate::router::{Models, Pool, Replica};
@@ -40,6 +40,15 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         local.push(worker);
     }
     let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
+    serve_api(store, Arc::new(models), &config.api).await?;
+    drop(local);
+    Ok(())
+}
+
+/// Serves the API over `models` until SIGINT or SIGTERM, with billing's background
+/// work (heartbeat, stale holds, plan renewals, supply states) beside it; requests still
+/// open are settled before it returns.
+pub async fn serve_api(store: Store, models: Arc<Models>, config: &ApiArgs) -> Result<Arc<AppState>> {
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));
@@ -47,13 +56,12 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     tokio::spawn(keep_alive(billing.clone()));
     tokio::spawn(release_stale_holds(store.ledger()));
     tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
-    let loads: Vec<(String, Arc<Pool>)> = models.all().map(|m| (m.entry.id.clone(), m.pool.clone())).collect();
     billing.supply().reload().await?;
-    let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
-    tokio::spawn(refresh_supply(billing.supply().clone(), refresh, loads));
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
     let app = Arc::new(AppState { store, models, billing, limits });
+    let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
+    tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
 
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
@@ -69,7 +77,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
             stopping.notify_one();
         }
     };
-    let server = axum::serve(listener, api::router(app)).with_graceful_shutdown(signal);
+    let server = axum::serve(listener, api::router(app.clone())).with_graceful_shutdown(signal);
     tokio::select! {
         r = server => r?,
         _ = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
@@ -78,8 +86,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     }
     // Requests still open are settled with what they used, before the process ends.
     billing_at_exit.shutdown(Duration::from_secs(10)).await;
-    drop(local);
-    Ok(())
+    Ok(app)
 }
 
 /// On first start (no organizations yet): a `default` organization and a key for it,
@@ -158,13 +165,16 @@ async fn renew_subscriptions(subscriptions: Subscriptions) {
 }
 
 /// Samples every model's replicas' load every few seconds; the supply state follows
-/// once per `slot`.
-async fn refresh_supply(supply: Supply, slot: Duration, models: Vec<(String, Arc<Pool>)>) {
+/// once per `slot`. Stops with the app.
+async fn refresh_supply(supply: Supply, slot: Duration, app: std::sync::Weak<AppState>) {
     let mut refresher = Refresher::new(supply, slot, crate::limits::now_us());
     let mut every = tokio::time::interval((slot / 60).clamp(Duration::from_millis(100), Duration::from_secs(10)));
     loop {
         every.tick().await;
-        let loads: Vec<(String, Vec<_>)> = models.iter().map(|(id, pool)| (id.clone(), pool.loads())).collect();
+        let Some(app) = app.upgrade() else { return };
+        let loads: Vec<(String, Vec<_>)> =
+            app.models.all().iter().map(|m| (m.entry.id.clone(), m.pool.loads())).collect();
+        drop(app);
         if let Err(e) = refresher.sample(crate::limits::now_us(), &loads).await {
             tracing::error!("recording supply states: {e}");
         }

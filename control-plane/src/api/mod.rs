@@ -37,7 +37,7 @@ const MAX_BODY_BYTES: usize = 64 << 20;
 
 pub struct AppState {
     pub store: Store,
-    pub models: Models,
+    pub models: Arc<Models>,
     pub billing: crate::billing::Billing,
     pub limits: crate::limits::RateLimiter,
 }

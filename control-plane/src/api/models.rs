@@ -40,7 +40,7 @@ fn entry(m: &ServedModel) -> Value {
 }
 
 pub async fn list(State(app): State<App>, _key: Authed) -> Json<Value> {
-    let data: Vec<Value> = app.models.all().map(|m| entry(m)).collect();
+    let data: Vec<Value> = app.models.all().iter().map(|m| entry(m)).collect();
     Json(json!({"object": "list", "data": data}))
 }
 

@@ -12,7 +12,7 @@ pub use replica::{Replica, ReplicaError};
 
 use crate::catalog::{Catalog, CatalogModel};
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use tessera_proto::chat_template::ChatTemplate;
 
 /// A catalog model and the replicas serving it.
@@ -28,6 +28,21 @@ pub struct ServedModel {
 }
 
 impl ServedModel {
+    /// The model served by `pool`, `replica` being one of its replicas; an error names a
+    /// catalog template that does not compile.
+    pub fn new(entry: CatalogModel, replica: Arc<Replica>, pool: Arc<Pool>) -> Result<Self, String> {
+        let template = match &entry.chat_template_source {
+            Some(source) => {
+                let card = &replica.card;
+                let t = ChatTemplate::new(source, &card.bos_token, &card.eos_token)
+                    .map_err(|e| format!("{}: chat template: {e}", entry.id))?;
+                Some(Arc::new(t))
+            }
+            None => replica.template.clone(),
+        };
+        Ok(Self { entry, replica, pool, template })
+    }
+
     /// The longest prompt plus completion a request may ask for: the catalog's limit,
     /// or the served weights' if smaller.
     pub fn context_length(&self) -> u32 {
@@ -35,38 +50,35 @@ impl ServedModel {
     }
 }
 
+/// The served models, by id. Fixed at start in `tessera serve`; in cluster mode a model
+/// appears once the first replica of it is ready.
 #[derive(Default)]
 pub struct Models {
-    by_id: BTreeMap<String, Arc<ServedModel>>,
+    by_id: RwLock<BTreeMap<String, Arc<ServedModel>>>,
 }
 
 impl Models {
     /// Every catalog model whose weights have a pool (and a replica of them, for
     /// metadata); an error names a catalog template that does not compile.
     pub fn new(catalog: &Catalog, pools: &BTreeMap<String, (Arc<Replica>, Arc<Pool>)>) -> Result<Self, String> {
-        let mut by_id = BTreeMap::new();
+        let models = Self::default();
         for m in &catalog.models {
             let Some((replica, pool)) = pools.get(&m.weights).cloned() else { continue };
-            let template = match &m.chat_template_source {
-                Some(source) => {
-                    let card = &replica.card;
-                    let t = ChatTemplate::new(source, &card.bos_token, &card.eos_token)
-                        .map_err(|e| format!("{}: chat template: {e}", m.id))?;
-                    Some(Arc::new(t))
-                }
-                None => replica.template.clone(),
-            };
-            by_id.insert(m.id.clone(), Arc::new(ServedModel { entry: m.clone(), replica, pool, template }));
+            models.insert(ServedModel::new(m.clone(), replica, pool)?);
         }
-        Ok(Self { by_id })
+        Ok(models)
+    }
+
+    pub fn insert(&self, model: ServedModel) {
+        self.by_id.write().unwrap_or_else(|e| e.into_inner()).insert(model.entry.id.clone(), Arc::new(model));
     }
 
     /// Exactly the full id; `model-a` alone is not `vendor-a/model-a`.
     pub fn get(&self, id: &str) -> Option<Arc<ServedModel>> {
-        self.by_id.get(id).cloned()
+        self.by_id.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
     }
 
-    pub fn all(&self) -> impl Iterator<Item = &Arc<ServedModel>> {
-        self.by_id.values()
+    pub fn all(&self) -> Vec<Arc<ServedModel>> {
+        self.by_id.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
     }
 }

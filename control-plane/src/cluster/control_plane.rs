@@ -1,0 +1,101 @@
+//! `tessera control-plane`: one control plane of a cluster. It campaigns for placement
+//! leadership (the leader writes assignments; the others stand by), follows the replica
+//! records in etcd, and serves the API over the ready replicas: a model appears once a
+//! replica of it is ready, each ready replica joins its model's pool, and one that stops
+//! being ready (draining, failed, gone) leaves it. Several control planes may run against
+//! one etcd and one database.
+
+use super::commands::etcd_options;
+use super::leader::{self, LeaderConfig};
+use super::table::{ReplicaTable, Table};
+use crate::accounts::Store;
+use crate::catalog::Catalog;
+use crate::config::ClusterConfig;
+use crate::router::choice::Weights;
+use crate::router::{Models, Pool, Replica, ServedModel};
+use anyhow::{Context, Result};
+use etcd_client::Client;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_proto::cluster::ReplicaState;
+use tokio::sync::watch;
+
+pub async fn run(config: ClusterConfig) -> Result<()> {
+    let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
+    let catalog = Catalog::load(config.catalog.as_deref())?;
+    let client = Client::connect([config.etcd.clone()], Some(etcd_options()))
+        .await
+        .with_context(|| format!("connecting to etcd at {}", config.etcd))?;
+
+    let weights = catalog.models.iter().map(|m| (m.id.clone(), m.weights.clone())).collect();
+    let leader = LeaderConfig {
+        id: crate::api::new_id("cp-"),
+        lease_ttl_secs: config.lease_ttl_secs,
+        resync: Duration::from_secs(5),
+        node_grace: Duration::from_secs(config.node_grace_secs),
+    };
+    tokio::spawn(leader::run(client.clone(), leader, weights));
+
+    let table = ReplicaTable::spawn(client, Duration::from_secs(1));
+    let models = Arc::new(Models::default());
+    tokio::spawn(feed(table.subscribe(), catalog, models.clone()));
+    crate::serve::serve_api(store, models, &config.api).await?;
+    Ok(())
+}
+
+/// Keeps the models' pools equal to the ready replicas in the table; a replica that
+/// cannot be reached yet is tried again every two seconds.
+async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Models>) {
+    let mut pools: BTreeMap<String, Arc<Pool>> = BTreeMap::new();
+    // Replica id → (model, address) of the replicas in a pool.
+    let mut joined: BTreeMap<String, (String, String)> = BTreeMap::new();
+    let mut retry = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        let table = rx.borrow_and_update().clone();
+        let ready: BTreeMap<&String, _> = table
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.state == ReplicaState::Ready && catalog.get(&r.model).is_some())
+            .collect();
+        joined.retain(|id, (model, addr)| {
+            let keep = ready.get(id).is_some_and(|r| &r.model == model && &r.addr == addr);
+            if !keep && let Some(pool) = pools.get(model) {
+                pool.remove(id);
+            }
+            keep
+        });
+        for (id, r) in ready {
+            if joined.contains_key(id) {
+                continue;
+            }
+            let replica = match Replica::connect(&r.addr).await {
+                Ok(replica) => Arc::new(replica),
+                Err(e) => {
+                    tracing::warn!("replica {id}: {e}; trying again");
+                    continue;
+                }
+            };
+            let pool = pools
+                .entry(r.model.clone())
+                .or_insert_with(|| Arc::new(Pool::new(&replica.card.model, Weights::default())))
+                .clone();
+            if let Err(e) = pool.add(id, replica.clone()) {
+                tracing::warn!("replica {id} left out of routing: {e}");
+                continue;
+            }
+            joined.insert(id.clone(), (r.model.clone(), r.addr.clone()));
+            if models.get(&r.model).is_none() {
+                let entry = catalog.get(&r.model).expect("filtered to catalog models").clone();
+                match ServedModel::new(entry, replica, pool) {
+                    Ok(served) => models.insert(served),
+                    Err(e) => tracing::error!("{e}"),
+                }
+            }
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            _ = retry.tick() => {}
+        }
+    }
+}
