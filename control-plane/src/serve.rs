@@ -40,7 +40,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         local.push(worker);
     }
     let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
-    serve_api(store, Arc::new(models), &config.api).await?;
+    serve_api(store, Arc::new(models), None, &config.api).await?;
     drop(local);
     Ok(())
 }
@@ -48,7 +48,12 @@ pub async fn run(config: ServeConfig) -> Result<()> {
 /// Serves the API over `models` until SIGINT or SIGTERM, with billing's background
 /// work (heartbeat, stale holds, plan renewals, supply states) beside it; requests still
 /// open are settled before it returns.
-pub async fn serve_api(store: Store, models: Arc<Models>, config: &ApiArgs) -> Result<Arc<AppState>> {
+pub async fn serve_api(
+    store: Store,
+    models: Arc<Models>,
+    cluster: Option<tokio::sync::watch::Receiver<crate::cluster::table::Table>>,
+    config: &ApiArgs,
+) -> Result<Arc<AppState>> {
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));
@@ -59,7 +64,7 @@ pub async fn serve_api(store: Store, models: Arc<Models>, config: &ApiArgs) -> R
     billing.supply().reload().await?;
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
-    let app = Arc::new(AppState { store, models, billing, limits });
+    let app = Arc::new(AppState { store, models, billing, limits, cluster });
     let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
     tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
 

@@ -3,7 +3,8 @@
 //! model, the operator commands, and the official `openai` Python SDK as the client.
 //! A deployment of two replicas is placed on two nodes and served; then one of those
 //! nodes is killed (SIGKILL): its replica moves to the spare node, and requests sent
-//! throughout all succeed.
+//! throughout all succeed. Then etcd goes away: the control plane says so in /health and
+//! keeps serving on its last table, and says connected again once etcd is back.
 
 #[path = "../support/etcd.rs"]
 mod etcd;
@@ -105,8 +106,9 @@ fn a_deployment_is_placed_served_and_moved_off_a_killed_node() {
         Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success()),
         "this test drives the API with the official SDK: pip install openai (`.ci/run` does)"
     );
-    let server = etcd::Etcd::start();
-    let e = server.endpoint.as_str();
+    let mut server = etcd::Etcd::start();
+    let endpoint = server.endpoint.clone();
+    let e = endpoint.as_str();
     let data = tempfile::tempdir().unwrap();
     let dir = data.path().to_str().unwrap();
     let org = tessera(&["orgs", "create", "acme", "--data-dir", dir]);
@@ -150,4 +152,25 @@ fn a_deployment_is_placed_served_and_moved_off_a_killed_node() {
     assert_eq!(traffic.join().unwrap(), 20, "every request during the move succeeded");
     assert!(moved.iter().all(|n| n != &victim), "{moved:?}");
     assert_eq!(chat(&base, &key, 4), 4, "served on the new placement");
+
+    // etcd goes away and comes back.
+    let health_url = format!("http://127.0.0.1:{port}/health");
+    assert_eq!(health(&health_url)["status"], "ok");
+    server.stop();
+    until(30, "/health says etcd is unreachable", || {
+        let h = health(&health_url);
+        (h["status"] == "degraded" && h["etcd"]["connected"] == false).then_some(())
+    });
+    assert_eq!(chat(&base, &key, 4), 4, "served on the last known table without etcd");
+    server.resume();
+    until(30, "/health says etcd is back", || (health(&health_url)["status"] == "ok").then_some(()));
+    assert_eq!(health(&health_url)["ready_replicas"], 2);
+}
+
+/// GET `url` (no API key: load balancers ask), as JSON.
+fn health(url: &str) -> Value {
+    let script = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())";
+    let out = Command::new("python3").args(["-c", script, url]).output().unwrap();
+    assert!(out.status.success(), "GET {url}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }

@@ -16,10 +16,11 @@ pub mod sse;
 
 use crate::accounts::Store;
 use crate::router::{Models, ServedModel};
+use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderValue, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::Response;
@@ -40,6 +41,8 @@ pub struct AppState {
     pub models: Arc<Models>,
     pub billing: crate::billing::Billing,
     pub limits: crate::limits::RateLimiter,
+    /// Cluster mode: the replica table, whose etcd connection /health reports.
+    pub cluster: Option<tokio::sync::watch::Receiver<crate::cluster::table::Table>>,
 }
 
 pub type App = Arc<AppState>;
@@ -51,11 +54,28 @@ pub fn router(app: App) -> Router {
         .route("/v1/responses", post(responses::handle))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
+        .route("/health", get(health))
         .fallback(unknown)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
         .layer(middleware::from_fn(auth::rate_limit_headers))
         .layer(middleware::from_fn(request_id))
+}
+
+/// Whether this control plane serves, for load balancers and operators: 200 while it
+/// does. In cluster mode it says whether etcd is reachable; without etcd it routes on
+/// the last replica table it had, and says `degraded`.
+async fn health(State(app): State<App>) -> Json<Value> {
+    let models: Vec<String> = app.models.all().iter().map(|m| m.entry.id.clone()).collect();
+    let Some(cluster) = &app.cluster else { return Json(json!({"status": "ok", "models": models})) };
+    let table = cluster.borrow().clone();
+    let ready = table.replicas.values().filter(|r| r.state == tessera_proto::cluster::ReplicaState::Ready).count();
+    Json(json!({
+        "status": if table.connected { "ok" } else { "degraded" },
+        "etcd": {"connected": table.connected, "revision": table.revision},
+        "ready_replicas": ready,
+        "models": models,
+    }))
 }
 
 /// 404 for every path the API does not have, naming the APIs it deliberately lacks.

@@ -40,7 +40,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
     let models = Arc::new(Models::default());
     tokio::spawn(feed(table.subscribe(), catalog, models.clone()));
-    crate::serve::serve_api(store, models, &config.api).await?;
+    crate::serve::serve_api(store, models, Some(table.subscribe()), &config.api).await?;
     Ok(())
 }
 
