@@ -63,12 +63,16 @@ async fn the_table_follows_etcd_and_survives_its_outage() {
     let mut rx = table.subscribe();
     let t = until(&mut rx, "the first read", |t| t.connected && t.replicas.len() == 2).await;
     assert_eq!(ids(&t), ["r1", "r2"], "the unreadable record is skipped");
+    assert_eq!(t.reads, 1);
 
     // Changes arrive through the watch.
     put(&mut client, &record("r2", ReplicaState::Ready)).await;
     let at = put(&mut client, &record("r3", ReplicaState::Ready)).await;
     client.delete(cluster::replica_key("r1"), None).await.unwrap();
-    let t = until(&mut rx, "r3 in, r1 out", |t| t.revision > at).await;
+    // A record overwritten with garbage is no longer routable.
+    client.put(cluster::replica_key("r5"), cluster::encode(&record("r5", ReplicaState::Ready)), None).await.unwrap();
+    client.put(cluster::replica_key("r5"), "garbage", None).await.unwrap();
+    let t = until(&mut rx, "r3 in, r1 out, r5 unreadable", |t| t.revision >= at + 3).await;
     assert_eq!(ids(&t), ["r2", "r3"]);
     assert_eq!(t.replicas["r2"].state, ReplicaState::Ready);
 
@@ -87,6 +91,7 @@ async fn the_table_follows_etcd_and_survives_its_outage() {
     client.compact(last, Some(CompactionOptions::new().with_physical())).await.unwrap();
     let t = until(&mut rx, "caught up", |t| t.connected && t.revision >= last).await;
     assert_eq!(ids(&t), ["r3", "r4"]);
+    assert_eq!(t.reads, 2, "read again after the compaction");
     assert_eq!(t.replicas["r3"].state, ReplicaState::Draining);
     assert_eq!(table.current(), t);
 }

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_control_plane::router::choice::Weights;
-use tessera_control_plane::router::{Pool, Replica};
+use tessera_control_plane::router::{Dispatch, Pool, Replica};
 use tessera_e2e::binary;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::worker::{self as pb};
@@ -80,13 +80,15 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
     pool.add("w2", r2).unwrap();
     until("both replicas report their load", || pool.loads().len() == 2).await;
 
-    // Four tenants arrive together: load counted at dispatch spreads them.
-    let first: Vec<(String, Arc<Replica>)> = (0..4).map(|t| pool.choose(&prompt(t, 0), &[]).unwrap()).collect();
-    let homes: Vec<String> = first.iter().map(|(id, _)| id.clone()).collect();
+    // Four tenants arrive together: load counted at dispatch (until each worker answers)
+    // spreads them.
+    let first: Vec<Dispatch> = (0..4).map(|t| pool.choose(&prompt(t, 0), &[]).unwrap()).collect();
+    let homes: Vec<String> = first.iter().map(|d| d.id().to_string()).collect();
     assert_eq!(homes.iter().filter(|h| *h == "w1").count(), 2, "two tenants each: {homes:?}");
-    for (t, (_, r)) in first.iter().enumerate() {
-        generate(r, prompt(t as u32, 0)).await;
+    for (t, d) in first.iter().enumerate() {
+        generate(d.replica(), prompt(t as u32, 0)).await;
     }
+    drop(first);
     // Each replica's cache events arrive: 2 tenants × 20 blocks each.
     until("both replicas report their cached prefixes", || {
         pool.cached_blocks("w1") >= 40 && pool.cached_blocks("w2") >= 40
@@ -95,13 +97,12 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
 
     // Later requests of each tenant go home.
     for round in 1..4 {
-        let chosen: Vec<(String, Arc<Replica>)> =
-            (0..4).map(|t| pool.choose(&prompt(t, round), &[]).unwrap()).collect();
-        for (t, (id, _)) in chosen.iter().enumerate() {
-            assert_eq!(id, &homes[t], "round {round}: tenant {t} left the replica holding its prefix");
+        let chosen: Vec<Dispatch> = (0..4).map(|t| pool.choose(&prompt(t, round), &[]).unwrap()).collect();
+        for (t, d) in chosen.iter().enumerate() {
+            assert_eq!(d.id(), homes[t], "round {round}: tenant {t} left the replica holding its prefix");
         }
-        for (t, (_, r)) in chosen.iter().enumerate() {
-            generate(r, prompt(t as u32, round)).await;
+        for (t, d) in chosen.iter().enumerate() {
+            generate(d.replica(), prompt(t as u32, round)).await;
         }
     }
 
@@ -111,7 +112,7 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
     drop(dead);
     until("the dead replica is out of routing", || pool.loads().len() == 1).await;
     for t in 0..4 {
-        let (id, _) = pool.choose(&prompt(t, 9), &[]).unwrap();
-        assert_ne!(id, homes[0], "tenant {t} was sent to the dead replica");
+        let d = pool.choose(&prompt(t, 9), &[]).unwrap();
+        assert_ne!(d.id(), homes[0], "tenant {t} was sent to the dead replica");
     }
 }

@@ -24,6 +24,8 @@ pub struct Generation {
 
 pub struct Output {
     stream: Streaming<pb::GenerateResponse>,
+    /// The first delta, read before the request was committed to its replica.
+    first: Option<pb::GenerateResponse>,
     /// The request's bill, and which of its prompts this is.
     meter: Meter,
     slot: usize,
@@ -32,13 +34,14 @@ pub struct Output {
 /// Most replicas one request tries before it answers 503.
 const ATTEMPTS: usize = 3;
 
-/// Starts prompt `slot` of a metered request on the replica the pool chooses; one that
-/// cannot be reached is taken out of routing and the next choice tried.
+/// Starts prompt `slot` of a metered request on the replica the pool chooses. Until the
+/// first delta arrives nothing has been generated or billed, so a replica that cannot be
+/// reached, fails, or is full by then is left for the next choice (one that failed is
+/// taken out of routing until its load stream answers again). After the first delta a
+/// failure ends the request with what it generated (`Output::next`).
 pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Result<Output, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
-        // Random, so control planes sharing a worker never collide.
-        request_id: super::new_id("cp-"),
         prompt_token_ids: g.prompt,
         sampling: Some(g.sampling),
         max_tokens: g.max_tokens,
@@ -47,18 +50,35 @@ pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Re
         ignore_eos: false,
         n: g.n,
         grammar,
+        ..Default::default()
     };
     let mut tried = Vec::new();
     while tried.len() < ATTEMPTS {
-        let Some((id, replica)) = pool.choose(&request.prompt_token_ids, &tried) else { break };
-        match replica.client.clone().generate(request.clone()).await {
+        let Some(dispatch) = pool.choose(&request.prompt_token_ids, &tried) else { break };
+        let id = dispatch.id().to_string();
+        // Random, so control planes sharing a worker never collide.
+        let attempt = pb::GenerateRequest { request_id: super::new_id("cp-"), ..request.clone() };
+        let first = match dispatch.replica().client.clone().generate(attempt).await {
             Ok(stream) => {
-                meter.started(slot);
-                return Ok(Output { stream: stream.into_inner(), meter: meter.clone(), slot });
+                let mut stream = stream.into_inner();
+                match stream.message().await {
+                    Ok(first) if !first.as_ref().is_some_and(aborted_before_output) => Ok((stream, first)),
+                    Ok(_) => Err(Status::aborted("the worker aborted the request before its first token")),
+                    Err(s) => Err(s),
+                }
             }
-            Err(s) if s.code() == Code::Unavailable => {
-                tracing::warn!("replica {id} unreachable ({}); trying another", s.message());
-                pool.broken(&id);
+            Err(s) => Err(s),
+        };
+        match first {
+            Ok((stream, first)) => {
+                meter.started(slot);
+                return Ok(Output { stream, first, meter: meter.clone(), slot });
+            }
+            Err(s) if retry_elsewhere(s.code()) => {
+                tracing::warn!("replica {id} failed before the first token ({s}); trying another");
+                if s.code() != Code::ResourceExhausted {
+                    pool.broken(&id);
+                }
                 tried.push(id);
             }
             Err(s) => return Err(worker_error(s, grammar_param)),
@@ -67,10 +87,23 @@ pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Re
     Err(ApiError::Overloaded)
 }
 
+/// Failures that say nothing about the request itself: the worker is gone, stopping, or
+/// full.
+fn retry_elsewhere(code: Code) -> bool {
+    matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted | Code::ResourceExhausted)
+}
+
+fn aborted_before_output(r: &pb::GenerateResponse) -> bool {
+    r.finish_reason == pb::FinishReason::Abort as i32 && r.tokens.is_empty()
+}
+
 impl Output {
     /// The next delta, or None when every completion has finished.
     pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
-        let r = self.stream.message().await.map_err(|s| worker_error(s, ""))?;
+        let r = match self.first.take() {
+            Some(first) => Some(first),
+            None => self.stream.message().await.map_err(|s| worker_error(s, ""))?,
+        };
         if let Some(r) = &r {
             self.meter.record(self.slot, r.cached_prompt_tokens, r.tokens.len());
         }

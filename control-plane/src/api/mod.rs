@@ -133,9 +133,10 @@ fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result
     };
     match obj.get("model") {
         None | Some(Value::Null) => Err(ApiError::MissingParam("model".into())),
-        Some(Value::String(id)) => {
-            app.models.get(id).ok_or_else(|| ApiError::ModelNotFound { model: id.clone(), param })
-        }
+        Some(Value::String(id)) => app.models.get(id).ok_or_else(|| match app.models.is_expected(id) {
+            true => ApiError::Overloaded,
+            false => ApiError::ModelNotFound { model: id.clone(), param },
+        }),
         Some(_) => Err(ApiError::invalid_type("model", "a string")),
     }
 }

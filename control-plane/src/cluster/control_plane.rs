@@ -18,10 +18,13 @@ use etcd_client::Client;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::cluster::ReplicaState;
 use tokio::sync::watch;
 
 pub async fn run(config: ClusterConfig) -> Result<()> {
+    let data_dir = &config.store.data_dir;
+    std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
     let catalog = Catalog::load(config.catalog.as_deref())?;
     let client = Client::connect([config.etcd.clone()], Some(etcd_options()))
@@ -38,11 +41,14 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     tokio::spawn(leader::run(client.clone(), leader, weights));
 
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
-    let models = Arc::new(Models::default());
+    let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| m.id.clone())));
     tokio::spawn(feed(table.subscribe(), catalog, models.clone()));
     crate::serve::serve_api(store, models, Some(table.subscribe()), &config.api).await?;
     Ok(())
 }
+
+/// How long joining a replica (connecting, reading its model card) may take.
+const CONNECT: Duration = Duration::from_secs(10);
 
 /// Keeps the models' pools equal to the ready replicas in the table; a replica that
 /// cannot be reached yet is tried again every two seconds.
@@ -69,10 +75,24 @@ async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Mode
             if joined.contains_key(id) {
                 continue;
             }
-            let replica = match Replica::connect(&r.addr).await {
-                Ok(replica) => Arc::new(replica),
-                Err(e) => {
+            if r.block_size as usize != BLOCK_TOKENS {
+                // Its cache events could not be matched to prompts; said once per change.
+                tracing::warn!(
+                    "replica {id} uses KV blocks of {} tokens, not {BLOCK_TOKENS}: not routed",
+                    r.block_size
+                );
+                continue;
+            }
+            // Bounded, so that one worker that accepts and never answers cannot hold up
+            // every other change.
+            let replica = match tokio::time::timeout(CONNECT, Replica::connect(&r.addr)).await {
+                Ok(Ok(replica)) => Arc::new(replica),
+                Ok(Err(e)) => {
                     tracing::warn!("replica {id}: {e}; trying again");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::warn!("replica {id} at {} did not answer in {CONNECT:?}; trying again", r.addr);
                     continue;
                 }
             };

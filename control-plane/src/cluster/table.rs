@@ -21,6 +21,8 @@ pub struct Table {
     pub revision: i64,
     /// Whether the watch is live; false from the first failure until etcd answers again.
     pub connected: bool,
+    /// Full reads so far: the first, and one after each compaction that outran the table.
+    pub reads: u64,
 }
 
 /// Follows the replica records in etcd until it and every receiver of `subscribe` are
@@ -89,11 +91,12 @@ async fn read_all(client: &mut Client, tx: &watch::Sender<Table>) -> Result<(), 
     let revision = resp.header().map_or(0, |h| h.revision());
     let mut replicas = BTreeMap::new();
     for kv in resp.kvs() {
-        if let Some(r) = parse(kv.key(), kv.value()) {
-            replicas.insert(r.replica.clone(), r);
+        if let Some((id, Some(r))) = parse(kv.key(), kv.value()) {
+            replicas.insert(id, r);
         }
     }
-    tx.send_replace(Table { replicas, revision, connected: true });
+    let reads = tx.borrow().reads + 1;
+    tx.send_replace(Table { replicas, revision, connected: true, reads });
     Ok(())
 }
 
@@ -101,7 +104,9 @@ async fn read_all(client: &mut Client, tx: &watch::Sender<Table>) -> Result<(), 
 /// nobody reads the table any more.
 async fn watch_changes(client: &mut Client, tx: &watch::Sender<Table>) -> Result<(), Broke> {
     let from = tx.borrow().revision + 1;
-    let options = WatchOptions::new().with_prefix().with_start_revision(from);
+    // Progress notices move the revision on while no replica changes, so that a later
+    // resume rarely lands before a compaction.
+    let options = WatchOptions::new().with_prefix().with_start_revision(from).with_progress_notify();
     let mut stream =
         client.watch(cluster::REPLICAS, Some(options)).await.map_err(|e| Broke::Unreachable(e.to_string()))?;
     let mut closed = Box::pin(tx.closed());
@@ -135,17 +140,15 @@ async fn watch_changes(client: &mut Client, tx: &watch::Sender<Table>) -> Result
             let before = (t.connected, t.revision);
             for event in events {
                 let Some(kv) = event.kv() else { continue };
-                match event.event_type() {
-                    EventType::Put => {
-                        if let Some(r) = parse(kv.key(), kv.value()) {
-                            t.replicas.insert(r.replica.clone(), r);
-                        }
+                match (event.event_type(), parse(kv.key(), kv.value())) {
+                    (EventType::Put, Some((id, Some(r)))) => {
+                        t.replicas.insert(id, r);
                     }
-                    EventType::Delete => {
-                        if let Some(id) = cluster::name_in(&String::from_utf8_lossy(kv.key()), cluster::REPLICAS) {
-                            t.replicas.remove(id);
-                        }
+                    // Deleted, or overwritten with something unreadable: no longer usable.
+                    (_, Some((id, _))) => {
+                        t.replicas.remove(&id);
                     }
+                    (_, None) => {}
                 }
             }
             // Any answer proves etcd is there.
@@ -156,10 +159,15 @@ async fn watch_changes(client: &mut Client, tx: &watch::Sender<Table>) -> Result
     }
 }
 
-/// A replica record, or None (said in the log) for one that does not parse: one bad
-/// write must not take routing down.
-fn parse(key: &[u8], value: &[u8]) -> Option<ReplicaRecord> {
+/// The replica id a key names (None for other keys), and its record, None (said in the
+/// log) for one that does not parse: one bad write must not take routing down. The id
+/// is the key's, so that a put and a delete of one key always meet.
+fn parse(key: &[u8], value: &[u8]) -> Option<(String, Option<ReplicaRecord>)> {
     let key = String::from_utf8_lossy(key);
-    cluster::name_in(&key, cluster::REPLICAS)?;
-    cluster::decode::<ReplicaRecord>(value).map_err(|e| tracing::warn!("ignoring unreadable {key}: {e}")).ok()
+    let id = cluster::name_in(&key, cluster::REPLICAS)?.to_string();
+    if value.is_empty() {
+        return Some((id, None)); // a delete event
+    }
+    let record = cluster::decode::<ReplicaRecord>(value).map_err(|e| tracing::warn!("ignoring unreadable {key}: {e}"));
+    Some((id, record.ok()))
 }

@@ -7,11 +7,11 @@ pub mod choice;
 pub mod pool;
 pub mod replica;
 
-pub use pool::{Pool, PoolError};
+pub use pool::{Dispatch, Pool, PoolError};
 pub use replica::{Replica, ReplicaError};
 
 use crate::catalog::{Catalog, CatalogModel};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 use tessera_proto::chat_template::ChatTemplate;
 
@@ -55,6 +55,10 @@ impl ServedModel {
 #[derive(Default)]
 pub struct Models {
     by_id: RwLock<BTreeMap<String, Arc<ServedModel>>>,
+    /// Models that will be served once a replica is ready (cluster mode's catalog):
+    /// until then a request for one is told to come back (503), not that it does not
+    /// exist.
+    expected: BTreeSet<String>,
 }
 
 impl Models {
@@ -67,6 +71,16 @@ impl Models {
             models.insert(ServedModel::new(m.clone(), replica, pool)?);
         }
         Ok(models)
+    }
+
+    /// None served yet; `expected` are the ids that may be.
+    pub fn expecting(expected: impl IntoIterator<Item = String>) -> Self {
+        Self { by_id: RwLock::default(), expected: expected.into_iter().collect() }
+    }
+
+    /// Whether `id` is a model that is not served yet but will be.
+    pub fn is_expected(&self, id: &str) -> bool {
+        self.expected.contains(id) && self.get(id).is_none()
     }
 
     pub fn insert(&self, model: ServedModel) {

@@ -1,11 +1,12 @@
 //! The replicas serving one set of weights, and which of them takes each request.
 //!
 //! Each member's `WatchLoad` stream keeps two things current: its load (running and
-//! waiting sequences at the last report, plus the requests dispatched to it since, counted
-//! here at dispatch) and exactly which prompt blocks its prefix cache holds (the stream
-//! opens with a snapshot, then sends changes). A member whose stream breaks leaves routing
-//! at once, its cache forgotten, and comes back when a new stream opens; a member that has
-//! not reported yet is routable with no load, so a fresh replica takes traffic at once.
+//! waiting sequences at the last report, plus the requests dispatched to it that it has
+//! not answered yet, counted here at dispatch) and exactly which prompt blocks its prefix
+//! cache holds (the stream opens with a snapshot, then sends changes). A member whose
+//! stream breaks or falls silent leaves routing at once, its cache forgotten, and comes
+//! back when a new stream opens; a member that has not reported yet is routable with no
+//! load, so a fresh replica takes traffic at once.
 
 use super::choice::{self, Candidate, PrefixIndex, Weights};
 use super::replica::Replica;
@@ -36,22 +37,47 @@ struct Member {
     id: String,
     replica: Arc<Replica>,
     load: Mutex<Load>,
-    follower: tokio::task::JoinHandle<()>,
+    follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 #[derive(Default)]
 struct Load {
     /// The last report; None before the first.
     report: Option<pb::LoadReport>,
-    /// Requests sent since that report.
-    dispatched: u32,
-    /// The load stream is down: no routing here until it is back.
+    /// Requests sent that the worker has not answered yet: a report may predate them.
+    unanswered: u32,
+    /// The load stream is down or silent: no routing here until it reports again.
     broken: bool,
 }
 
 impl Drop for Member {
     fn drop(&mut self) {
-        self.follower.abort();
+        if let Some(f) = self.follower.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f.abort();
+        }
+    }
+}
+
+/// A request sent to a replica, counted in its load until the worker answers (the
+/// first delta, or an error): then the worker's own reports count it.
+pub struct Dispatch {
+    member: Arc<Member>,
+}
+
+impl Dispatch {
+    pub fn id(&self) -> &str {
+        &self.member.id
+    }
+
+    pub fn replica(&self) -> &Arc<Replica> {
+        &self.member.replica
+    }
+}
+
+impl Drop for Dispatch {
+    fn drop(&mut self) {
+        let mut load = self.member.load.lock().unwrap_or_else(|e| e.into_inner());
+        load.unanswered = load.unanswered.saturating_sub(1);
     }
 }
 
@@ -76,12 +102,11 @@ impl Pool {
         if card.model != self.model {
             return Err(PoolError::Model { id: id.into(), got: card.model.clone(), want: self.model.clone() });
         }
-        let member = Arc::new_cyclic(|me: &Weak<Member>| Member {
-            id: id.to_string(),
-            replica: replica.clone(),
-            load: Mutex::default(),
-            follower: tokio::spawn(follow_load(me.clone(), self.index.clone())),
-        });
+        let member =
+            Arc::new(Member { id: id.to_string(), replica, load: Mutex::default(), follower: Mutex::default() });
+        // Spawned once the member exists, so that the follower's first look finds it.
+        let follower = tokio::spawn(follow_load(Arc::downgrade(&member), self.index.clone()));
+        *member.follower.lock().unwrap_or_else(|e| e.into_inner()) = Some(follower);
         let old = self.members.write().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), member);
         if old.is_some() {
             self.index.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
@@ -99,9 +124,9 @@ impl Pool {
         self.members.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
     }
 
-    /// The replica for a prompt, counted as dispatched to; None when every routable
-    /// replica is saturated or none is routable (the caller answers 503).
-    pub fn choose(&self, prompt: &[u32], except: &[String]) -> Option<(String, Arc<Replica>)> {
+    /// The replica for a prompt, counted in its load while the dispatch lives; None when
+    /// every routable replica is saturated or none is routable (the caller answers 503).
+    pub fn choose(&self, prompt: &[u32], except: &[String]) -> Option<Dispatch> {
         let blocks = self.hasher.hash_prefix(prompt);
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());
         let candidates: Vec<Candidate> = members
@@ -110,14 +135,14 @@ impl Pool {
             .filter_map(|m| {
                 let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
                 let reported = load.report.as_ref().map_or(0, |r| r.running + r.waiting);
-                (!load.broken).then(|| Candidate { id: m.id.clone(), reported, dispatched: load.dispatched })
+                (!load.broken).then(|| Candidate { id: m.id.clone(), reported, dispatched: load.unanswered })
             })
             .collect();
         let matched = self.index.lock().unwrap_or_else(|e| e.into_inner()).matched(&blocks);
         let chosen = choice::choose(&candidates, blocks.len(), &matched, self.weights)?;
-        let member = &members[&chosen.id];
-        member.load.lock().unwrap_or_else(|e| e.into_inner()).dispatched += 1;
-        Some((member.id.clone(), member.replica.clone()))
+        let member = members[&chosen.id].clone();
+        member.load.lock().unwrap_or_else(|e| e.into_inner()).unanswered += 1;
+        Some(Dispatch { member })
     }
 
     /// Marks a replica unreachable (a request to it failed to start); its load stream
@@ -146,6 +171,11 @@ impl Pool {
     }
 }
 
+/// How often workers are asked to report, and the silence after which one is taken out
+/// of routing.
+const REPORT_MS: u32 = 250;
+const SILENCE: Duration = Duration::from_secs(2);
+
 /// Follows a member's load stream while the member lives, reconnecting a second after
 /// it breaks.
 async fn follow_load(member: Weak<Member>, index: Arc<Mutex<PrefixIndex>>) {
@@ -153,9 +183,11 @@ async fn follow_load(member: Weak<Member>, index: Arc<Mutex<PrefixIndex>>) {
         let Some(m) = member.upgrade() else { return };
         let (id, mut client) = (m.id.clone(), m.replica.client.clone());
         drop(m);
-        if let Ok(stream) = client.watch_load(pb::WatchLoadRequest { interval_ms: 500 }).await {
+        if let Ok(stream) = client.watch_load(pb::WatchLoadRequest { interval_ms: REPORT_MS }).await {
             let mut stream = stream.into_inner();
-            while let Ok(Some(report)) = stream.message().await {
+            // A worker that stops reporting without closing the connection (a node that
+            // lost power or network) is as gone as one whose stream broke.
+            while let Ok(Ok(Some(report))) = tokio::time::timeout(SILENCE, stream.message()).await {
                 if !apply(&member, &index, &id, report) {
                     return;
                 }
@@ -188,7 +220,6 @@ fn apply(member: &Weak<Member>, index: &Mutex<PrefixIndex>, id: &str, report: pb
     load.broken = false;
     if !report.snapshot {
         load.report = Some(report);
-        load.dispatched = 0;
     }
     true
 }
