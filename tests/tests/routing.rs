@@ -3,42 +3,13 @@
 //! and each tenant's later requests go to the replica that caches its prefix (known from
 //! the replicas' own cache events); a replica that dies leaves routing at once.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_control_plane::router::choice::Weights;
 use tessera_control_plane::router::{Dispatch, Pool, Replica};
-use tessera_e2e::binary;
+use tessera_e2e::serve_worker;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::worker::{self as pb};
-
-struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A worker on a free loopback port, and the address it printed once listening.
-fn start() -> (Worker, String) {
-    let mut child = Command::new(binary("tessera-worker", "tessera-worker"))
-        .args(["serve", "--model", "smollm2-135m-instruct", "--listen", "127.0.0.1:0", "--kv-cache-bytes", "67108864"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let worker = Worker(child);
-    for line in stderr.lines() {
-        let line = line.unwrap();
-        if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.split(" on ").nth(1)) {
-            return (worker, addr.to_string());
-        }
-    }
-    panic!("the worker exited before listening");
-}
 
 /// Tenant `t`'s prefix (20 blocks) and a request-specific tail.
 fn prompt(t: u32, request: u32) -> Vec<u32> {
@@ -71,8 +42,8 @@ async fn until(what: &str, f: impl Fn() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves() {
-    let (w1, a1) = start();
-    let (w2, a2) = start();
+    let (w1, a1) = serve_worker();
+    let (w2, a2) = serve_worker();
     let r1 = Arc::new(Replica::connect(&a1).await.unwrap());
     let r2 = Arc::new(Replica::connect(&a2).await.unwrap());
     let pool = Pool::new(&r1.card.model, Weights::default());

@@ -1,42 +1,13 @@
 //! `tessera-worker serve` as an operator runs it: the real binary on a free loopback
 //! port, driven by a gRPC client, killed when the test ends.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use tessera_e2e::binary;
+use tessera_e2e::serve_worker;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
 
-struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts the worker and returns it with the address it printed once listening.
-fn start() -> (Worker, String) {
-    let mut child = Command::new(binary("tessera-worker", "tessera-worker"))
-        .args(["serve", "--model", "smollm2-135m-instruct", "--listen", "127.0.0.1:0", "--kv-cache-bytes", "67108864"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let worker = Worker(child);
-    for line in stderr.lines() {
-        let line = line.unwrap();
-        if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.split(" on ").nth(1)) {
-            return (worker, addr.to_string());
-        }
-    }
-    panic!("the worker exited before listening");
-}
-
 #[tokio::test]
 async fn a_served_worker_streams_a_greedy_completion() {
-    let (_worker, addr) = start();
+    let (_worker, addr) = serve_worker();
     let mut client = WorkerClient::connect(format!("http://{addr}")).await.unwrap();
     let card = client.get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner();
     assert_eq!(card.model, "smollm2-135m-instruct");
