@@ -89,9 +89,6 @@ pub struct ServeConfig {
     pub store: StoreArgs,
     #[command(flatten)]
     pub api: ApiArgs,
-    /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
-    #[arg(long, env = "TESSERA_CATALOG")]
-    pub catalog: Option<PathBuf>,
     /// The `tessera-worker` binary; default: beside this one, else on PATH.
     #[arg(long, env = "TESSERA_WORKER_BIN")]
     pub worker_bin: Option<PathBuf>,
@@ -113,9 +110,6 @@ pub struct ClusterConfig {
     pub store: StoreArgs,
     #[command(flatten)]
     pub api: ApiArgs,
-    /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
-    #[arg(long, env = "TESSERA_CATALOG")]
-    pub catalog: Option<PathBuf>,
     /// Seconds a leader's election lease lasts: a standby takes over within it.
     #[arg(long, default_value_t = 5)]
     pub lease_ttl_secs: i64,
@@ -124,9 +118,12 @@ pub struct ClusterConfig {
     pub node_grace_secs: u64,
 }
 
-/// The HTTP API's settings, the same in both modes.
+/// The HTTP API's settings and the models it offers, the same in both modes.
 #[derive(Args, Clone, Debug)]
 pub struct ApiArgs {
+    /// Model catalog (TOML); default: the built-in deploy/catalog.toml.
+    #[arg(long, env = "TESSERA_CATALOG")]
+    pub catalog: Option<PathBuf>,
     /// Address of the HTTP API.
     #[arg(long, env = "TESSERA_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: String,

@@ -8,9 +8,8 @@ mod etcd;
 
 use etcd_client::{Client, CompactionOptions};
 use std::time::Duration;
-use tessera_control_plane::cluster::commands::etcd_options;
 use tessera_control_plane::cluster::table::{ReplicaTable, Table};
-use tessera_proto::cluster::{self, ReplicaRecord, ReplicaState};
+use tessera_proto::cluster::{self, ReplicaRecord, ReplicaState, etcd_options};
 use tokio::sync::watch;
 
 fn record(id: &str, state: ReplicaState) -> ReplicaRecord {

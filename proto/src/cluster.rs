@@ -15,8 +15,21 @@
 //! Model ids contain a slash (`vendor-a/model-a`); they are used verbatim as the last
 //! part of a key, which etcd treats as an opaque byte string.
 
+use etcd_client::ConnectOptions;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How every Tessera process talks to etcd: each request bounded (an unreachable etcd is
+/// an error, not a hang), and a connection that goes silent noticed by HTTP/2 pings.
+/// Streams (watches, lease keep-alives) are bounded only until they open.
+pub fn etcd_options() -> ConnectOptions {
+    ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+        .with_keep_alive_while_idle(true)
+}
 
 pub const ROOT: &str = "/tessera/";
 pub const NODES: &str = "/tessera/nodes/";

@@ -53,7 +53,7 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
 
     // Four tenants arrive together: load counted at dispatch (until each worker answers)
     // spreads them.
-    let first: Vec<Dispatch> = (0..4).map(|t| pool.choose(&prompt(t, 0), &[]).unwrap()).collect();
+    let first: Vec<Dispatch> = (0..4).map(|t| pool.choose(&pool.blocks(&prompt(t, 0)), &[]).unwrap()).collect();
     let homes: Vec<String> = first.iter().map(|d| d.id().to_string()).collect();
     assert_eq!(homes.iter().filter(|h| *h == "w1").count(), 2, "two tenants each: {homes:?}");
     for (t, d) in first.iter().enumerate() {
@@ -68,7 +68,8 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
 
     // Later requests of each tenant go home.
     for round in 1..4 {
-        let chosen: Vec<Dispatch> = (0..4).map(|t| pool.choose(&prompt(t, round), &[]).unwrap()).collect();
+        let chosen: Vec<Dispatch> =
+            (0..4).map(|t| pool.choose(&pool.blocks(&prompt(t, round)), &[]).unwrap()).collect();
         for (t, d) in chosen.iter().enumerate() {
             assert_eq!(d.id(), homes[t], "round {round}: tenant {t} left the replica holding its prefix");
         }
@@ -83,7 +84,7 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_and_a_dead_one_leaves
     drop(dead);
     until("the dead replica is out of routing", || pool.loads().len() == 1).await;
     for t in 0..4 {
-        let d = pool.choose(&prompt(t, 9), &[]).unwrap();
+        let d = pool.choose(&pool.blocks(&prompt(t, 9)), &[]).unwrap();
         assert_ne!(d.id(), homes[0], "tenant {t} was sent to the dead replica");
     }
 }

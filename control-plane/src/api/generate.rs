@@ -52,9 +52,10 @@ pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Re
         grammar,
         ..Default::default()
     };
+    let blocks = pool.blocks(&request.prompt_token_ids);
     let mut tried = Vec::new();
     while tried.len() < ATTEMPTS {
-        let Some(dispatch) = pool.choose(&request.prompt_token_ids, &tried) else { break };
+        let Some(dispatch) = pool.choose(&blocks, &tried) else { break };
         let id = dispatch.id().to_string();
         // Random, so control planes sharing a worker never collide.
         let attempt = pb::GenerateRequest { request_id: super::new_id("cp-"), ..request.clone() };

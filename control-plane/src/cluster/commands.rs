@@ -7,22 +7,13 @@ use crate::config::{DeploymentsCommand, EtcdArgs, NodesCommand, ReplicasCommand}
 use crate::limits::now_us;
 use crate::ops::print;
 use anyhow::{Context, Result};
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 use serde::Deserialize;
 use serde_json::json;
 use std::time::Duration;
-use tessera_proto::cluster::{self, Cordon, Deployment, Drain};
+use tessera_proto::cluster::{self, Cordon, Deployment, Drain, etcd_options};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
-
-/// Every request bounded: an unreachable etcd is an error, not a hang.
-pub fn etcd_options() -> ConnectOptions {
-    ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(5))
-        .with_timeout(Duration::from_secs(5))
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
-        .with_keep_alive_while_idle(true)
-}
 
 async fn connect(etcd: &EtcdArgs) -> Result<Client> {
     Client::connect(&etcd.etcd, Some(etcd_options()))

@@ -5,7 +5,6 @@
 //! being ready (draining, failed, gone) leaves it. Several control planes may run against
 //! one etcd and one database.
 
-use super::commands::etcd_options;
 use super::leader::{self, LeaderConfig};
 use super::table::{ReplicaTable, Table};
 use crate::accounts::Store;
@@ -19,14 +18,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_proto::block_hash::BLOCK_TOKENS;
-use tessera_proto::cluster::ReplicaState;
+use tessera_proto::cluster::{ReplicaState, etcd_options};
 use tokio::sync::watch;
 
 pub async fn run(config: ClusterConfig) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
-    let catalog = Catalog::load(config.catalog.as_deref())?;
+    let catalog = Catalog::load(config.api.catalog.as_deref())?;
     let client = Client::connect([config.etcd.clone()], Some(etcd_options()))
         .await
         .with_context(|| format!("connecting to etcd at {}", config.etcd))?;

@@ -240,6 +240,18 @@ mod tests {
         Deployment { model: model.into(), replicas, tensor_parallel: tp, constraints: Constraints::default() }
     }
 
+    /// Nodes a and b of one device each, and one replica of model m placed on one of them.
+    fn one_replica_on_two_nodes() -> ClusterState {
+        let mut s = ClusterState {
+            nodes: vec![node("a", 1), node("b", 1)],
+            deployments: vec![deployment("m", 1, 1)],
+            ..Default::default()
+        };
+        let p = run(&s);
+        apply(&mut s, &p);
+        s
+    }
+
     fn run(state: &ClusterState) -> Plan {
         // Unique across runs, as the leader's random ids are.
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -327,13 +339,7 @@ mod tests {
 
     #[test]
     fn a_drained_node_keeps_its_replicas_until_replacements_are_ready() {
-        let mut s = ClusterState {
-            nodes: vec![node("a", 1), node("b", 1)],
-            deployments: vec![deployment("m", 1, 1)],
-            ..Default::default()
-        };
-        let p = run(&s);
-        apply(&mut s, &p);
+        let mut s = one_replica_on_two_nodes();
         let first = s.assignments[0].clone();
         let other = if first.node == "a" { 1 } else { 0 };
         let index = 1 - other;
@@ -360,13 +366,7 @@ mod tests {
 
     #[test]
     fn a_vanished_node_keeps_its_replicas_through_the_grace_and_failed_ones_move() {
-        let mut s = ClusterState {
-            nodes: vec![node("a", 1), node("b", 1)],
-            deployments: vec![deployment("m", 1, 1)],
-            ..Default::default()
-        };
-        let p = run(&s);
-        apply(&mut s, &p);
+        let mut s = one_replica_on_two_nodes();
         let placed = s.assignments[0].clone();
         // Its node's key is gone for a moment (a lease being replaced): nothing moves.
         s.nodes.retain(|n| n.record.id != placed.node);

@@ -13,7 +13,7 @@ use super::replica::Replica;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
-use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
 use tessera_proto::worker as pb;
 
 #[derive(Debug, thiserror::Error)]
@@ -120,14 +120,16 @@ impl Pool {
         self.index.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
     }
 
-    pub fn ids(&self) -> Vec<String> {
-        self.members.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+    /// A prompt's chained block hashes, as `choose` takes them (computed once per
+    /// request, however many replicas it tries).
+    pub fn blocks(&self, prompt: &[u32]) -> Vec<BlockHash> {
+        self.hasher.hash_prefix(prompt)
     }
 
-    /// The replica for a prompt, counted in its load while the dispatch lives; None when
-    /// every routable replica is saturated or none is routable (the caller answers 503).
-    pub fn choose(&self, prompt: &[u32], except: &[String]) -> Option<Dispatch> {
-        let blocks = self.hasher.hash_prefix(prompt);
+    /// The replica for a prompt of these `blocks`, counted in its load while the dispatch
+    /// lives; None when every routable replica is saturated or none is routable (the
+    /// caller answers 503).
+    pub fn choose(&self, blocks: &[BlockHash], except: &[String]) -> Option<Dispatch> {
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());
         let candidates: Vec<Candidate> = members
             .values()
@@ -138,7 +140,7 @@ impl Pool {
                 (!load.broken).then(|| Candidate { id: m.id.clone(), reported, dispatched: load.unanswered })
             })
             .collect();
-        let matched = self.index.lock().unwrap_or_else(|e| e.into_inner()).matched(&blocks);
+        let matched = self.index.lock().unwrap_or_else(|e| e.into_inner()).matched(blocks);
         let chosen = choice::choose(&candidates, blocks.len(), &matched, self.weights)?;
         let member = members[&chosen.id].clone();
         member.load.lock().unwrap_or_else(|e| e.into_inner()).unanswered += 1;

@@ -11,7 +11,7 @@
 pub mod replicas;
 
 use anyhow::{Context, Result};
-use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use replicas::{EngineTemplate, Replicas};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -52,16 +52,6 @@ pub struct AgentConfig {
     /// Seconds a drain waits for running requests before cutting them off.
     #[arg(long, default_value_t = 600)]
     pub drain_timeout_secs: u64,
-}
-
-/// How agents talk to etcd: every request bounded, and a connection that goes silent
-/// noticed by HTTP/2 pings (a partition must not hang the agent's loop).
-pub fn etcd_options() -> ConnectOptions {
-    ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(5))
-        .with_timeout(Duration::from_secs(5))
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
-        .with_keep_alive_while_idle(true)
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
