@@ -161,7 +161,7 @@ async fn assignments(client: &mut Client, node: &str) -> Result<(BTreeMap<String
 }
 
 pub async fn run(config: AgentConfig) -> Result<()> {
-    let client = Client::connect(&config.etcd, None)
+    let client = Client::connect(&config.etcd, Some(tessera_proto::cluster::etcd_options()))
         .await
         .with_context(|| format!("connecting to etcd at {:?}", config.etcd))?;
     let (slots, device) = devices(&config)?;
