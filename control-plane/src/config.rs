@@ -1,5 +1,6 @@
 //! The command line: one typed struct per command.
 
+use crate::router::choice::Routing;
 use crate::accounts::BillingMode;
 use crate::billing::plans::Plan;
 use clap::{Args, Parser, Subcommand};
@@ -95,6 +96,10 @@ pub struct ServeConfig {
     /// KV cache size of each worker, in bytes (default: the worker's).
     #[arg(long)]
     pub kv_cache_bytes: Option<u64>,
+    /// Local workers (data-parallel replicas) for each model's weights, routed by
+    /// `--routing`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub replicas: u32,
     /// Credit granted to the bootstrap organization on first start, in US dollars.
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,
@@ -139,6 +144,10 @@ pub struct ApiArgs {
     /// Seconds between refreshes of each model's supply state (subscription discount).
     #[arg(long, env = "TESSERA_SUPPLY_REFRESH_SECS", default_value_t = 600)]
     pub supply_refresh_secs: u64,
+    /// How each request picks among a model's replicas: by prefix cache and load, or in
+    /// turn (a baseline for comparison).
+    #[arg(long, value_enum, default_value_t = Routing::CacheAware)]
+    pub routing: Routing,
 }
 
 #[derive(Subcommand)]

@@ -10,7 +10,6 @@ use crate::billing::supply::{Refresher, Supply};
 use crate::catalog::Catalog;
 use crate::config::{ApiArgs, ServeConfig};
 use crate::limits::RateConfig;
-use crate::router::choice::Weights;
 use crate::router::{Models, Pool, Replica};
 use crate::workers;
 use anyhow::{Context, Result};
@@ -31,13 +30,18 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     let mut local = Vec::new();
     let mut pools = BTreeMap::new();
     for weights in catalog.weights() {
-        eprintln!("starting a worker for {weights} (the model is fetched on first use)");
-        let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
-        let replica = Arc::new(Replica::connect(&worker.addr).await?);
-        let pool = Arc::new(Pool::new(&replica.card.model, Weights::default()));
-        pool.add(&worker.addr, replica.clone())?;
-        pools.insert(worker.weights.clone(), (replica, pool));
-        local.push(worker);
+        let mut pool: Option<(Arc<Replica>, Arc<Pool>)> = None;
+        for n in 0..config.replicas {
+            eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
+            let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
+            let replica = Arc::new(Replica::connect(&worker.addr).await?);
+            let (_, pool) = pool.get_or_insert_with(|| {
+                (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing)))
+            });
+            pool.add(&worker.addr, replica)?;
+            local.push(worker);
+        }
+        pools.insert(weights.clone(), pool.expect("at least one replica"));
     }
     let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
     serve_api(store, Arc::new(models), None, &config.api).await?;

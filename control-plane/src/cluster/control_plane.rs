@@ -10,7 +10,7 @@ use super::table::{ReplicaTable, Table};
 use crate::accounts::Store;
 use crate::catalog::Catalog;
 use crate::config::ClusterConfig;
-use crate::router::choice::Weights;
+use crate::router::choice::Routing;
 use crate::router::{Models, Pool, Replica, ServedModel};
 use anyhow::{Context, Result};
 use etcd_client::Client;
@@ -41,7 +41,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
 
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
     let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| m.id.clone())));
-    tokio::spawn(feed(table.subscribe(), catalog, models.clone()));
+    tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
     crate::serve::serve_api(store, models, Some(table.subscribe()), &config.api).await?;
     Ok(())
 }
@@ -51,7 +51,7 @@ const CONNECT: Duration = Duration::from_secs(10);
 
 /// Keeps the models' pools equal to the ready replicas in the table; a replica that
 /// cannot be reached yet is tried again every two seconds.
-async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Models>) {
+async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Models>, routing: Routing) {
     let mut pools: BTreeMap<String, Arc<Pool>> = BTreeMap::new();
     // Replica id → (model, address) of the replicas in a pool.
     let mut joined: BTreeMap<String, (String, String)> = BTreeMap::new();
@@ -97,7 +97,7 @@ async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Mode
             };
             let pool = pools
                 .entry(r.model.clone())
-                .or_insert_with(|| Arc::new(Pool::new(&replica.card.model, Weights::default())))
+                .or_insert_with(|| Arc::new(Pool::new(&replica.card.model, routing)))
                 .clone();
             if let Err(e) = pool.add(id, replica.clone()) {
                 tracing::warn!("replica {id} left out of routing: {e}");

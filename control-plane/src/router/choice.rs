@@ -4,6 +4,10 @@
 //! requests dispatched to it since that report, counted at dispatch so that a burst
 //! does not pile onto the replica that looked idle a moment ago.
 //!
+//! Among equal costs the replica caching the fewest blocks wins: a tenant arriving when
+//! nothing is busy goes where its prefix crowds out the least, so tenants spread even
+//! when they come one at a time (otherwise every new prefix would land on the first).
+//!
 //! The prefix index holds, for each replica, exactly the block hashes its cache holds:
 //! it starts from the snapshot that opens the replica's load stream and follows the
 //! changes after it.
@@ -91,12 +95,23 @@ pub struct Candidate {
     pub reported: u32,
     /// Requests sent to it since that report.
     pub dispatched: u32,
+    /// Blocks its prefix cache holds.
+    pub cached: usize,
 }
 
 impl Candidate {
-    fn load(&self) -> u32 {
+    pub fn load(&self) -> u32 {
         self.reported + self.dispatched
     }
+}
+
+/// How a pool picks its replica: by cost (cache and load), or in turn — the baseline
+/// the serving benchmark compares against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Routing {
+    #[default]
+    CacheAware,
+    RoundRobin,
 }
 
 /// How cache and load weigh against each other.
@@ -116,7 +131,7 @@ impl Default for Weights {
 
 /// The cheapest replica for a prompt of `blocks` blocks of which `matched` are cached
 /// per replica; None when every candidate is saturated (the caller answers 503).
-/// Ties go to the first candidate, so callers order them (e.g. by id).
+/// Ties go to the replica caching fewer blocks, then to the first candidate.
 pub fn choose<'a>(
     candidates: &'a [Candidate],
     blocks: usize,
@@ -127,7 +142,10 @@ pub fn choose<'a>(
         let uncached = blocks - matched.get(&c.id).copied().unwrap_or(0).min(blocks);
         uncached as f64 * w.block + c.load() as f64
     };
-    candidates.iter().filter(|c| c.load() < w.saturated).min_by(|a, b| cost(a).total_cmp(&cost(b)))
+    candidates
+        .iter()
+        .filter(|c| c.load() < w.saturated)
+        .min_by(|a, b| cost(a).total_cmp(&cost(b)).then(a.cached.cmp(&b.cached)))
 }
 
 #[cfg(test)]
@@ -135,7 +153,7 @@ mod tests {
     use super::*;
 
     fn candidate(id: &str, reported: u32, dispatched: u32) -> Candidate {
-        Candidate { id: id.into(), reported, dispatched }
+        Candidate { id: id.into(), reported, dispatched, cached: 0 }
     }
 
     #[test]
@@ -171,5 +189,18 @@ mod tests {
         assert!(choose(&full, 20, &matched, w).is_none());
         let one_free = [candidate("a", 8, 0), candidate("b", 1, 0)];
         assert_eq!(choose(&one_free, 1, &BTreeMap::new(), w).unwrap().id, "b");
+    }
+
+    #[test]
+    fn equal_costs_go_to_the_emptier_cache() {
+        let w = Weights::default();
+        let mut cands = [candidate("a", 0, 0), candidate("b", 0, 0), candidate("c", 0, 0)];
+        cands[0].cached = 40;
+        cands[1].cached = 20;
+        cands[2].cached = 20;
+        assert_eq!(choose(&cands, 20, &BTreeMap::new(), w).unwrap().id, "b", "fewest cached, then first");
+        // Cost still comes first: a holds this prompt.
+        let matched = BTreeMap::from([("a".to_string(), 20)]);
+        assert_eq!(choose(&cands, 20, &matched, w).unwrap().id, "a");
     }
 }

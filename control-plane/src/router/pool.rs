@@ -8,9 +8,10 @@
 //! back when a new stream opens; a member that has not reported yet is routable with no
 //! load, so a fresh replica takes traffic at once.
 
-use super::choice::{self, Candidate, PrefixIndex, Weights};
+use super::choice::{self, Candidate, PrefixIndex, Routing, Weights};
 use super::replica::Replica;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
@@ -28,7 +29,10 @@ pub struct Pool {
     /// The served model's name as the workers hash it (their cards' `model`).
     model: String,
     hasher: BlockHasher,
+    routing: Routing,
     weights: Weights,
+    /// Round-robin's next turn.
+    turn: AtomicUsize,
     members: RwLock<BTreeMap<String, Arc<Member>>>,
     index: Arc<Mutex<PrefixIndex>>,
 }
@@ -82,11 +86,13 @@ impl Drop for Dispatch {
 }
 
 impl Pool {
-    pub fn new(model: &str, weights: Weights) -> Self {
+    pub fn new(model: &str, routing: Routing) -> Self {
         Self {
             model: model.to_string(),
             hasher: BlockHasher::new(model),
-            weights,
+            routing,
+            weights: Weights::default(),
+            turn: AtomicUsize::new(0),
             members: RwLock::default(),
             index: Arc::default(),
         }
@@ -131,17 +137,28 @@ impl Pool {
     /// caller answers 503).
     pub fn choose(&self, blocks: &[BlockHash], except: &[String]) -> Option<Dispatch> {
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());
-        let candidates: Vec<Candidate> = members
-            .values()
-            .filter(|m| !except.contains(&m.id))
-            .filter_map(|m| {
-                let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
-                let reported = load.report.as_ref().map_or(0, |r| r.running + r.waiting);
-                (!load.broken).then(|| Candidate { id: m.id.clone(), reported, dispatched: load.unanswered })
-            })
-            .collect();
-        let matched = self.index.lock().unwrap_or_else(|e| e.into_inner()).matched(blocks);
-        let chosen = choice::choose(&candidates, blocks.len(), &matched, self.weights)?;
+        let (candidates, matched) = {
+            let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+            let candidates: Vec<Candidate> = members
+                .values()
+                .filter(|m| !except.contains(&m.id))
+                .filter_map(|m| {
+                    let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
+                    let reported = load.report.as_ref().map_or(0, |r| r.running + r.waiting);
+                    let (id, cached) = (m.id.clone(), index.cached(&m.id));
+                    (!load.broken).then_some(Candidate { id, reported, dispatched: load.unanswered, cached })
+                })
+                .collect();
+            (candidates, index.matched(blocks))
+        };
+        let chosen = match self.routing {
+            Routing::CacheAware => choice::choose(&candidates, blocks.len(), &matched, self.weights)?,
+            Routing::RoundRobin => {
+                let open: Vec<&Candidate> =
+                    candidates.iter().filter(|c| c.load() < self.weights.saturated).collect();
+                (!open.is_empty()).then(|| open[self.turn.fetch_add(1, Ordering::Relaxed) % open.len()])?
+            }
+        };
         let member = members[&chosen.id].clone();
         member.load.lock().unwrap_or_else(|e| e.into_inner()).unanswered += 1;
         Some(Dispatch { member })
