@@ -7,7 +7,7 @@
 #[path = "../../control-plane/tests/support/postgres.rs"]
 mod postgres;
 
-use crate::round;
+use crate::{percentile, round};
 use anyhow::Result;
 use serde_json::json;
 use std::sync::Arc;
@@ -62,10 +62,6 @@ fn usage(request_id: String, org: &str) -> UsageRecord {
         finish_reason: "stop".into(),
         ..UsageRecord::unused(&request_id, org)
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {

@@ -7,15 +7,14 @@
 //! prompt starts with its own number, so no request is served from another's prefix
 //! cache.
 
-use anyhow::{Context, Result, bail};
+use crate::api::{self, Server};
+use crate::{percentile, round};
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -32,19 +31,6 @@ pub struct Args {
     max_tokens: u32,
 }
 
-struct Serve {
-    child: Child,
-    _data: PathBuf,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self._data);
-    }
-}
-
 /// One request's times: to the first generated text, and to the end.
 #[derive(Clone, Copy)]
 struct Timing {
@@ -53,42 +39,10 @@ struct Timing {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let tessera = match args.tessera {
-        Some(p) => p,
-        None => std::env::current_exe()?.parent().context("bench directory")?.join("tessera"),
-    };
-    let data = std::env::temp_dir().join(format!("tessera-gateway-bench-{}", std::process::id()));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let mut child = Command::new(&tessera)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--kv-cache-bytes", "268435456"])
-        .arg("--data-dir")
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| {
-            format!(
-                "starting {} (build it with `cargo build --release -p tessera-control-plane`, and tessera-worker)",
-                tessera.display()
-            )
-        })?;
-    let stderr = child.stderr.take().context("stderr")?;
-    let serve = Serve { child, _data: data.clone() };
-    let mut worker = None;
-    let mut lines = BufReader::new(stderr).lines();
-    loop {
-        let Some(line) = lines.next() else { bail!("tessera serve exited before listening") };
-        let line = line?;
-        if line.contains("tessera-worker serving") {
-            worker = line.rsplit(" on ").next().map(str::to_string);
-        }
-        if line.starts_with("tessera listening on") {
-            break;
-        }
-    }
-    std::thread::spawn(move || lines.for_each(drop));
-    let worker = worker.context("the worker's address in the log")?;
-    let key = std::fs::read_to_string(data.join("bootstrap.key"))?.trim().to_string();
+    let tessera = api::tessera_binary(args.tessera)?;
+    let serve = Server::start(&tessera, &["--kv-cache-bytes".into(), "268435456".into()])?;
+    let worker = serve.workers.first().cloned().context("the worker's address in the log")?;
+    let (port, key) = (serve.port, serve.key.clone());
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let max_tokens = args.max_tokens;
@@ -193,66 +147,32 @@ async fn grpc(
     Ok(Timing { first: first.unwrap_or(total), total })
 }
 
-/// A streamed legacy completion of the same token ids over a fresh HTTP/1.1 connection.
+/// A streamed legacy completion of the same token ids.
 async fn http(port: u16, key: &str, prompt: &[u32], max_tokens: u32) -> Result<Timing> {
     let start = Instant::now();
     let body = json!({"model": "vendor-a/model-a", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "stream": true})
-    .to_string();
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n\
-         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    socket.write_all(request.as_bytes()).await?;
-    let (mut seen, mut buf, mut first) = (String::new(), [0u8; 8192], None);
-    loop {
-        let n = socket.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-        if first.is_none() && seen.lines().filter_map(|l| l.strip_prefix("data: {")).any(has_text) {
-            first = Some(start.elapsed());
-        }
-        if seen.contains("data: [DONE]") {
-            break;
-        }
-    }
-    if !seen.starts_with("HTTP/1.1 200") {
-        bail!("the API answered {}", seen.lines().next().unwrap_or_default());
-    }
+        "stream": true});
+    let events = api::stream(port, key, "/v1/completions", &body).await?;
     let total = start.elapsed();
+    let has_text = |e: &&api::Event| e.data["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty());
+    let first = events.iter().find(has_text).map(|e| e.at);
     Ok(Timing { first: first.unwrap_or(total), total })
-}
-
-fn has_text(event_tail: &str) -> bool {
-    serde_json::from_str::<Value>(&format!("{{{event_tail}"))
-        .ok()
-        .and_then(|v| v["choices"][0]["text"].as_str().map(|t| !t.is_empty()))
-        .unwrap_or(false)
-}
-
-fn percentile(mut ms: Vec<f64>, p: f64) -> f64 {
-    ms.sort_by(f64::total_cmp);
-    let i = ((ms.len() as f64 - 1.0) * p).round() as usize;
-    (ms[i.min(ms.len() - 1)] * 100.0).round() / 100.0
 }
 
 fn report(concurrency: usize, direct: &[Timing], gateway: &[Timing]) -> Value {
     let ms = |t: &[Timing], f: fn(&Timing) -> Duration| t.iter().map(|x| f(x).as_secs_f64() * 1e3).collect::<Vec<_>>();
     let first = |t: &Timing| t.first;
     let total = |t: &Timing| t.total;
-    let (d50, d99) = (percentile(ms(direct, first), 0.5), percentile(ms(direct, first), 0.99));
-    let (g50, g99) = (percentile(ms(gateway, first), 0.5), percentile(ms(gateway, first), 0.99));
+    let p = |t: &[Timing], f, q| round(percentile(&ms(t, f), q));
+    let (d50, d99) = (p(direct, first, 0.5), p(direct, first, 0.99));
+    let (g50, g99) = (p(gateway, first, 0.5), p(gateway, first, 0.99));
     json!({
         "concurrency": concurrency,
         "grpc_ttft_p50_ms": d50, "grpc_ttft_p99_ms": d99,
         "http_ttft_p50_ms": g50, "http_ttft_p99_ms": g99,
-        "added_ttft_p50_ms": ((g50 - d50) * 100.0).round() / 100.0,
-        "added_ttft_p99_ms": ((g99 - d99) * 100.0).round() / 100.0,
-        "grpc_total_p50_ms": percentile(ms(direct, total), 0.5),
-        "http_total_p50_ms": percentile(ms(gateway, total), 0.5),
+        "added_ttft_p50_ms": round(g50 - d50),
+        "added_ttft_p99_ms": round(g99 - d99),
+        "grpc_total_p50_ms": p(direct, total, 0.5),
+        "http_total_p50_ms": p(gateway, total, 0.5),
     })
 }

@@ -1,5 +1,6 @@
 //! `tessera-bench`: benchmarks that print one JSON line each.
 
+mod api;
 mod billing;
 mod engine;
 mod forward;
@@ -8,6 +9,7 @@ mod gateway;
 mod gpu;
 mod grammar;
 mod kernels;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -35,10 +37,20 @@ enum Command {
     /// The latency the control plane adds over the worker's gRPC (needs the release
     /// `tessera` and `tessera-worker` binaries).
     Gateway(gateway::Args),
+    /// A serving load generator against a multi-replica `tessera serve`: tenants with
+    /// long system prompts of their own, cache-aware routing against round-robin.
+    Serve(serve::Args),
     /// The CUDA backend on a Llama-3-8B-shaped model with random weights: decode steps,
     /// prefill and paged attention against the device's bandwidth and matrix ceilings.
     #[cfg(feature = "cuda")]
     Gpu(gpu::Args),
+}
+
+/// The `p` quantile (0 to 1) of `values`, nearest rank.
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(((sorted.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(f64::NAN)
 }
 
 /// A figure to three decimals, as every benchmark line prints it.
@@ -52,6 +64,7 @@ fn main() -> Result<()> {
         Command::Engine(args) => engine::run(args),
         Command::Billing(args) => billing::run(args),
         Command::Gateway(args) => gateway::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),
         #[cfg(feature = "cuda")]

@@ -1,8 +1,8 @@
 //! The command line: one typed struct per command.
 
-use crate::router::choice::Routing;
 use crate::accounts::BillingMode;
 use crate::billing::plans::Plan;
+use crate::router::choice::Routing;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 

@@ -35,9 +35,8 @@ pub async fn run(config: ServeConfig) -> Result<()> {
             eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
             let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
-            let (_, pool) = pool.get_or_insert_with(|| {
-                (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing)))
-            });
+            let (_, pool) = pool
+                .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));
             pool.add(&worker.addr, replica)?;
             local.push(worker);
         }
@@ -55,7 +54,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
 pub async fn serve_api(
     store: Store,
     models: Arc<Models>,
-    cluster: Option<tokio::sync::watch::Receiver<crate::cluster::table::Table>>,
+    cluster: Option<crate::cluster::ClusterView>,
     config: &ApiArgs,
 ) -> Result<Arc<AppState>> {
     // No real payment processor can run here: plans and credit purchases go through

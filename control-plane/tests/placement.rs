@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 use tessera_control_plane::cluster::leader::{self, LeaderConfig};
 use tessera_proto::cluster::{self, Assignment, Deployment, Device, DeviceKind, NodeRecord, NodeState};
+use tokio::sync::watch;
 
 async fn register(client: &mut Client, id: &str, devices: u32) -> i64 {
     let lease = client.lease_grant(60, None).await.unwrap().id();
@@ -90,8 +91,10 @@ async fn placement_fits_moves_and_fails_over() {
     let leases: Vec<i64> =
         vec![register(&mut c, "n1", 2).await, register(&mut c, "n2", 2).await, register(&mut c, "n3", 2).await];
     // Two control planes campaign; one leads.
-    let first = tokio::spawn(leader::run(c.clone(), leader_config("cp-1"), weights.clone()));
-    let second = tokio::spawn(leader::run(c.clone(), leader_config("cp-2"), weights.clone()));
+    let (first_leads, first_leading) = watch::channel(false);
+    let (second_leads, second_leading) = watch::channel(false);
+    let first = tokio::spawn(leader::run(c.clone(), leader_config("cp-1"), weights.clone(), first_leads));
+    let second = tokio::spawn(leader::run(c.clone(), leader_config("cp-2"), weights.clone(), second_leads));
 
     // A TP-2 model ×2 and a TP-1 model ×2 fill the 6 devices exactly.
     deploy(&mut c, "vendor-a/model-a", 2, 2).await;
@@ -127,6 +130,7 @@ async fn placement_fits_moves_and_fails_over() {
     // election revision.
     let revision_before = grown.iter().map(|a| a.leader_revision).max().unwrap();
     let leading = current_leader(&mut c).await;
+    assert_eq!((*first_leading.borrow(), *second_leading.borrow()), (leading == "cp-1", leading == "cp-2"));
     let (stopped, standby) = if leading == "cp-1" { (first, second) } else { (second, first) };
     stopped.abort();
     let _ = stopped.await;

@@ -26,6 +26,17 @@ const DOLLAR: i64 = 1_000_000;
 /// 2026-11-01T00:00:00Z, in µs.
 const T0: i64 = 1_793_491_200_000_000;
 
+/// A chat request of one prompt token that may generate `max` tokens.
+fn ask(request_id: &str, max: u64) -> Ask<'_> {
+    Ask { request_id, endpoint: "chat.completions", prompts: &[1], max_completion_each: max }
+}
+
+/// A request id no other request of this test has.
+fn fresh_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!("req_{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 struct Fixture {
     store: Store,
     billing: Billing,
@@ -68,8 +79,7 @@ impl Fixture {
 
     /// Admits a request of one prompt token that may generate `max` tokens.
     async fn admit(&self, key: &ApiKey, max: u64) -> Result<Meter, ApiError> {
-        let ask = Ask { endpoint: "chat.completions", prompts: &[1], max_completion_each: max };
-        self.billing.admit_priced(key, &self.model, DOLLAR_A_TOKEN, ask).await
+        self.billing.admit_priced(key, &self.model, DOLLAR_A_TOKEN, ask(&fresh_id(), max)).await
     }
 
     /// A request that runs and costs `1 + generated` dollars at standard rates.
@@ -378,11 +388,10 @@ async fn exact_across_control_planes(a: Store, b: Store) {
     let now = clock.clone();
     let billing_b =
         b.billing(Arc::new(DevProcessor::default())).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
-    let ask = || Ask { endpoint: "chat.completions", prompts: &[1], max_completion_each: 0 };
     let attempts = (0..40).map(|i| {
         let billing = if i % 2 == 0 { fa.billing.clone() } else { billing_b.clone() };
         let (key, model) = (key.clone(), fa.model.clone());
-        async move { billing.admit_priced(&key, &model, DOLLAR_A_TOKEN, ask()).await }
+        async move { billing.admit_priced(&key, &model, DOLLAR_A_TOKEN, ask(&fresh_id(), 0)).await }
     });
     let results = futures_util::future::join_all(attempts).await;
     let admitted: Vec<Meter> = results.into_iter().filter_map(Result::ok).collect();
@@ -399,7 +408,7 @@ async fn exact_across_control_planes(a: Store, b: Store) {
             let billing = if i % 2 == 0 { fa.billing.clone() } else { billing_b.clone() };
             let (key, model) = (key.clone(), fa.model.clone());
             async move {
-                let m = billing.admit_priced(&key, &model, DOLLAR_A_TOKEN, ask()).await?;
+                let m = billing.admit_priced(&key, &model, DOLLAR_A_TOKEN, ask(&fresh_id(), 0)).await?;
                 m.started(0);
                 m.settle().await;
                 Ok::<(), ApiError>(())

@@ -1,176 +1,121 @@
-//! A cluster on loopback, every part real: etcd, `tessera control-plane` with its SQLite
-//! database, three `tessera-worker agent` nodes of one CPU device each serving the real
-//! model, the operator commands, and the official `openai` Python SDK as the client.
-//! A deployment of two replicas is placed on two nodes and served; then one of those
-//! nodes is killed (SIGKILL): its replica moves to the spare node, and requests sent
-//! throughout all succeed. Then etcd goes away: the control plane says so in /health and
-//! keeps serving on its last table, and says connected again once etcd is back.
+//! A cluster's placement through what goes wrong, on loopback with every part real
+//! (see `support/cluster.rs`): two control planes, three nodes, a deployment of two
+//! replicas served through either control plane. The leading control plane is killed:
+//! the standby leads within a lease period. A node holding a replica is killed: the new
+//! leader moves its replica to the spare node while requests keep succeeding. Then etcd
+//! is down for 30 seconds: requests keep succeeding on the last known table, /health says
+//! degraded, and once etcd is back everything converges. Throughout, no device is ever
+//! given to two replicas.
 
-#[path = "../support/etcd.rs"]
-mod etcd;
+#[path = "../support/cluster.rs"]
+mod cluster;
 
+use cluster::{Cluster, LEASE_TTL_SECS, Process, chat, python, tessera, until};
 use serde_json::Value;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
-use tessera_e2e::binary;
 
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// `tessera ARGS --json`, parsed.
-fn tessera(args: &[&str]) -> Value {
-    let out = Command::new(binary("tessera-control-plane", "tessera")).args(args).arg("--json").output().unwrap();
-    assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn agent(etcd: &str, node: &str) -> Process {
-    let child = Command::new(binary("tessera-worker", "tessera-worker"))
-        .args(["agent", "--etcd", etcd, "--node-id", node, "--devices", "1", "--lease-ttl-secs", "3"])
-        .args(["--kv-cache-bytes", "67108864"])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    Process(child)
-}
-
-/// The nodes holding a ready replica of the model.
-fn ready_nodes(etcd: &str) -> Vec<String> {
-    let list = tessera(&["replicas", "list", "--etcd", etcd]);
-    let mut nodes: Vec<String> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["state"] == "ready")
-        .map(|r| r["node"].as_str().unwrap().to_string())
-        .collect();
-    nodes.sort();
-    nodes
-}
-
-/// Waits (up to `secs`) for `f`; the cluster converges through leases and watches.
-fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
+/// Every placed replica (started or not) has devices no other replica has, and an id of
+/// its own; returns how many there are.
+fn assert_no_double_assignment(c: &Cluster) -> usize {
+    let replicas = c.replicas();
+    let mut devices = BTreeSet::new();
+    let mut ids = BTreeSet::new();
+    for r in &replicas {
+        assert!(ids.insert(r["id"].as_str().unwrap().to_string()), "replica listed twice: {replicas:?}");
+        for d in r["devices"].as_array().unwrap() {
+            let slot = (r["node"].as_str().unwrap().to_string(), d.as_u64().unwrap());
+            assert!(devices.insert(slot.clone()), "device {slot:?} given to two replicas: {replicas:?}");
         }
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(200));
     }
+    replicas.len()
 }
 
-/// Runs the SDK client: waits for the model, then sends `count` chat completions one
-/// after another, each of which must succeed; prints how many did.
-fn chat(base: &str, key: &str, count: u32) -> u32 {
-    let script = r#"
-import os, sys, time, openai
+/// Which control planes say they lead placement (those that answer).
+fn leaders(cps: &[Option<cluster::ControlPlane>]) -> Vec<usize> {
+    (0..cps.len())
+        .filter(|&i| {
+            cps[i].as_ref().and_then(|cp| cp.health()).is_some_and(|h| h["placement"]["leader"] == Value::Bool(true))
+        })
+        .collect()
+}
+
+#[test]
+fn placement_survives_a_killed_leader_a_killed_node_and_an_etcd_outage() {
+    let mut c = Cluster::start();
+    let mut cps = vec![Some(c.control_plane()), Some(c.control_plane())];
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Option<Process>> = names.iter().map(|n| Some(c.agent(n, &[]))).collect();
+    c.deploy(2);
+    let placed = until(120, "two ready replicas", || Some(c.ready_nodes()).filter(|n| n.len() == 2));
+    for cp in cps.iter().flatten() {
+        assert_eq!(chat(&cp.base_url(), &c.key, 2), 2, "both control planes serve");
+    }
+    assert_eq!(assert_no_double_assignment(&c), 2);
+
+    // The leading control plane dies; the standby leads within one lease period (plus
+    // etcd's expiry tick and this poll), and what was placed stays placed once.
+    let leader = until(30, "exactly one leader", || Some(leaders(&cps)).filter(|l| l.len() == 1))[0];
+    let standby = 1 - leader;
+    let killed_at = Instant::now();
+    drop(cps[leader].take());
+    until(15, "the standby leads", || (leaders(&cps) == [standby]).then_some(()));
+    let took = killed_at.elapsed();
+    eprintln!("placement failover took {took:?}");
+    assert!(took <= Duration::from_millis(LEASE_TTL_SECS * 1000 + 1500), "failover took {took:?}");
+    assert_eq!(assert_no_double_assignment(&c), 2);
+    let cp = cps[standby].take().unwrap();
+    let base = cp.base_url();
+
+    // A node holding a replica dies (SIGKILL): the new leader moves its replica to the
+    // spare node while the SDK client keeps sending.
+    let victim = placed[0].clone();
+    drop(nodes[names.iter().position(|n| *n == victim).unwrap()].take());
+    let (base2, key2) = (base.clone(), c.key.clone());
+    let traffic = std::thread::spawn(move || chat(&base2, &key2, 20));
+    let moved = until(120, "the replica moved off the killed node", || {
+        assert_no_double_assignment(&c);
+        Some(c.ready_nodes()).filter(|n| n.len() == 2 && !n.contains(&victim))
+    });
+    assert_eq!(traffic.join().unwrap(), 20, "every request during the move succeeded");
+    until(30, "the dead node's assignment is gone", || (assert_no_double_assignment(&c) == 2).then_some(()));
+
+    // etcd goes away for 30 s: the control plane says so, and serves on its last table.
+    assert_eq!(cp.health().unwrap()["status"], "ok");
+    c.etcd.stop();
+    let down_at = Instant::now();
+    until(30, "/health says etcd is unreachable", || {
+        let h = cp.health()?;
+        (h["status"] == "degraded" && h["etcd"]["connected"] == false).then_some(())
+    });
+    let outage = r#"
+import os, time, openai
 c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
-deadline = time.time() + 120
-while "vendor-a/model-a" not in [m.id for m in c.models.list().data]:
-    assert time.time() < deadline, "the model never appeared"
-    time.sleep(0.2)
+end = time.time() + float(os.environ["SECONDS"])
 done = 0
-for i in range(int(os.environ["COUNT"])):
+while time.time() < end:
     r = c.chat.completions.create(model="vendor-a/model-a", max_tokens=4,
-        messages=[{"role": "user", "content": f"Count to {i}"}])
+        messages=[{"role": "user", "content": f"Say {done}"}])
     assert r.choices[0].finish_reason in ("length", "stop"), r
     done += 1
 print(done)
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .env("BASE", base)
-        .env("KEY", key)
-        .env("COUNT", count.to_string())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "the SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-}
+    let left = Duration::from_secs(30).saturating_sub(down_at.elapsed());
+    let out = python(outage, &base, &c.key, &[("SECONDS", left.as_secs_f64().to_string())]).output().unwrap();
+    assert!(out.status.success(), "a request failed while etcd was down: {}", String::from_utf8_lossy(&out.stderr));
+    let served: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(served > 0 && down_at.elapsed() >= Duration::from_secs(30), "{served} requests in {:?}", down_at.elapsed());
 
-#[test]
-fn a_deployment_is_placed_served_and_moved_off_a_killed_node() {
-    assert!(
-        Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success()),
-        "this test drives the API with the official SDK: pip install openai (`.ci/run` does)"
-    );
-    let mut server = etcd::Etcd::start();
-    let endpoint = server.endpoint.clone();
-    let e = endpoint.as_str();
-    let data = tempfile::tempdir().unwrap();
-    let dir = data.path().to_str().unwrap();
-    let org = tessera(&["orgs", "create", "acme", "--data-dir", dir]);
-    let org = org["id"].as_str().unwrap();
-    let grant = Command::new(binary("tessera-control-plane", "tessera"))
-        .args(["credits", "grant", "--org", org, "--usd", "10", "--data-dir", dir])
-        .output()
-        .unwrap();
-    assert!(grant.status.success());
-    let key = tessera(&["keys", "create", "--org", org, "--name", "k", "--data-dir", dir]);
-    let key = key["secret"].as_str().unwrap().to_string();
-
-    let port = free_port();
-    let _control_plane = Process(
-        Command::new(binary("tessera-control-plane", "tessera"))
-            .args(["control-plane", "--etcd", e, "--data-dir", dir, "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--lease-ttl-secs", "2", "--node-grace-secs", "1", "--rate-limit-rpm", "100000"])
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let mut nodes: Vec<Option<Process>> = ["n1", "n2", "n3"].iter().map(|n| Some(agent(e, n))).collect();
-    let file = data.path().join("deployments.toml");
-    std::fs::write(&file, "[[deployment]]\nmodel = \"vendor-a/model-a\"\nreplicas = 2\ntensor_parallel = 1\n").unwrap();
-    tessera(&["deployments", "apply", file.to_str().unwrap(), "--etcd", e]);
-
-    let placed = until(120, "two ready replicas", || Some(ready_nodes(e)).filter(|n| n.len() == 2));
-    let base = format!("http://127.0.0.1:{port}/v1");
-    assert_eq!(chat(&base, &key, 4), 4);
-
-    // Kill a node holding a replica; the SDK client keeps sending meanwhile.
-    let victim = placed[0].clone();
-    let index = ["n1", "n2", "n3"].iter().position(|n| *n == victim).unwrap();
-    let killed = nodes[index].take();
-    drop(killed);
-    let (base2, key2) = (base.clone(), key.clone());
-    let traffic = std::thread::spawn(move || chat(&base2, &key2, 20));
-    let moved = until(120, "the replica moved off the killed node", || {
-        Some(ready_nodes(e)).filter(|n| n.len() == 2 && !n.contains(&victim))
+    // etcd returns: the control plane reconnects, the nodes and replicas are as before
+    // (or placed anew, once), and a leader leads.
+    c.etcd.resume();
+    until(60, "the cluster converged after the outage", || {
+        let h = cp.health()?;
+        let ready = h["status"] == "ok" && h["ready_replicas"] == 2 && h["placement"]["leader"] == true;
+        (ready && c.ready_nodes() == moved && assert_no_double_assignment(&c) == 2).then_some(())
     });
-    assert_eq!(traffic.join().unwrap(), 20, "every request during the move succeeded");
-    assert!(moved.iter().all(|n| n != &victim), "{moved:?}");
-    assert_eq!(chat(&base, &key, 4), 4, "served on the new placement");
-
-    // etcd goes away and comes back.
-    let health_url = format!("http://127.0.0.1:{port}/health");
-    assert_eq!(health(&health_url)["status"], "ok");
-    server.stop();
-    until(30, "/health says etcd is unreachable", || {
-        let h = health(&health_url);
-        (h["status"] == "degraded" && h["etcd"]["connected"] == false).then_some(())
-    });
-    assert_eq!(chat(&base, &key, 4), 4, "served on the last known table without etcd");
-    server.resume();
-    until(30, "/health says etcd is back", || (health(&health_url)["status"] == "ok").then_some(()));
-    assert_eq!(health(&health_url)["ready_replicas"], 2);
-}
-
-/// GET `url` (no API key: load balancers ask), as JSON.
-fn health(url: &str) -> Value {
-    let script = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())";
-    let out = Command::new("python3").args(["-c", script, url]).output().unwrap();
-    assert!(out.status.success(), "GET {url}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
+    let live: Vec<Value> = tessera(&["nodes", "list", "--etcd", &c.endpoint()]).as_array().unwrap().clone();
+    assert_eq!(live.len(), 2, "the two live nodes registered, the dead one gone: {live:?}");
+    assert!(live.iter().all(|n| n["state"] == "ready"), "{live:?}");
+    assert_eq!(chat(&base, &c.key, 4), 4, "served after the outage");
 }

@@ -108,7 +108,11 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_fairly_and_a_dead_one
     assert!(hit_rate >= 0.8, "prefix hit rate {hit_rate:.3} < 0.8");
     let fair = (TENANTS * ROUNDS) as f64 / REPLICAS as f64;
     for (id, n) in &served {
-        assert!(*n as f64 <= 1.5 * fair, "replica {id} served {n} of {} requests: over 1.5× its share", TENANTS * ROUNDS);
+        assert!(
+            *n as f64 <= 1.5 * fair,
+            "replica {id} served {n} of {} requests: over 1.5× its share",
+            TENANTS * ROUNDS
+        );
     }
 
     // A replica that dies leaves routing as soon as its load stream breaks; its tenants

@@ -6,7 +6,7 @@ use super::fields::Fields;
 use super::format::{self, Shape};
 use super::generate::{self, Generation, Output};
 use super::sse::{self, Gone, Sender};
-use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
+use super::{App, RequestId, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading, Split};
@@ -14,8 +14,8 @@ use crate::chat::tools::ToolChoice;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -34,12 +34,14 @@ struct ChatRequest {
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
+    Extension(RequestId(request_id)): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, None)?;
     let request = parse(&body, &model)?;
     let g = &request.generation;
     let ask = Ask {
+        request_id: &request_id,
         endpoint: "chat.completions",
         prompts: &[g.prompt.len()],
         max_completion_each: g.max_tokens as u64 * g.n as u64,

@@ -5,15 +5,15 @@ use super::error::ApiError;
 use super::fields::Fields;
 use super::generate::{self, Generation, Usage};
 use super::sse::{self, Gone, Sender};
-use super::{App, logprobs, new_id, params, read_request, unix_now, usage_json};
+use super::{App, RequestId, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::Reading;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -39,6 +39,7 @@ struct CompletionRequest {
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
+    Extension(RequestId(request_id)): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, None)?;
@@ -48,7 +49,12 @@ pub async fn handle(
     let n = request.template.n;
     let lengths: Vec<usize> = request.prompts.iter().map(|p| p.tokens.len()).collect();
     let t = &request.template;
-    let ask = Ask { endpoint: "completions", prompts: &lengths, max_completion_each: t.max_tokens as u64 * n as u64 };
+    let ask = Ask {
+        request_id: &request_id,
+        endpoint: "completions",
+        prompts: &lengths,
+        max_completion_each: t.max_tokens as u64 * n as u64,
+    };
     let meter = app.billing.admit(&key, &model, ask).await?;
     // One generation per prompt, all at once; choice index = prompt × n + completion.
     let mut outputs = Vec::new();

@@ -41,8 +41,9 @@ pub struct AppState {
     pub models: Arc<Models>,
     pub billing: crate::billing::Billing,
     pub limits: crate::limits::RateLimiter,
-    /// Cluster mode: the replica table, whose etcd connection /health reports.
-    pub cluster: Option<tokio::sync::watch::Receiver<crate::cluster::table::Table>>,
+    /// Cluster mode: the replica table, whose etcd connection /health reports, and
+    /// whether this process leads placement.
+    pub cluster: Option<crate::cluster::ClusterView>,
 }
 
 pub type App = Arc<AppState>;
@@ -68,11 +69,12 @@ pub fn router(app: App) -> Router {
 async fn health(State(app): State<App>) -> Json<Value> {
     let models: Vec<String> = app.models.all().iter().map(|m| m.entry.id.clone()).collect();
     let Some(cluster) = &app.cluster else { return Json(json!({"status": "ok", "models": models})) };
-    let table = cluster.borrow().clone();
+    let table = cluster.table.borrow().clone();
     let ready = table.replicas.values().filter(|r| r.state == tessera_proto::cluster::ReplicaState::Ready).count();
     Json(json!({
         "status": if table.connected { "ok" } else { "degraded" },
         "etcd": {"connected": table.connected, "revision": table.revision},
+        "placement": {"leader": *cluster.leading.borrow()},
         "ready_replicas": ready,
         "models": models,
     }))
@@ -98,9 +100,15 @@ async fn unknown(method: Method, uri: Uri) -> ApiError {
     }
 }
 
+/// A request's id: in its `x-request-id` response header (which the SDKs surface on
+/// errors) and its usage record, so that a bill can be traced to a call.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
 /// Every response carries an `x-request-id`, which the SDKs surface on errors.
-async fn request_id(request: Request, next: Next) -> Response {
+async fn request_id(mut request: Request, next: Next) -> Response {
     let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
+    request.extensions_mut().insert(RequestId(id.clone()));
     let mut response = next.run(request).await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);

@@ -6,7 +6,7 @@ use super::fields::Fields;
 use super::format::{self, Shape};
 use super::generate::{self, Generation, Output, Usage};
 use super::sse::{self, Gone, Sender};
-use super::{App, new_id, params, read_request, unix_now};
+use super::{App, RequestId, new_id, params, read_request, unix_now};
 use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading};
@@ -14,8 +14,8 @@ use crate::chat::tools::{ToolChoice, Tools};
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -32,12 +32,18 @@ struct ResponsesRequest {
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
+    Extension(RequestId(request_id)): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, body, Some("model"))?;
     let request = parse(&body, &model)?;
     let g = &request.generation;
-    let ask = Ask { endpoint: "responses", prompts: &[g.prompt.len()], max_completion_each: g.max_tokens as u64 };
+    let ask = Ask {
+        request_id: &request_id,
+        endpoint: "responses",
+        prompts: &[g.prompt.len()],
+        max_completion_each: g.max_tokens as u64,
+    };
     let meter = app.billing.admit(&key, &model, ask).await?;
     let out = generate::start(&model.pool, g.clone(), &meter, 0).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };

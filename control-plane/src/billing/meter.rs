@@ -43,6 +43,8 @@ pub struct Billing {
 /// What a request asks to generate: each prompt's length and the tokens it may
 /// generate in all (max_tokens × n).
 pub struct Ask<'a> {
+    /// The id the usage record is kept under (the request's `x-request-id`).
+    pub request_id: &'a str,
     pub endpoint: &'static str,
     pub prompts: &'a [usize],
     pub max_completion_each: u64,
@@ -118,7 +120,7 @@ impl Billing {
             key_id: key.id.clone(),
             model: model.into(),
             endpoint: ask.endpoint.into(),
-            ..UsageRecord::unused(&crate::api::new_id("req_"), &key.org_id)
+            ..UsageRecord::unused(ask.request_id, &key.org_id)
         };
         let prompts = ask.prompts.iter().map(|&p| p as u64).collect();
         let pending = Pending { record, prompts, outputs: vec![Counted::default(); ask.prompts.len()] };

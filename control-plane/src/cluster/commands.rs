@@ -174,6 +174,21 @@ pub async fn replicas(cmd: ReplicasCommand) -> Result<()> {
                     "cached_blocks": cached,
                 }));
             }
+            // Assigned and not started yet (or on a node that is gone): the operator sees
+            // every device the placement has given out.
+            for a in state.assignments.iter().filter(|a| !state.replicas.iter().any(|r| r.replica == a.replica)) {
+                human.push(format!("{}  {}  {}  assigned  devices {:?}", a.replica, a.model, a.node, a.devices));
+                rows.push(json!({
+                    "id": a.replica,
+                    "model": a.model,
+                    "node": a.node,
+                    "state": "assigned",
+                    "devices": a.devices,
+                    "addr": null,
+                    "load": null,
+                    "cached_blocks": null,
+                }));
+            }
             print(json, json!(rows), human.join("\n"));
         }
     }

@@ -5,6 +5,7 @@
 //! being ready (draining, failed, gone) leaves it. Several control planes may run against
 //! one etcd and one database.
 
+use super::ClusterView;
 use super::leader::{self, LeaderConfig};
 use super::table::{ReplicaTable, Table};
 use crate::accounts::Store;
@@ -37,12 +38,14 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
         resync: Duration::from_secs(5),
         node_grace: Duration::from_secs(config.node_grace_secs),
     };
-    tokio::spawn(leader::run(client.clone(), leader, weights));
+    let (leading, leading_rx) = watch::channel(false);
+    tokio::spawn(leader::run(client.clone(), leader, weights, leading));
 
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
     let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| m.id.clone())));
     tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
-    crate::serve::serve_api(store, models, Some(table.subscribe()), &config.api).await?;
+    let view = ClusterView { table: table.subscribe(), leading: leading_rx };
+    crate::serve::serve_api(store, models, Some(view), &config.api).await?;
     Ok(())
 }
 

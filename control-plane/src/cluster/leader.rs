@@ -11,6 +11,7 @@ use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp, WatchOptions};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tessera_proto::cluster;
+use tokio::sync::watch;
 
 /// How the leader campaigns and how often it reconciles when nothing changes.
 #[derive(Debug, Clone)]
@@ -24,7 +25,13 @@ pub struct LeaderConfig {
 }
 
 /// Campaigns, leads while it can, campaigns again; runs until the process ends.
-pub async fn run(client: Client, config: LeaderConfig, weights: BTreeMap<String, String>) {
+/// `leading` says whether this process holds the election now.
+pub async fn run(
+    client: Client,
+    config: LeaderConfig,
+    weights: BTreeMap<String, String>,
+    leading: watch::Sender<bool>,
+) {
     let mut lost = LostNodes::default();
     loop {
         let mut c = client.clone();
@@ -36,9 +43,10 @@ pub async fn run(client: Client, config: LeaderConfig, weights: BTreeMap<String,
                 continue;
             }
         };
-        if let Err(e) = lead(c.clone(), &config, &weights, lease, &mut lost).await {
+        if let Err(e) = lead(c.clone(), &config, &weights, lease, &mut lost, &leading).await {
             tracing::warn!("placement: {e}; campaigning again");
         }
+        leading.send_replace(false);
         // Whatever ended the term, its election key goes now rather than at the
         // lease's expiry, so that a standby (or this process) leads again at once.
         let _ = c.lease_revoke(lease).await;
@@ -77,6 +85,7 @@ async fn lead(
     weights: &BTreeMap<String, String>,
     lease: i64,
     lost: &mut LostNodes,
+    leading: &watch::Sender<bool>,
 ) -> Result<(), etcd_client::Error> {
     let (mut keeper, mut kept) = client.lease_keep_alive(lease).await?;
     // Keep the lease alive while campaigning too: a campaign can wait for long.
@@ -97,6 +106,7 @@ async fn lead(
     let leader = won.leader().cloned().ok_or_else(|| etcd_client::Error::ElectError("no leader key".into()))?;
     let (key, revision) = (leader.key().to_vec(), leader.rev());
     tracing::warn!("placement: {} leads (election revision {revision})", config.id);
+    leading.send_replace(true);
 
     let mut resync = tokio::time::interval(config.resync);
     loop {

@@ -9,3 +9,13 @@ pub mod leader;
 pub mod placement;
 pub mod state;
 pub mod table;
+
+use tokio::sync::watch;
+
+/// What a control plane shows of the cluster (in /health): the replica table it
+/// routes by, and whether it leads placement.
+#[derive(Clone)]
+pub struct ClusterView {
+    pub table: watch::Receiver<table::Table>,
+    pub leading: watch::Receiver<bool>,
+}

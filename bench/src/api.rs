@@ -1,0 +1,169 @@
+//! The HTTP API as the load generators meet it: a throwaway `tessera serve` (its own
+//! data folder, a free port, the bootstrap key it writes), and one streamed request over
+//! a fresh HTTP/1.1 connection, each server-sent event timed as it arrives.
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A running `tessera serve`, killed (and its data folder removed) when dropped.
+pub struct Server {
+    child: Child,
+    data: PathBuf,
+    pub port: u16,
+    /// The bootstrap organization's API key.
+    pub key: String,
+    /// The gRPC addresses of its workers, from its log.
+    pub workers: Vec<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+/// The `tessera` binary: as given, else beside this one.
+pub fn tessera_binary(given: Option<PathBuf>) -> Result<PathBuf> {
+    match given {
+        Some(p) => Ok(p),
+        None => Ok(std::env::current_exe()?.parent().context("bench directory")?.join("tessera")),
+    }
+}
+
+impl Server {
+    /// Starts `tessera serve ARGS` with rate limits out of the way, and waits until it
+    /// listens.
+    pub fn start(tessera: &Path, args: &[String]) -> Result<Self> {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let data = std::env::temp_dir().join(format!("tessera-bench-{}-{n}", std::process::id()));
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut child = Command::new(tessera)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--rate-limit-rpm", "1000000", "--rate-limit-burst", "100000"])
+            .args(args)
+            .arg("--data-dir")
+            .arg(&data)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| {
+                format!(
+                    "starting {} (build it with `cargo build --release -p tessera-control-plane -p tessera-worker`)",
+                    tessera.display()
+                )
+            })?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let mut server = Self { child, data, port, key: String::new(), workers: Vec::new() };
+        let mut lines = BufReader::new(stderr).lines();
+        loop {
+            let Some(line) = lines.next() else { bail!("tessera serve exited before listening") };
+            let line = line?;
+            if line.contains("tessera-worker serving")
+                && let Some(addr) = line.rsplit(" on ").next()
+            {
+                server.workers.push(addr.to_string());
+            }
+            if line.starts_with("tessera listening on") {
+                break;
+            }
+        }
+        std::thread::spawn(move || lines.for_each(drop));
+        server.key = std::fs::read_to_string(server.data.join("bootstrap.key"))?.trim().to_string();
+        Ok(server)
+    }
+}
+
+/// One `data:` event of a stream and when it arrived (from the request's start).
+pub struct Event {
+    pub at: Duration,
+    pub data: Value,
+}
+
+/// POSTs `body` to `path` and reads its event stream to `[DONE]`.
+pub async fn stream(port: u16, key: &str, path: &str, body: &Value) -> Result<Vec<Event>> {
+    let start = Instant::now();
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    socket.write_all(request.as_bytes()).await?;
+    let mut reader = Body::default();
+    let mut buf = [0u8; 16384];
+    let mut events = Vec::new();
+    loop {
+        let n = socket.read(&mut buf).await?;
+        if n == 0 {
+            bail!("the connection closed before [DONE]: {}", String::from_utf8_lossy(&reader.raw));
+        }
+        reader.push(&buf[..n])?;
+        let at = start.elapsed();
+        while let Some(event) = reader.next_event() {
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+            if data == "[DONE]" {
+                return Ok(events);
+            }
+            events.push(Event { at, data: serde_json::from_str(data).context("an event's JSON")? });
+        }
+    }
+}
+
+/// A response read as it arrives: the head checked, chunked framing undone, and the
+/// text split into events at blank lines.
+#[derive(Default)]
+struct Body {
+    raw: Vec<u8>,
+    head_done: bool,
+    chunked: bool,
+    /// Undone bytes not yet split into events (a character may span two chunks).
+    text: Vec<u8>,
+}
+
+impl Body {
+    fn push(&mut self, bytes: &[u8]) -> Result<()> {
+        self.raw.extend_from_slice(bytes);
+        if !self.head_done {
+            let Some(end) = self.raw.windows(4).position(|w| w == b"\r\n\r\n") else { return Ok(()) };
+            let head = String::from_utf8_lossy(&self.raw[..end]).to_ascii_lowercase();
+            if !head.starts_with("http/1.1 200") {
+                bail!("the API answered {}", String::from_utf8_lossy(&self.raw));
+            }
+            self.chunked = head.contains("transfer-encoding: chunked");
+            self.head_done = true;
+            self.raw.drain(..end + 4);
+        }
+        if !self.chunked {
+            self.text.append(&mut self.raw);
+            return Ok(());
+        }
+        // Whole chunks only: `<hex size>\r\n<bytes>\r\n`.
+        while let Some(line_end) = self.raw.windows(2).position(|w| w == b"\r\n") {
+            let size = usize::from_str_radix(String::from_utf8_lossy(&self.raw[..line_end]).trim(), 16)
+                .context("a chunk size")?;
+            if self.raw.len() < line_end + 2 + size + 2 {
+                break;
+            }
+            self.text.extend_from_slice(&self.raw[line_end + 2..line_end + 2 + size]);
+            self.raw.drain(..line_end + 2 + size + 2);
+        }
+        Ok(())
+    }
+
+    /// The next complete event's text, if one has arrived.
+    fn next_event(&mut self) -> Option<String> {
+        let end = self.text.windows(2).position(|w| w == b"\n\n")?;
+        let event = String::from_utf8_lossy(&self.text[..end]).into_owned();
+        self.text.drain(..end + 2);
+        Some(event)
+    }
+}

@@ -1,0 +1,205 @@
+//! A cluster on loopback for end-to-end tests, every part real: etcd, `tessera
+//! control-plane` processes over one SQLite database, `tessera-worker agent` nodes of
+//! one CPU device each serving the real model, the operator commands, and the official
+//! `openai` Python SDK as the client. An organization with credit and a key is made
+//! first.
+
+// Each test file uses its own part of this.
+#![allow(dead_code)]
+
+#[path = "etcd.rs"]
+pub mod etcd;
+
+use serde_json::Value;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tessera_e2e::binary;
+
+/// The model every test deploys (the built-in catalog's).
+pub const MODEL: &str = "vendor-a/model-a";
+/// The agents' and control planes' lease, seconds.
+pub const LEASE_TTL_SECS: u64 = 2;
+
+/// A child process, killed (SIGKILL) when dropped.
+pub struct Process(pub Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `tessera ARGS --json`, parsed.
+pub fn tessera(args: &[&str]) -> Value {
+    let out = Command::new(binary("tessera-control-plane", "tessera")).args(args).arg("--json").output().unwrap();
+    assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+pub struct Cluster {
+    pub etcd: etcd::Etcd,
+    data: tempfile::TempDir,
+    pub org: String,
+    pub key: String,
+}
+
+/// A control plane's API port and process.
+pub struct ControlPlane {
+    pub port: u16,
+    pub process: Process,
+}
+
+impl ControlPlane {
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+
+    /// GET /health (no API key: load balancers ask), as JSON; None while it does not
+    /// answer.
+    pub fn health(&self) -> Option<Value> {
+        let url = format!("http://127.0.0.1:{}/health", self.port);
+        let script =
+            "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())";
+        let out = Command::new("python3").args(["-c", script, &url]).stderr(Stdio::null()).output().unwrap();
+        out.status.success().then(|| serde_json::from_slice(&out.stdout).unwrap())
+    }
+}
+
+impl Cluster {
+    /// etcd, and an organization with $10 of credit and a key.
+    pub fn start() -> Self {
+        assert!(
+            Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success()),
+            "this test drives the API with the official SDK: pip install openai (`.ci/run` does)"
+        );
+        let etcd = etcd::Etcd::start();
+        let data = tempfile::tempdir().unwrap();
+        let dir = data.path().to_str().unwrap().to_string();
+        let org = tessera(&["orgs", "create", "acme", "--data-dir", &dir])["id"].as_str().unwrap().to_string();
+        tessera(&["credits", "grant", "--org", &org, "--usd", "10", "--data-dir", &dir]);
+        let key = tessera(&["keys", "create", "--org", &org, "--name", "k", "--data-dir", &dir]);
+        let key = key["secret"].as_str().unwrap().to_string();
+        Self { etcd, data, org, key }
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.etcd.endpoint.clone()
+    }
+
+    pub fn data_dir(&self) -> &str {
+        self.data.path().to_str().unwrap()
+    }
+
+    /// `tessera control-plane` on a free port, over the cluster's database.
+    pub fn control_plane(&self) -> ControlPlane {
+        let port = free_port();
+        let child = Command::new(binary("tessera-control-plane", "tessera"))
+            .args(["control-plane", "--etcd", &self.endpoint(), "--data-dir", self.data_dir()])
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--rate-limit-rpm", "100000"])
+            .args(["--lease-ttl-secs", &LEASE_TTL_SECS.to_string(), "--node-grace-secs", "1"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        ControlPlane { port, process: Process(child) }
+    }
+
+    /// A node of one CPU device with a 64 MiB KV cache; `extra` agent flags.
+    pub fn agent(&self, node: &str, extra: &[&str]) -> Process {
+        let child = Command::new(binary("tessera-worker", "tessera-worker"))
+            .args(["agent", "--etcd", &self.endpoint(), "--node-id", node, "--devices", "1"])
+            .args(["--lease-ttl-secs", "3", "--kv-cache-bytes", "67108864"])
+            .args(extra)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Process(child)
+    }
+
+    /// Applies a deployment of `replicas` replicas of the model.
+    pub fn deploy(&self, replicas: u32) {
+        let file = self.data.path().join("deployments.toml");
+        let toml = format!("[[deployment]]\nmodel = \"{MODEL}\"\nreplicas = {replicas}\ntensor_parallel = 1\n");
+        std::fs::write(&file, toml).unwrap();
+        tessera(&["deployments", "apply", file.to_str().unwrap(), "--etcd", &self.endpoint()]);
+    }
+
+    /// `tessera replicas list`: every placed replica, started or not.
+    pub fn replicas(&self) -> Vec<Value> {
+        tessera(&["replicas", "list", "--etcd", &self.endpoint()]).as_array().unwrap().clone()
+    }
+
+    /// The nodes holding a ready replica, sorted.
+    pub fn ready_nodes(&self) -> Vec<String> {
+        let mut nodes: Vec<String> = self
+            .replicas()
+            .iter()
+            .filter(|r| r["state"] == "ready")
+            .map(|r| r["node"].as_str().unwrap().to_string())
+            .collect();
+        nodes.sort();
+        nodes
+    }
+
+    /// The organization's usage records, newest first.
+    pub fn usage(&self) -> Vec<Value> {
+        let records = tessera(&["usage", "list", "--org", &self.org, "--limit", "1000", "--data-dir", self.data_dir()]);
+        records.as_array().unwrap().clone()
+    }
+
+    /// The organization's spendable balance and held credit, in micro-dollars.
+    pub fn credits(&self) -> Value {
+        tessera(&["credits", "show", "--org", &self.org, "--data-dir", self.data_dir()])
+    }
+}
+
+/// Waits (up to `secs`) for `f`; the cluster converges through leases and watches.
+pub fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Python run with the SDK client's settings in its environment (`BASE`, `KEY`, and
+/// `env`), its output piped.
+pub fn python(script: &str, base: &str, key: &str, env: &[(&str, String)]) -> Command {
+    let mut command = Command::new("python3");
+    command.args(["-c", script]).env("BASE", base).env("KEY", key).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command
+}
+
+/// Sends `count` chat completions one after another through the SDK, each of which must
+/// succeed (after waiting for the model to be served); returns how many did.
+pub fn chat(base: &str, key: &str, count: u32) -> u32 {
+    let script = r#"
+import os, time, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
+deadline = time.time() + 120
+while "vendor-a/model-a" not in [m.id for m in c.models.list().data]:
+    assert time.time() < deadline, "the model never appeared"
+    time.sleep(0.2)
+done = 0
+for i in range(int(os.environ["COUNT"])):
+    r = c.chat.completions.create(model="vendor-a/model-a", max_tokens=4,
+        messages=[{"role": "user", "content": f"Count to {i}"}])
+    assert r.choices[0].finish_reason in ("length", "stop"), r
+    done += 1
+print(done)
+"#;
+    let out = python(script, base, key, &[("COUNT", count.to_string())]).output().unwrap();
+    assert!(out.status.success(), "the SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
