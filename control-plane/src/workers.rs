@@ -42,6 +42,19 @@ pub async fn start(binary: &Path, weights: &str, kv_cache_bytes: Option<u64>) ->
     if let Some(bytes) = kv_cache_bytes {
         cmd.args(["--kv-cache-bytes", &bytes.to_string()]);
     }
+    // A worker ends with this process however it ends (even SIGKILL): an orphan would
+    // hold its port, memory and GPU until someone found it. (The signal follows the
+    // thread that spawned the worker: `tessera serve` starts them from its main task,
+    // never from a blocking-pool thread that could exit first.)
+    // SAFETY: prctl is async-signal-safe, and nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())

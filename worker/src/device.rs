@@ -19,24 +19,38 @@ pub enum Opened {
     Cuda(Box<CudaBackend>),
 }
 
-/// Opens the backend `device` names; `--device cuda` without a usable GPU is an error
-/// that says why in one line.
-pub fn open(device: Device) -> anyhow::Result<Opened> {
+/// Opens the backend `device` names (on CUDA, GPU `gpu`); `--device cuda` without a
+/// usable GPU is an error that says why in one line.
+pub fn open(device: Device, gpu: usize) -> anyhow::Result<Opened> {
     match device {
         Device::Cpu => Ok(Opened::Cpu(CpuBackend)),
-        Device::Cuda => open_cuda().map_err(|e| anyhow::anyhow!("--device cuda: {e}")),
-        Device::Auto => Ok(open_cuda().unwrap_or(Opened::Cpu(CpuBackend))),
+        Device::Cuda => open_cuda(gpu).map_err(|e| anyhow::anyhow!("--device cuda: {e}")),
+        Device::Auto => Ok(open_cuda(gpu).unwrap_or(Opened::Cpu(CpuBackend))),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda() -> Result<Opened, String> {
-    CudaBackend::new(0).map(|b| Opened::Cuda(Box::new(b))).map_err(|e| e.to_string())
+fn open_cuda(gpu: usize) -> Result<Opened, String> {
+    CudaBackend::new(gpu).map(|b| Opened::Cuda(Box::new(b))).map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda() -> Result<Opened, String> {
+fn open_cuda(_gpu: usize) -> Result<Opened, String> {
     Err("this tessera-worker was built without the `cuda` feature".into())
+}
+
+/// This machine's GPUs (name, memory), for a node to offer; an error says why there
+/// are none.
+#[cfg(feature = "cuda")]
+pub fn gpus() -> anyhow::Result<Vec<(String, u64)>> {
+    let found = CudaBackend::inventory()?;
+    anyhow::ensure!(!found.is_empty(), "the CUDA driver sees no GPU");
+    Ok(found.into_iter().map(|g| (g.name, g.memory_bytes)).collect())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpus() -> anyhow::Result<Vec<(String, u64)>> {
+    anyhow::bail!("this tessera-worker was built without the `cuda` feature")
 }
 
 impl Opened {

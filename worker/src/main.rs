@@ -78,7 +78,7 @@ fn run_serve(config: tessera_worker::serve::ServeConfig) -> Result<()> {
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
-    match device::open(args.device)? {
+    match device::open(args.device, 0)? {
         Opened::Cpu(b) => generate_on(b, args),
         #[cfg(feature = "cuda")]
         Opened::Cuda(b) => generate_on(*b, args),

@@ -37,6 +37,10 @@ pub struct ServeConfig {
     /// cpu, cuda, or auto: the GPU when one can be opened.
     #[arg(long, value_enum, default_value_t = device::Device::Auto)]
     pub device: device::Device,
+    /// The GPUs to run on, one per rank (CUDA ordinals); default: 0, 1, … up to the
+    /// tensor-parallel size.
+    #[arg(long, value_delimiter = ',')]
+    pub cuda_devices: Vec<usize>,
     /// Ranks the model is split over (Megatron-style): attention heads and MLP columns
     /// divided, one thread per rank; on CUDA one GPU per rank, summing through NCCL.
     #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
@@ -60,8 +64,13 @@ pub struct ServeConfig {
 /// ready to serve.
 pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
     let path = model_cache::resolve(&config.model)?;
-    let opened = device::open(config.device)?;
     let tp = config.tensor_parallel_size;
+    let gpus: Vec<usize> = match config.cuda_devices.as_slice() {
+        [] => (0..tp).collect(),
+        named => named.to_vec(),
+    };
+    anyhow::ensure!(gpus.len() == tp, "--cuda-devices names {} GPUs for {tp} tensor-parallel ranks", gpus.len());
+    let opened = device::open(config.device, gpus[0])?;
     eprintln!("tessera-worker device: {}, tensor parallel size {tp}", opened.describe());
     match opened {
         device::Opened::Cpu(b) => build(
@@ -95,8 +104,9 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                 }
                 // One GPU per rank, summing through NCCL.
                 let mut backends = vec![*b];
-                for gpu in 1..tp {
-                    backends.push(tessera_kernels::cuda::CudaBackend::new(gpu).with_context(|| format!("rank {gpu}"))?);
+                for (rank, &gpu) in gpus.iter().enumerate().skip(1) {
+                    let backend = tessera_kernels::cuda::CudaBackend::new(gpu);
+                    backends.push(backend.with_context(|| format!("rank {rank} on GPU {gpu}"))?);
                 }
                 let comms = tessera_kernels::cuda::NcclRank::group(&backends.iter().collect::<Vec<_>>())?;
                 backends

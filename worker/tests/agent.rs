@@ -6,11 +6,12 @@
 mod common;
 #[path = "../../tests/support/etcd.rs"]
 mod etcd;
+mod tiny_models;
 
 use etcd_client::{Client, GetOptions, KeyValue, WatchOptions};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-use tessera_proto::cluster::{self, Assignment, NodeRecord, NodeState, ReplicaRecord, ReplicaState};
+use tessera_proto::cluster::{self, Assignment, DeviceKind, NodeRecord, NodeState, ReplicaRecord, ReplicaState};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
 
@@ -42,17 +43,42 @@ fn node(kvs: &[KeyValue]) -> Option<(NodeRecord, i64)> {
     kvs.first().map(|kv| (cluster::decode(kv.value()).unwrap(), kv.lease()))
 }
 
-fn agent(endpoint: &str, node: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_tessera-worker"))
-        .args(["agent", "--etcd", endpoint, "--node-id", node, "--devices", "2", "--lease-ttl-secs", "2"])
-        .args(["--kv-cache-bytes", "33554432", "--label", "region=test"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap()
+/// An agent process, killed when dropped: a test that fails leaves no node behind.
+struct Agent(Option<Child>);
+
+impl Agent {
+    fn start(endpoint: &str, node: &str, extra: &[&str]) -> Self {
+        let child = Command::new(env!("CARGO_BIN_EXE_tessera-worker"))
+            .args(["agent", "--etcd", endpoint, "--node-id", node, "--lease-ttl-secs", "2"])
+            .args(["--kv-cache-bytes", "33554432"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self(Some(child))
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("running")
+    }
 }
 
-fn signal(child: &Child, sig: &str) {
-    let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success();
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A CPU node of two device slots.
+fn agent(endpoint: &str, node: &str) -> Agent {
+    Agent::start(endpoint, node, &["--devices", "2", "--label", "region=test"])
+}
+
+fn signal(agent: &mut Agent, sig: &str) {
+    let ok = Command::new("kill").args([sig, &agent.child().id().to_string()]).status().unwrap().success();
     assert!(ok, "kill {sig}");
 }
 
@@ -134,11 +160,12 @@ async fn a_node_serves_its_assignments_and_drains_on_sigterm() {
     let mut router = WorkerClient::connect(format!("http://{}", r2.addr)).await.unwrap();
     let mut load = router.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
     assert!(load.message().await.unwrap().unwrap().snapshot);
-    signal(&child, "-TERM");
+    signal(&mut child, "-TERM");
     let (draining, _) = until(&mut etcd, &nodes, |kvs| node(kvs).filter(|(n, _)| n.state == NodeState::Draining)).await;
     assert_eq!(draining.id, "n1");
     assert_eq!(finish(running).await, (64, pb::FinishReason::Length as i32));
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    let mut process = child.0.take().unwrap();
+    let status = tokio::task::spawn_blocking(move || process.wait().unwrap()).await.unwrap();
     while let Ok(Some(_)) = load.message().await {}
     assert!(status.success(), "the agent exits cleanly after draining: {status}");
     let left = etcd.get(cluster::ROOT, Some(GetOptions::new().with_prefix())).await.unwrap();
@@ -153,8 +180,58 @@ async fn a_killed_node_disappears_with_its_lease() {
     let mut child = agent(&server.endpoint, "n2");
     let nodes = cluster::node_key("n2");
     until(&mut etcd, &nodes, node).await;
-    signal(&child, "-KILL");
-    let _ = child.wait();
+    signal(&mut child, "-KILL");
+    let _ = child.child().wait();
     // Nothing removes it but the lease's expiry (2 s).
     until(&mut etcd, &nodes, |kvs| kvs.is_empty().then_some(())).await;
+}
+
+/// On a GPU machine a node offers its GPUs (no `--devices`), each with its name and
+/// memory, and a replica assigned to one of them runs there (a tiny random model: the
+/// GPU machines of CI reach no model hub). Skipped where no GPU can be seen, unless
+/// `TESSERA_GPU_TESTS=1`.
+#[tokio::test]
+async fn a_gpu_node_offers_its_gpus_and_serves_on_the_one_assigned() {
+    let gpus = match tessera_worker::device::gpus() {
+        Ok(gpus) => gpus,
+        Err(e) => {
+            assert!(std::env::var("TESSERA_GPU_TESTS").as_deref() != Ok("1"), "TESSERA_GPU_TESTS=1 but {e:#}");
+            eprintln!("skipped: {e:#}");
+            return;
+        }
+    };
+    let server = etcd::Etcd::start();
+    let mut etcd = Client::connect([&server.endpoint], None).await.unwrap();
+    let _agent = Agent::start(&server.endpoint, "g1", &[]);
+    let (record, _) = until(&mut etcd, &cluster::node_key("g1"), node).await;
+    assert_eq!(record.devices.len(), gpus.len());
+    for (d, (name, memory)) in record.devices.iter().zip(&gpus) {
+        assert_eq!((d.kind, &d.name, d.memory_bytes), (DeviceKind::Cuda, name, *memory));
+    }
+    eprintln!("node g1 offers {:?}", record.devices);
+
+    let dir = tiny_models::temp_root("agent-gpu").join("wide");
+    let mut rng = tiny_models::seeded_rng();
+    tiny_models::write_dir(
+        &dir,
+        &tiny_models::wide().config,
+        &tiny_models::random_weights(&tiny_models::wide().config, &mut rng),
+    );
+    tiny_models::write_byte_tokenizer(&dir);
+    let gpu = record.devices.last().unwrap().index;
+    let a = Assignment {
+        replica: "g1-r1".into(),
+        model: "tiny/wide".into(),
+        weights: dir.display().to_string(),
+        node: "g1".into(),
+        devices: vec![gpu],
+        leader_revision: 1,
+    };
+    etcd.put(cluster::assignment_key("g1", "g1-r1"), cluster::encode(&a), None).await.unwrap();
+    let started = until(&mut etcd, cluster::REPLICAS, |kvs| {
+        [ReplicaState::Ready, ReplicaState::Failed].into_iter().find_map(|s| replica(kvs, "g1-r1", s))
+    })
+    .await;
+    assert_eq!((started.state, started.devices.as_slice()), (ReplicaState::Ready, &[gpu][..]));
+    assert_eq!(finish(generate(&started.addr, 8).await).await, (8, pb::FinishReason::Length as i32));
 }

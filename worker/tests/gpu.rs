@@ -13,7 +13,6 @@ mod tiny_models;
 use half::bf16;
 use rand::Rng;
 use rand::rngs::StdRng;
-use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tessera_kernels::Backend;
@@ -24,7 +23,7 @@ use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
 use tessera_worker::load::load_model;
 use tessera_worker::model::{KvCache, Model, SeqInput};
-use tiny_models::{Variant, random_weights, variants, write_byte_tokenizer, write_dir};
+use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
     CudaBackend::for_tests()
@@ -32,18 +31,6 @@ fn gpu() -> Option<CudaBackend> {
 
 fn rng() -> StdRng {
     tiny_models::seeded_rng()
-}
-
-/// A wider model than the decoder variants: head_dim 64, grouped-query attention, a
-/// byte-level vocabulary the engine's tokenizer covers.
-fn wide() -> Variant {
-    Variant {
-        name: "wide",
-        config: json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 512, "intermediate_size": 1024,
-            "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 320,
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
-            "tie_word_embeddings": false}),
-    }
 }
 
 /// Writes `v` with random weights already rounded to bf16, so both backends hold the

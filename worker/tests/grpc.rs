@@ -21,6 +21,7 @@ async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
         kv_cache_bytes: Some(kv_cache_bytes),
         kv_cache_fraction: 0.2,
         device: Device::Cpu,
+        cuda_devices: Vec::new(),
         tensor_parallel_size: 1,
         gpu_memory_fraction: 0.9,
         cuda_graph_sizes: vec![1, 2, 4],

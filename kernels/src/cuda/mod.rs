@@ -176,6 +176,14 @@ fn u32_of(op: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| KernelError::shape(op, format!("{v} does not fit the kernel's 32-bit sizes")))
 }
 
+/// A GPU as a node offers it.
+#[derive(Debug, Clone)]
+pub struct GpuInfo {
+    /// e.g. "NVIDIA H100 80GB HBM3".
+    pub name: String,
+    pub memory_bytes: u64,
+}
+
 impl CudaBackend {
     /// Opens GPU `ordinal` and compiles the kernels for it (or reads them from the
     /// disk cache). Fails with a one-line reason where there is no driver, no GPU,
@@ -281,6 +289,26 @@ impl CudaBackend {
             return 0;
         }
         CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+
+    /// Each GPU of this machine: its name and memory, by ordinal (for a node to offer
+    /// them; no context is created). An error says why there are none to offer.
+    pub fn inventory() -> Result<Vec<GpuInfo>> {
+        // SAFETY: only probes for the driver library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(unavailable("no CUDA driver on this machine (libcuda.so cannot be loaded)"));
+        }
+        cudarc::driver::result::init().map_err(device_err("cuInit"))?;
+        let count = cudarc::driver::result::device::get_count().map_err(device_err("cuda"))?;
+        (0..count)
+            .map(|ordinal| {
+                let dev = cudarc::driver::result::device::get(ordinal).map_err(device_err("cuda"))?;
+                let name = cudarc::driver::result::device::get_name(dev).map_err(device_err("cuda"))?;
+                // SAFETY: `dev` came from `device::get`.
+                let memory = unsafe { cudarc::driver::result::device::total_mem(dev) }.map_err(device_err("cuda"))?;
+                Ok(GpuInfo { name, memory_bytes: memory as u64 })
+            })
+            .collect()
     }
 
     /// Every new output buffer starts as NaN (for tests).

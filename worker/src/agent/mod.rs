@@ -26,7 +26,8 @@ pub struct AgentConfig {
     /// This node's name in the cluster.
     #[arg(long, env = "TESSERA_NODE_ID")]
     pub node_id: String,
-    /// CPU device slots to offer (a CPU node, e.g. for tests); default: the GPUs.
+    /// CPU device slots to offer (a CPU node, e.g. for tests); default: the machine's
+    /// GPUs, each replica on the ones assigned to it.
     #[arg(long)]
     pub devices: Option<u32>,
     /// The address replicas listen on, as routers reach it.
@@ -73,10 +74,14 @@ fn devices(config: &AgentConfig) -> Result<(Vec<Device>, crate::device::Device)>
         let slot = |index| Device { index, kind: DeviceKind::Cpu, name: "cpu".into(), memory_bytes: memory };
         return Ok(((0..n).map(slot).collect(), crate::device::Device::Cpu));
     }
-    anyhow::bail!(
-        "name the node's device slots with --devices N (CPU); GPU nodes offering their GPUs are not supported by the \
-         agent yet"
-    )
+    let gpus = crate::device::gpus().context("a node without --devices offers its GPUs")?;
+    let gpu = |(index, (name, memory_bytes)): (usize, (String, u64))| Device {
+        index: index as u32,
+        kind: DeviceKind::Cuda,
+        name,
+        memory_bytes,
+    };
+    Ok((gpus.into_iter().enumerate().map(gpu).collect(), crate::device::Device::Cuda))
 }
 
 fn available_memory() -> Option<u64> {

@@ -128,6 +128,11 @@ impl Replicas {
             kv_cache_bytes: self.template.kv_cache_bytes,
             kv_cache_fraction: 0.2,
             device: self.template.device,
+            // The assigned GPUs (on a CPU node these are slots, and unused).
+            cuda_devices: match self.template.device {
+                crate::device::Device::Cuda => a.devices.iter().map(|&d| d as usize).collect(),
+                _ => Vec::new(),
+            },
             tensor_parallel_size: a.devices.len().max(1),
             gpu_memory_fraction: 0.9,
             cuda_graph_sizes: crate::engine::core::DEFAULT_GRAPH_BATCH_SIZES.to_vec(),

@@ -21,6 +21,18 @@ pub struct Variant {
     pub config: Value,
 }
 
+/// A wider model than the decoder variants: head_dim 64, grouped-query attention, a
+/// byte-level vocabulary the engine's tokenizer covers.
+pub fn wide() -> Variant {
+    Variant {
+        name: "wide",
+        config: json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 512, "intermediate_size": 1024,
+            "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 320,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
+            "tie_word_embeddings": false}),
+    }
+}
+
 pub fn variants() -> Vec<Variant> {
     let base = json!({"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 128});
