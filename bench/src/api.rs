@@ -87,6 +87,9 @@ pub struct Event {
     pub data: Value,
 }
 
+/// The longest silence a stream may have.
+const READ_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// POSTs `body` to `path` and reads its event stream to `[DONE]`.
 pub async fn stream(port: u16, key: &str, path: &str, body: &Value) -> Result<Vec<Event>> {
     let start = Instant::now();
@@ -102,7 +105,10 @@ pub async fn stream(port: u16, key: &str, path: &str, body: &Value) -> Result<Ve
     let mut buf = [0u8; 16384];
     let mut events = Vec::new();
     loop {
-        let n = socket.read(&mut buf).await?;
+        // A server that stalls fails the run rather than hanging it.
+        let n = tokio::time::timeout(READ_TIMEOUT, socket.read(&mut buf))
+            .await
+            .map_err(|_| anyhow::anyhow!("no byte from the API in {READ_TIMEOUT:?}"))??;
         if n == 0 {
             bail!("the connection closed before [DONE]: {}", String::from_utf8_lossy(&reader.raw));
         }

@@ -148,7 +148,8 @@ impl Cluster {
 
     /// The organization's usage records, newest first.
     pub fn usage(&self) -> Vec<Value> {
-        let records = tessera(&["usage", "list", "--org", &self.org, "--limit", "1000", "--data-dir", self.data_dir()]);
+        let records =
+            tessera(&["usage", "list", "--org", &self.org, "--limit", "100000", "--data-dir", self.data_dir()]);
         records.as_array().unwrap().clone()
     }
 

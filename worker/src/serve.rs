@@ -70,6 +70,8 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
         named => named.to_vec(),
     };
     anyhow::ensure!(gpus.len() == tp, "--cuda-devices names {} GPUs for {tp} tensor-parallel ranks", gpus.len());
+    let distinct: std::collections::BTreeSet<_> = gpus.iter().collect();
+    anyhow::ensure!(distinct.len() == gpus.len(), "--cuda-devices names a GPU twice: {gpus:?}");
     let opened = device::open(config.device, gpus[0])?;
     eprintln!("tessera-worker device: {}, tensor parallel size {tp}", opened.describe());
     match opened {

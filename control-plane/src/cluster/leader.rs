@@ -109,6 +109,10 @@ async fn lead(
     leading.send_replace(true);
 
     let mut resync = tokio::time::interval(config.resync);
+    // A lease whose renewals go unanswered for a whole time to live may be gone (a
+    // partition can leave the stream open and silent): stop leading then, not later.
+    let ttl = Duration::from_secs(config.lease_ttl_secs.max(2) as u64);
+    let mut confirmed = std::time::Instant::now();
     loop {
         let (mut state, at) = state::read(&mut client).await?;
         lost.mark(&mut state, config.node_grace);
@@ -127,9 +131,15 @@ async fn lead(
                     Some(resp) if !resp.canceled() && resp.events().is_empty() => {}
                     _ => break,
                 },
-                _ = renew.tick() => keeper.keep_alive().await?,
-                answer = kept.message() => if !matches!(answer, Ok(Some(ref r)) if r.ttl() > 0) {
-                    return Err(etcd_client::Error::LeaseKeepAliveError("leader lease lost".into()));
+                _ = renew.tick() => {
+                    if confirmed.elapsed() > ttl {
+                        return Err(etcd_client::Error::LeaseKeepAliveError("leader lease unconfirmed".into()));
+                    }
+                    keeper.keep_alive().await?;
+                }
+                answer = kept.message() => match answer {
+                    Ok(Some(r)) if r.ttl() > 0 => confirmed = std::time::Instant::now(),
+                    _ => return Err(etcd_client::Error::LeaseKeepAliveError("leader lease lost".into())),
                 },
             }
         }

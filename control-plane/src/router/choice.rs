@@ -148,6 +148,12 @@ pub fn choose<'a>(
         .min_by(|a, b| cost(a).total_cmp(&cost(b)).then(a.cached.cmp(&b.cached)))
 }
 
+/// Round-robin's pick: turn `turn` over the candidates not saturated.
+pub fn in_turn(candidates: &[Candidate], turn: usize, w: Weights) -> Option<&Candidate> {
+    let open: Vec<&Candidate> = candidates.iter().filter(|c| c.load() < w.saturated).collect();
+    (!open.is_empty()).then(|| open[turn % open.len()])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +195,16 @@ mod tests {
         assert!(choose(&full, 20, &matched, w).is_none());
         let one_free = [candidate("a", 8, 0), candidate("b", 1, 0)];
         assert_eq!(choose(&one_free, 1, &BTreeMap::new(), w).unwrap().id, "b");
+    }
+
+    #[test]
+    fn round_robin_takes_turns_over_the_unsaturated_ignoring_the_cache() {
+        let w = Weights { block: 0.5, saturated: 4 };
+        let mut cands = [candidate("a", 0, 0), candidate("b", 4, 0), candidate("c", 1, 0)];
+        cands[0].cached = 100;
+        let picks: Vec<&str> = (0..4).map(|t| in_turn(&cands, t, w).unwrap().id.as_str()).collect();
+        assert_eq!(picks, ["a", "c", "a", "c"], "b is saturated");
+        assert!(in_turn(&[candidate("a", 4, 0)], 0, w).is_none());
     }
 
     #[test]

@@ -154,8 +154,7 @@ impl Pool {
         let chosen = match self.routing {
             Routing::CacheAware => choice::choose(&candidates, blocks.len(), &matched, self.weights)?,
             Routing::RoundRobin => {
-                let open: Vec<&Candidate> = candidates.iter().filter(|c| c.load() < self.weights.saturated).collect();
-                (!open.is_empty()).then(|| open[self.turn.fetch_add(1, Ordering::Relaxed) % open.len()])?
+                choice::in_turn(&candidates, self.turn.fetch_add(1, Ordering::Relaxed), self.weights)?
             }
         };
         let member = members[&chosen.id].clone();
