@@ -9,6 +9,7 @@ pub mod chat;
 pub mod cluster;
 pub mod config;
 pub mod limits;
+pub mod metrics;
 pub mod ops;
 pub mod router;
 pub mod serve;

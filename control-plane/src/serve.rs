@@ -57,6 +57,8 @@ pub async fn serve_api(
     cluster: Option<crate::cluster::ClusterView>,
     config: &ApiArgs,
 ) -> Result<Arc<AppState>> {
+    // Metrics recorded from here on reach GET /metrics.
+    crate::metrics::handle();
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));

@@ -63,11 +63,20 @@ impl ControlPlane {
     /// GET /health (no API key: load balancers ask), as JSON; None while it does not
     /// answer.
     pub fn health(&self) -> Option<Value> {
-        let url = format!("http://127.0.0.1:{}/health", self.port);
+        self.get("/health").map(|body| serde_json::from_str(&body).unwrap())
+    }
+
+    /// GET /metrics (Prometheus's text format); None while it does not answer.
+    pub fn metrics(&self) -> Option<String> {
+        self.get("/metrics")
+    }
+
+    fn get(&self, path: &str) -> Option<String> {
+        let url = format!("http://127.0.0.1:{}{path}", self.port);
         let script =
             "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())";
         let out = Command::new("python3").args(["-c", script, &url]).stderr(Stdio::null()).output().unwrap();
-        out.status.success().then(|| serde_json::from_slice(&out.stdout).unwrap())
+        out.status.success().then(|| String::from_utf8(out.stdout).unwrap())
     }
 }
 

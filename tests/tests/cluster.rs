@@ -4,7 +4,7 @@
 //! the standby leads within a lease period. A node holding a replica is killed: the new
 //! leader moves its replica to the spare node while requests keep succeeding. Then etcd
 //! is down for 30 seconds: requests keep succeeding on the last known table, /health says
-//! degraded, and once etcd is back everything converges. Throughout, no device is ever
+//! degraded (and so do its metrics), and once etcd is back everything converges. Throughout, no device is ever
 //! given to two replicas.
 
 #[path = "../support/cluster.rs"]
@@ -81,14 +81,25 @@ fn placement_survives_a_killed_leader_a_killed_node_and_an_etcd_outage() {
     assert_eq!(traffic.join().unwrap(), 20, "every request during the move succeeded");
     until(30, "the dead node's assignment is gone", || (assert_no_double_assignment(&c) == 2).then_some(()));
 
-    // etcd goes away for 30 s: the control plane says so, and serves on its last table.
+    // etcd goes away for 30 s: the control plane says so (in /health and its metrics),
+    // and serves on its last table.
     assert_eq!(cp.health().unwrap()["status"], "ok");
+    let metrics = cp.metrics().unwrap();
+    for line in [
+        "tessera_etcd_connected 1",
+        "tessera_placement_leader 1",
+        "tessera_ready_replicas{model=\"vendor-a/model-a\"} 2",
+        "tessera_http_requests_total{route=\"/v1/chat/completions\",status=\"200\",model=\"vendor-a/model-a\"}",
+    ] {
+        assert!(metrics.lines().any(|l| l.starts_with(line)), "no {line} in\n{metrics}");
+    }
     c.etcd.stop();
     let down_at = Instant::now();
     until(30, "/health says etcd is unreachable", || {
         let h = cp.health()?;
         (h["status"] == "degraded" && h["etcd"]["connected"] == false).then_some(())
     });
+    assert!(cp.metrics().unwrap().lines().any(|l| l == "tessera_etcd_connected 0"));
     let outage = r#"
 import os, time, openai
 c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)

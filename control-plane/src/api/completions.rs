@@ -39,10 +39,10 @@ struct CompletionRequest {
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(request_id): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, model) = read_request(&app, body, None)?;
+    let (body, model) = read_request(&app, &request_id, body, None)?;
     let request = Arc::new(parse(&body, &model)?);
     let id = new_id("cmpl-");
     let created = unix_now();
@@ -50,7 +50,7 @@ pub async fn handle(
     let lengths: Vec<usize> = request.prompts.iter().map(|p| p.tokens.len()).collect();
     let t = &request.template;
     let ask = Ask {
-        request_id: &request_id,
+        request_id: &request_id.id,
         endpoint: "completions",
         prompts: &lengths,
         max_completion_each: t.max_tokens as u64 * n as u64,

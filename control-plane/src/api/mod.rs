@@ -15,22 +15,23 @@ pub mod responses;
 pub mod sse;
 
 use crate::accounts::Store;
+use crate::metrics as m;
 use crate::router::{Models, ServedModel};
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderValue, Method, Uri};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, Method, Uri, header};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use error::ApiError;
 use generate::Usage;
 use rand::Rng;
 use serde_json::{Value, json};
-use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, OnceLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Enough for the longest context in the catalog (about 4 bytes a token) with room
 /// for JSON; larger bodies get a 413 in the API's error shape.
@@ -56,11 +57,12 @@ pub fn router(app: App) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .fallback(unknown)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
         .layer(middleware::from_fn(auth::rate_limit_headers))
-        .layer(middleware::from_fn(request_id))
+        .layer(middleware::from_fn(observe))
 }
 
 /// Whether this control plane serves, for load balancers and operators: 200 while it
@@ -101,30 +103,66 @@ async fn unknown(method: Method, uri: Uri) -> ApiError {
 }
 
 /// A request's id: in its `x-request-id` response header (which the SDKs surface on
-/// errors) and its usage record, so that a bill can be traced to a call.
+/// errors) and its usage record, so that a bill can be traced to a call. Also the model
+/// its body named, once read, for its metrics.
 #[derive(Debug, Clone)]
-pub struct RequestId(pub String);
+pub struct RequestId {
+    pub id: String,
+    model: Arc<OnceLock<String>>,
+}
 
-/// Every response carries an `x-request-id`, which the SDKs surface on errors.
-async fn request_id(mut request: Request, next: Next) -> Response {
+/// Every response carries an `x-request-id`, which the SDKs surface on errors; every
+/// request is counted by route, status and model, and timed to its response's head.
+async fn observe(mut request: Request, next: Next) -> Response {
     let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
-    request.extensions_mut().insert(RequestId(id.clone()));
+    let model = Arc::new(OnceLock::new());
+    request.extensions_mut().insert(RequestId { id: id.clone(), model: model.clone() });
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let start = Instant::now();
     let mut response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    let model = model.get().cloned().unwrap_or_default();
+    metrics::histogram!(m::HTTP_DURATION, "route" => route.clone()).record(start.elapsed().as_secs_f64());
+    metrics::counter!(m::HTTP_REQUESTS, "route" => route, "status" => status, "model" => model).increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);
     }
     response
 }
 
+/// Prometheus's text format: this process's metrics, the cluster's gauges read now.
+async fn metrics_text(State(app): State<App>) -> impl IntoResponse {
+    if let Some(cluster) = &app.cluster {
+        let table = cluster.table.borrow().clone();
+        metrics::gauge!(m::ETCD_CONNECTED).set(if table.connected { 1.0 } else { 0.0 });
+        metrics::gauge!(m::ETCD_REVISION).set(table.revision as f64);
+        metrics::gauge!(m::PLACEMENT_LEADER).set(if *cluster.leading.borrow() { 1.0 } else { 0.0 });
+        let mut ready: std::collections::BTreeMap<String, f64> =
+            app.models.all().iter().map(|m| (m.entry.id.clone(), 0.0)).collect();
+        for r in table.replicas.values().filter(|r| r.state == tessera_proto::cluster::ReplicaState::Ready) {
+            *ready.entry(r.model.clone()).or_default() += 1.0;
+        }
+        for (model, n) in ready {
+            metrics::gauge!(m::READY_REPLICAS, "model" => model).set(n);
+        }
+    }
+    let handle = crate::metrics::handle();
+    handle.run_upkeep();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render())
+}
+
 /// A generation request's JSON body and the model it names (`param` is what a
 /// `model_not_found` error names: null for chat and completions, `model` for responses).
+/// The model is noted on `request` for its metrics.
 pub fn read_request(
     app: &AppState,
+    request: &RequestId,
     body: Result<Bytes, BytesRejection>,
     param: Option<&'static str>,
 ) -> Result<(Value, Arc<ServedModel>), ApiError> {
     let body = json_body(body)?;
     let model = model_of(app, &body, param)?;
+    let _ = request.model.set(model.entry.id.clone());
     Ok((body, model))
 }
 

@@ -32,14 +32,14 @@ struct ResponsesRequest {
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(request_id): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (body, model) = read_request(&app, body, Some("model"))?;
+    let (body, model) = read_request(&app, &request_id, body, Some("model"))?;
     let request = parse(&body, &model)?;
     let g = &request.generation;
     let ask = Ask {
-        request_id: &request_id,
+        request_id: &request_id.id,
         endpoint: "responses",
         prompts: &[g.prompt.len()],
         max_completion_each: g.max_tokens as u64,

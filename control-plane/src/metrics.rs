@@ -1,0 +1,51 @@
+//! The control plane's Prometheus metrics: every name in one place, described once, and
+//! the recorder that renders them for `GET /metrics`. Gauges of state the process holds
+//! anyway (etcd connection, leadership, ready replicas) are set when scraped, not kept
+//! up to date on every change.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// HTTP requests answered, by `route` (the matched path), `status` and `model`.
+pub const HTTP_REQUESTS: &str = "tessera_http_requests_total";
+/// Time to the response's head (a stream's first byte), by `route`.
+pub const HTTP_DURATION: &str = "tessera_http_request_duration_seconds";
+/// 1 while the replica table's etcd connection is up (cluster mode).
+pub const ETCD_CONNECTED: &str = "tessera_etcd_connected";
+/// The etcd revision the replica table has applied.
+pub const ETCD_REVISION: &str = "tessera_etcd_revision";
+/// 1 while this process leads placement.
+pub const PLACEMENT_LEADER: &str = "tessera_placement_leader";
+/// Replicas ready to serve, by `model` (cluster mode: from the replica table).
+pub const READY_REPLICAS: &str = "tessera_ready_replicas";
+
+/// Latency buckets, seconds: 5 ms to 2 minutes.
+const SECONDS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// The process's recorder, installed on first use. In a process that already has
+/// another global recorder (tests running several servers) the handle still renders
+/// this one's (then empty) registry.
+pub fn handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)
+            .expect("non-empty buckets")
+            .build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_ok() {
+            describe();
+        }
+        handle
+    })
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(HTTP_REQUESTS, "HTTP requests answered, by route, status and model.");
+    describe_histogram!(HTTP_DURATION, Unit::Seconds, "Time to the response head (a stream's first byte), by route.");
+    describe_gauge!(ETCD_CONNECTED, "1 while the control plane's etcd connection is up.");
+    describe_gauge!(ETCD_REVISION, "The etcd revision of the replica table.");
+    describe_gauge!(PLACEMENT_LEADER, "1 while this control plane leads placement.");
+    describe_gauge!(READY_REPLICAS, "Replicas ready to serve, by model.");
+}
