@@ -33,7 +33,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         let mut pool: Option<(Arc<Replica>, Arc<Pool>)> = None;
         for n in 0..config.replicas {
             eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
-            let worker = workers::start(&binary, &weights, config.kv_cache_bytes).await?;
+            let worker = workers::start(&binary, &weights, &format!("{weights}-{n}"), config.kv_cache_bytes).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
             let (_, pool) = pool
                 .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));

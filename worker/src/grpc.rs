@@ -41,6 +41,8 @@ pub struct WorkerService {
     /// True once the server is shutting down: load streams end (they would otherwise
     /// hold a graceful shutdown open forever), generations run to their end.
     closing: tokio::sync::watch::Receiver<bool>,
+    /// The replica's metrics registry, served at GET /metrics.
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl WorkerService {
@@ -51,7 +53,13 @@ impl WorkerService {
             card.vocab_size as usize,
         ));
         let (_, closing) = tokio::sync::watch::channel(false);
-        Self { engine, card, grammars, live: LiveIds::default(), next_id: AtomicU64::new(1), closing }
+        let next_id = AtomicU64::new(1);
+        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None }
+    }
+
+    /// The same, serving `metrics` at GET /metrics.
+    pub fn with_metrics(self, metrics: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        Self { metrics: Some(metrics), ..self }
     }
 
     /// The same, ending its load streams when `closing` turns true.

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod grpc;
 pub mod load;
 pub mod loader;
+pub mod metrics;
 pub mod model;
 pub mod model_cache;
 pub mod serve;

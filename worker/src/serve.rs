@@ -54,6 +54,9 @@ pub struct ServeConfig {
     /// Run every step op by op: no CUDA graphs (as vLLM's flag of the same name).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// This replica's name in its metrics' `replica` label.
+    #[arg(long, default_value = "worker")]
+    pub replica_id: String,
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
@@ -183,7 +186,8 @@ fn build<B: Backend + 'static>(
     } else {
         EngineCore::tensor_parallel(ranks, tokenizer, engine_config, &config.model)?
     };
-    Ok(WorkerService::new(EngineHandle::spawn(core), card))
+    let (recorder, metrics) = crate::metrics::registry(&config.model, &config.replica_id);
+    Ok(WorkerService::new(EngineHandle::spawn_recording(core, Some(recorder)), card).with_metrics(metrics))
 }
 
 /// Serves on `listener` until `shutdown` resolves.
@@ -199,11 +203,26 @@ pub async fn serve(
         shutdown.await;
         let _ = closing.send(true);
     };
+    // gRPC, and beside it (over HTTP/1.1) GET /metrics for Prometheus.
+    let metrics = service.metrics.clone();
+    let routes = tonic::service::Routes::new(WorkerServer::new(service.closing_on(closed)))
+        .into_axum_router()
+        .route("/metrics", axum::routing::get(move || render(metrics.clone())));
     tonic::transport::Server::builder()
-        .add_service(WorkerServer::new(service.closing_on(closed)))
+        .accept_http1(true)
+        .add_routes(routes.into())
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
         .await?;
     Ok(())
+}
+
+/// Prometheus's text format: the replica's registry (empty without one).
+async fn render(metrics: Option<metrics_exporter_prometheus::PrometheusHandle>) -> impl axum::response::IntoResponse {
+    let text = metrics.map_or_else(String::new, |h| {
+        h.run_upkeep();
+        h.render()
+    });
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
 /// MemAvailable from /proc/meminfo, in bytes.

@@ -26,6 +26,7 @@ async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
         gpu_memory_fraction: 0.9,
         cuda_graph_sizes: vec![1, 2, 4],
         enforce_eager: false,
+        replica_id: "test".into(),
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
     };

@@ -58,6 +58,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/models/{*id}", get(models::retrieve))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/metrics/targets", get(scrape_targets))
         .fallback(unknown)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
@@ -128,6 +129,33 @@ async fn observe(mut request: Request, next: Next) -> Response {
         response.headers_mut().insert("x-request-id", v);
     }
     response
+}
+
+use tessera_proto::cluster::ReplicaState;
+
+/// Prometheus's HTTP service discovery: every worker replica to scrape (each serves
+/// GET /metrics on its gRPC port), so that one scrape configuration follows replicas as
+/// they come and go. In cluster mode from the replica table, with each replica's node
+/// as a label; in `tessera serve`, its local workers.
+async fn scrape_targets(State(app): State<App>) -> Json<Value> {
+    let groups: Vec<Value> = match &app.cluster {
+        Some(cluster) => {
+            let table = cluster.table.borrow().clone();
+            table
+                .replicas
+                .values()
+                .filter(|r| matches!(r.state, ReplicaState::Ready | ReplicaState::Draining))
+                .map(|r| json!({"targets": [r.addr], "labels": {"node": r.node}}))
+                .collect()
+        }
+        None => {
+            let mut addrs: Vec<String> = app.models.all().iter().flat_map(|m| m.pool.addrs()).collect();
+            addrs.sort();
+            addrs.dedup();
+            addrs.into_iter().map(|a| json!({"targets": [a], "labels": {}})).collect()
+        }
+    };
+    Json(Value::Array(groups))
 }
 
 /// Prometheus's text format: this process's metrics, the cluster's gauges read now.

@@ -170,6 +170,12 @@ impl Pool {
         }
     }
 
+    /// Every member's address, routable or not (for Prometheus to scrape).
+    pub fn addrs(&self) -> Vec<String> {
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        members.values().map(|m| m.replica.addr.clone()).collect()
+    }
+
     /// Each routable replica's last load report.
     pub fn loads(&self) -> Vec<pb::LoadReport> {
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());

@@ -137,6 +137,7 @@ impl Replicas {
             gpu_memory_fraction: 0.9,
             cuda_graph_sizes: crate::engine::core::DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             enforce_eager: false,
+            replica_id: a.replica.clone(),
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
         };

@@ -97,6 +97,17 @@ pub enum FinishReason {
     Abort,
 }
 
+impl FinishReason {
+    /// As the metrics label it (vLLM's `finished_reason`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
 /// What one step produced for one completion of a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Output {
@@ -161,6 +172,16 @@ pub struct EngineCore<B: Backend> {
     next_seq: SeqId,
     eos: Vec<u32>,
     stats: EngineStats,
+    last_step: StepSummary,
+}
+
+/// What the last step computed, for the engine's metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Tokens computed: prompt chunks and decodes.
+    pub tokens: usize,
+    /// The requests it computed part of (each once).
+    pub requests: Vec<SeqId>,
 }
 
 impl<B: Backend + 'static> EngineCore<B> {
@@ -211,6 +232,7 @@ impl<B: Backend> EngineCore<B> {
             next_seq: 0,
             eos,
             stats: EngineStats::default(),
+            last_step: StepSummary::default(),
         })
     }
 
@@ -225,6 +247,11 @@ impl<B: Backend> EngineCore<B> {
 
     pub fn scheduler(&self) -> &Scheduler {
         &self.scheduler
+    }
+
+    /// What the last `step` computed (nothing if it had no work).
+    pub fn last_step(&self) -> &StepSummary {
+        &self.last_step
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -359,6 +386,11 @@ impl<B: Backend> EngineCore<B> {
     pub fn step(&mut self) -> Result<Vec<Output>, EngineError> {
         let step = self.scheduler.schedule();
         self.stats.preemptions += step.preempted.len() as u64;
+        let mut requests: Vec<SeqId> =
+            step.scheduled.iter().filter_map(|s| self.requests.get(&s.id).map(|r| r.request)).collect();
+        requests.sort_unstable();
+        requests.dedup();
+        self.last_step = StepSummary { tokens: step.scheduled.iter().map(|s| s.len).sum(), requests };
         if step.scheduled.is_empty() {
             return Ok(Vec::new());
         }

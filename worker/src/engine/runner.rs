@@ -6,6 +6,8 @@
 use super::block_pool::KvEvents;
 use super::core::{EngineCore, EngineError, Output, Request};
 use super::sequence::SeqId;
+use crate::metrics::{self as m, RequestTimes};
+use metrics_exporter_prometheus::PrometheusRecorder;
 use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -55,12 +57,23 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Starts the engine loop on a new thread; it ends when every handle is dropped.
     pub fn spawn<B: Backend + 'static>(core: EngineCore<B>) -> Self {
+        Self::spawn_recording(core, None)
+    }
+
+    /// The same, with the engine's metrics recorded into `recorder` (see `metrics`).
+    pub fn spawn_recording<B: Backend + 'static>(core: EngineCore<B>, recorder: Option<PrometheusRecorder>) -> Self {
         let (commands, rx) = mpsc::channel();
         let (reports, _) = broadcast::channel(64);
         let publisher = reports.clone();
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || Loop { core, streams: HashMap::new(), reports: publisher, tokens: 0 }.run(rx))
+            .spawn(move || {
+                // Everything the engine records, it records on this thread.
+                let _installed = recorder.as_ref().map(|r| metrics::set_default_local_recorder(r));
+                crate::metrics::describe();
+                let times = RequestTimes::default();
+                Loop { core, streams: HashMap::new(), reports: publisher, tokens: 0, times }.run(rx)
+            })
             .expect("spawning the engine thread");
         Self { commands, reports }
     }
@@ -109,6 +122,7 @@ struct Loop<B: Backend> {
     reports: broadcast::Sender<LoadReport>,
     /// Output tokens since the last report.
     tokens: u64,
+    times: RequestTimes,
 }
 
 impl<B: Backend> Loop<B> {
@@ -143,11 +157,15 @@ impl<B: Backend> Loop<B> {
                 let result = self.core.add_request(*request);
                 if result.is_ok() {
                     self.streams.insert(id, outputs);
+                    self.times.arrived(id, Instant::now());
                 }
                 let _ = accepted.send(result);
             }
             Command::Abort { id, found } => {
                 let outputs = self.core.abort(id);
+                if let Some(out) = outputs.last() {
+                    self.times.finished(id, Instant::now(), "abort", out.prompt_tokens);
+                }
                 if let Some(stream) = self.streams.remove(&id) {
                     for out in &outputs {
                         let _ = stream.send(Ok(out.clone()));
@@ -162,17 +180,36 @@ impl<B: Backend> Loop<B> {
     }
 
     fn step(&mut self) {
-        match self.core.step() {
+        let began = Instant::now();
+        let stepped = self.core.step();
+        let now = Instant::now();
+        let summary = self.core.last_step();
+        if summary.tokens > 0 {
+            metrics::histogram!(m::ITERATION_TOKENS).record(summary.tokens as f64);
+        }
+        for &request in &summary.requests {
+            self.times.scheduled(request, began);
+        }
+        match stepped {
             Ok(outputs) => {
                 for out in outputs {
                     self.tokens += out.token.is_some() as u64;
+                    if out.token.is_some() {
+                        self.times.token(out.id, now);
+                    }
+                    if out.last {
+                        let reason = out.finish.map_or("abort", |f| f.as_str());
+                        self.times.finished(out.id, now, reason, out.prompt_tokens);
+                    }
                     let (id, last) = (out.id, out.last);
                     let delivered = self.streams.get(&id).is_some_and(|s| s.send(Ok(out)).is_ok());
                     if last {
                         self.streams.remove(&id);
                     } else if !delivered && self.streams.remove(&id).is_some() {
                         // The client is gone: stop computing for it.
-                        self.core.abort(id);
+                        if let Some(out) = self.core.abort(id).last() {
+                            self.times.finished(id, now, "abort", out.prompt_tokens);
+                        }
                     }
                 }
             }
@@ -181,7 +218,9 @@ impl<B: Backend> Loop<B> {
                 let message = e.to_string();
                 for (id, stream) in self.streams.drain() {
                     let _ = stream.send(Err(message.clone()));
-                    self.core.abort(id);
+                    if let Some(out) = self.core.abort(id).last() {
+                        self.times.finished(id, now, "abort", out.prompt_tokens);
+                    }
                 }
             }
         }
@@ -201,6 +240,13 @@ impl<B: Backend> Loop<B> {
             prefix_queried_blocks: stats.queried_blocks,
             prefix_hit_blocks: stats.hit_blocks,
         };
+        metrics::gauge!(m::RUNNING).set(report.running as f64);
+        metrics::gauge!(m::WAITING).set(report.waiting as f64);
+        metrics::gauge!(m::KV_USAGE).set(report.kv_blocks_used as f64 / report.kv_blocks_total.max(1) as f64);
+        let block = tessera_proto::block_hash::BLOCK_TOKENS as u64;
+        metrics::counter!(m::PREFIX_QUERIES).absolute(stats.queried_blocks * block);
+        metrics::counter!(m::PREFIX_HITS).absolute(stats.hit_blocks * block);
+        metrics::counter!(m::PREEMPTIONS).absolute(self.core.stats().preemptions);
         let report = LoadReport { kv_events: self.core.take_kv_events(), ..report };
         self.tokens = 0;
         // No subscriber is fine: the events are dropped, as no router is listening.

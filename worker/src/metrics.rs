@@ -1,0 +1,127 @@
+//! A worker's Prometheus metrics, named and meant as vLLM's (so that dashboards and
+//! alerts written for vLLM read Tessera's workers too), labelled by `model_name` and
+//! `replica`. Each replica has a registry of its own, recorded into from its engine
+//! thread alone and served at `GET /metrics` on its own port: a node running several
+//! replicas in one process never reports one replica's figures at another's address.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use std::collections::HashMap;
+use std::time::Instant;
+
+pub const RUNNING: &str = "vllm:num_requests_running";
+pub const WAITING: &str = "vllm:num_requests_waiting";
+/// Share of the KV cache's blocks in use, 0 to 1.
+pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// Prompt tokens looked up in the prefix cache, and found there.
+pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
+pub const PREEMPTIONS: &str = "vllm:num_preemptions_total";
+pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
+/// Finished requests, by `finished_reason` (stop, length, abort).
+pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+pub const TTFT: &str = "vllm:time_to_first_token_seconds";
+pub const ITL: &str = "vllm:inter_token_latency_seconds";
+pub const E2E: &str = "vllm:e2e_request_latency_seconds";
+pub const QUEUE: &str = "vllm:request_queue_time_seconds";
+pub const PREFILL: &str = "vllm:request_prefill_time_seconds";
+pub const DECODE: &str = "vllm:request_decode_time_seconds";
+/// Tokens computed per engine step.
+pub const ITERATION_TOKENS: &str = "vllm:iteration_tokens_total";
+
+/// Latency buckets, seconds: 1 ms to 2 minutes.
+const SECONDS: [f64; 16] =
+    [0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Tokens per step: 1 to 8192.
+const TOKENS: [f64; 14] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0];
+
+/// A replica's registry: the recorder its engine thread installs, and the handle that
+/// renders it.
+pub fn registry(model: &str, replica: &str) -> (PrometheusRecorder, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new()
+        .add_global_label("model_name", model)
+        .add_global_label("replica", replica)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ITERATION_TOKENS.into()), &TOKENS))
+        .expect("non-empty buckets")
+        .build_recorder();
+    let handle = recorder.handle();
+    (recorder, handle)
+}
+
+/// Describes every metric (on the recorder installed where it is called).
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!(RUNNING, "Requests in the running batch.");
+    describe_gauge!(WAITING, "Requests waiting to be scheduled.");
+    describe_gauge!(KV_USAGE, "Share of KV-cache blocks in use (0 to 1).");
+    describe_counter!(PREFIX_QUERIES, Unit::Count, "Prompt tokens looked up in the prefix cache.");
+    describe_counter!(PREFIX_HITS, Unit::Count, "Prompt tokens found in the prefix cache.");
+    describe_counter!(PREEMPTIONS, "Sequences preempted (their blocks freed, recomputed later).");
+    describe_counter!(PROMPT_TOKENS, "Prompt tokens of finished requests.");
+    describe_counter!(GENERATION_TOKENS, "Tokens generated.");
+    describe_counter!(REQUEST_SUCCESS, "Finished requests, by finished_reason.");
+    describe_histogram!(TTFT, Unit::Seconds, "From arrival to the first generated token.");
+    describe_histogram!(ITL, Unit::Seconds, "Between consecutive tokens of a request.");
+    describe_histogram!(E2E, Unit::Seconds, "From arrival to the last token.");
+    describe_histogram!(QUEUE, Unit::Seconds, "From arrival to the first step that computed it.");
+    describe_histogram!(PREFILL, Unit::Seconds, "From the first step that computed it to its first token.");
+    describe_histogram!(DECODE, Unit::Seconds, "From the first token to the last.");
+    describe_histogram!(ITERATION_TOKENS, "Tokens computed per engine step.");
+}
+
+/// When each request reached the milestones its histograms measure.
+#[derive(Default)]
+pub struct RequestTimes {
+    by_request: HashMap<u64, Times>,
+}
+
+struct Times {
+    arrived: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+impl RequestTimes {
+    pub fn arrived(&mut self, request: u64, at: Instant) {
+        self.by_request.insert(request, Times { arrived: at, scheduled: None, first_token: None, last_token: None });
+    }
+
+    /// A step that began at `at` computed part of `request`.
+    pub fn scheduled(&mut self, request: u64, at: Instant) {
+        if let Some(t) = self.by_request.get_mut(&request)
+            && t.scheduled.is_none()
+        {
+            t.scheduled = Some(at);
+            metrics::histogram!(QUEUE).record(at.duration_since(t.arrived).as_secs_f64());
+        }
+    }
+
+    /// `request` produced a token at `at`.
+    pub fn token(&mut self, request: u64, at: Instant) {
+        metrics::counter!(GENERATION_TOKENS).increment(1);
+        let Some(t) = self.by_request.get_mut(&request) else { return };
+        match t.last_token {
+            None => {
+                metrics::histogram!(TTFT).record(at.duration_since(t.arrived).as_secs_f64());
+                let scheduled = t.scheduled.unwrap_or(t.arrived);
+                metrics::histogram!(PREFILL).record(at.duration_since(scheduled).as_secs_f64());
+                t.first_token = Some(at);
+            }
+            Some(last) => metrics::histogram!(ITL).record(at.duration_since(last).as_secs_f64()),
+        }
+        t.last_token = Some(at);
+    }
+
+    /// `request` ended at `at` for `reason`, with a prompt of `prompt_tokens`.
+    pub fn finished(&mut self, request: u64, at: Instant, reason: &'static str, prompt_tokens: usize) {
+        metrics::counter!(REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
+        metrics::counter!(PROMPT_TOKENS).increment(prompt_tokens as u64);
+        let Some(t) = self.by_request.remove(&request) else { return };
+        metrics::histogram!(E2E).record(at.duration_since(t.arrived).as_secs_f64());
+        if let (Some(first), Some(last)) = (t.first_token, t.last_token) {
+            metrics::histogram!(DECODE).record(last.duration_since(first).as_secs_f64());
+        }
+    }
+}
