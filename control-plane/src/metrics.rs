@@ -19,6 +19,25 @@ pub const PLACEMENT_LEADER: &str = "tessera_placement_leader";
 /// Replicas ready to serve, by `model` (cluster mode: from the replica table).
 pub const READY_REPLICAS: &str = "tessera_ready_replicas";
 
+/// Requests refused at admission or dispatch, by `outcome`: rate_limited,
+/// window_exhausted (a subscription's usage window), insufficient_quota, overloaded.
+pub const REFUSALS: &str = "tessera_admission_refusals_total";
+/// Routing choices, by `model` (the weights) and `outcome`: cached (the replica chosen
+/// held part of the prompt), uncached, none (every replica saturated or gone).
+pub const ROUTING_DECISIONS: &str = "tessera_routing_decisions_total";
+/// Prompt blocks routed, and those the chosen replica held (their ratio is the
+/// router's prefix hit rate), by `model`.
+pub const ROUTED_BLOCKS: &str = "tessera_routing_prompt_blocks_total";
+pub const ROUTED_CACHED_BLOCKS: &str = "tessera_routing_cached_blocks_total";
+/// From a request's end to its bill in the ledger.
+pub const SETTLEMENT: &str = "tessera_billing_settlement_seconds";
+/// Settlements that failed every retry (their holds are released later).
+pub const SETTLEMENT_FAILURES: &str = "tessera_billing_settlement_failures_total";
+/// Each model's supply state: 0 low, 1 medium, 2 high, 3 surplus.
+pub const SUPPLY_STATE: &str = "tessera_supply_state";
+/// The replicas' load behind that state, 0 to 1.
+pub const SUPPLY_LOAD: &str = "tessera_supply_load_ratio";
+
 /// Latency buckets, seconds: 5 ms to 2 minutes.
 const SECONDS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
@@ -35,9 +54,19 @@ pub fn handle() -> &'static PrometheusHandle {
         let handle = recorder.handle();
         if metrics::set_global_recorder(recorder).is_ok() {
             describe();
+            start_at_zero();
         }
         handle
     })
+}
+
+/// Counters of events that may not have happened yet exist from the start (at zero), so
+/// that rates and alerts over them read 0, not "no data".
+fn start_at_zero() {
+    for outcome in ["rate_limited", "window_exhausted", "insufficient_quota", "overloaded"] {
+        metrics::counter!(REFUSALS, "outcome" => outcome).absolute(0);
+    }
+    metrics::counter!(SETTLEMENT_FAILURES).absolute(0);
 }
 
 fn describe() {
@@ -48,4 +77,12 @@ fn describe() {
     describe_gauge!(ETCD_REVISION, "The etcd revision of the replica table.");
     describe_gauge!(PLACEMENT_LEADER, "1 while this control plane leads placement.");
     describe_gauge!(READY_REPLICAS, "Replicas ready to serve, by model.");
+    describe_counter!(REFUSALS, "Requests refused at admission or dispatch, by outcome.");
+    describe_counter!(ROUTING_DECISIONS, "Routing choices, by model and outcome (cached, uncached, none).");
+    describe_counter!(ROUTED_BLOCKS, "Prompt blocks routed, by model.");
+    describe_counter!(ROUTED_CACHED_BLOCKS, "Routed prompt blocks the chosen replica held, by model.");
+    describe_histogram!(SETTLEMENT, Unit::Seconds, "From a request's end to its bill in the ledger.");
+    describe_counter!(SETTLEMENT_FAILURES, "Settlements that failed every retry.");
+    describe_gauge!(SUPPLY_STATE, "Supply state by model: 0 low, 1 medium, 2 high, 3 surplus.");
+    describe_gauge!(SUPPLY_LOAD, "The replicas' load behind the supply state, 0 to 1.");
 }

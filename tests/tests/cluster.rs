@@ -87,6 +87,7 @@ fn placement_survives_a_killed_leader_a_killed_node_and_an_etcd_outage() {
     let metrics = cp.metrics().unwrap();
     for line in [
         "tessera_etcd_connected 1",
+        "tessera_etcd_revision ",
         "tessera_placement_leader 1",
         "tessera_ready_replicas{model=\"vendor-a/model-a\"} 2",
         "tessera_http_requests_total{route=\"/v1/chat/completions\",status=\"200\",model=\"vendor-a/model-a\"}",

@@ -2,7 +2,9 @@
 //! workers: the control plane from a static target, the workers through the control
 //! plane's HTTP service discovery (`/metrics/targets`). Queried through Prometheus's own
 //! HTTP API, the worker series (vLLM's names) carry each replica's labels, and the
-//! control plane's request counter carries route, status and model.
+//! control plane's request counter carries route, status and model. Prometheus loads
+//! `deploy/prometheus/rules.yml` (so every rule parses), and every metric a rule or a
+//! `deploy/grafana` dashboard queries is one the processes export.
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -73,6 +75,8 @@ fn prometheus_finds_every_worker_through_discovery_and_reads_their_labels() {
     let mut child = Command::new(&tessera)
         .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--replicas", "2"])
         .args(["--kv-cache-bytes", "67108864"])
+        // A supply state (and its load) every two seconds rather than ten minutes.
+        .args(["--supply-refresh-secs", "2"])
         .arg("--data-dir")
         .arg(data.path())
         .stdout(Stdio::null())
@@ -123,7 +127,9 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
         format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n\
              - job_name: tessera-control-plane\n  static_configs:\n  - targets: ['127.0.0.1:{port}']\n\
-             - job_name: tessera-worker\n  http_sd_configs:\n  - url: http://127.0.0.1:{port}/metrics/targets\n    refresh_interval: 1s\n"
+             - job_name: tessera-worker\n  http_sd_configs:\n  - url: http://127.0.0.1:{port}/metrics/targets\n    refresh_interval: 1s\n\
+             rule_files:\n- {}\n",
+            deploy().join("prometheus/rules.yml").display()
         ),
     )
     .unwrap();
@@ -163,4 +169,160 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
         (requests[0]["job"].as_str(), requests[0]["model"].as_str()),
         (Some("tessera-control-plane"), Some("vendor-a/model-a"))
     );
+    // Every rule loaded (a rule that does not parse fails Prometheus's start), and every
+    // query of the rules and dashboards names an exported metric or a recorded one.
+    let rules: Value = serde_json::from_str(&get(&format!("http://127.0.0.1:{web}/api/v1/rules")).unwrap()).unwrap();
+    let rules: Vec<&Value> =
+        rules["data"]["groups"].as_array().unwrap().iter().flat_map(|g| g["rules"].as_array().unwrap()).collect();
+    assert!(rules.iter().any(|r| r["type"] == "alerting") && rules.iter().any(|r| r["type"] == "recording"));
+    let recorded: Vec<String> =
+        rules.iter().filter(|r| r["type"] == "recording").map(|r| r["name"].as_str().unwrap().to_string()).collect();
+    let control_plane = until(30, "a supply state recorded", || {
+        get(&format!("http://127.0.0.1:{port}/metrics")).filter(|t| t.contains("tessera_supply_load_ratio{"))
+    });
+    let mut exported = exported_names(&control_plane);
+    for w in &workers {
+        exported.extend(exported_names(&get(&format!("http://{w}/metrics")).unwrap()));
+    }
+    exported.extend(recorded);
+    exported.push("up".into());
+    // Only a cluster's control plane has these (tests/cluster.rs reads them there).
+    exported.extend(["tessera_etcd_connected", "tessera_etcd_revision", "tessera_placement_leader"].map(String::from));
+    let mut queries: Vec<(String, String)> =
+        rules.iter().map(|r| (format!("rule {}", r["name"]), r["query"].as_str().unwrap().to_string())).collect();
+    let dashboards = deploy().join("grafana/dashboards");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dashboards).unwrap() {
+        let path = entry.unwrap().path();
+        let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+            .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+        count += 1;
+        let mut exprs = Vec::new();
+        collect_exprs(&dashboard, &mut exprs);
+        assert!(!exprs.is_empty(), "{} has no queries", path.display());
+        queries.extend(exprs.into_iter().map(|e| (path.display().to_string(), e)));
+    }
+    assert!(count >= 3, "the Overview, Capacity and Nodes dashboards");
+    for (place, query) in &queries {
+        for name in metric_names(query) {
+            assert!(exported.contains(&name), "{place}: {name} is not exported (in {query})");
+        }
+    }
+}
+
+fn deploy() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+/// The metric names in Prometheus's text format, histograms' series included.
+fn exported_names(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+        .collect()
+}
+
+/// Every `expr` in a dashboard, however deeply its panels nest.
+fn collect_exprs(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(o) => {
+            if let Some(Value::String(e)) = o.get("expr") {
+                out.push(e.clone());
+            }
+            o.values().for_each(|v| collect_exprs(v, out));
+        }
+        Value::Array(a) => a.iter().for_each(|v| collect_exprs(v, out)),
+        _ => {}
+    }
+}
+
+/// The metric names a PromQL query reads: identifiers left once strings, label
+/// matchers, ranges and grouping clauses are gone, that are neither functions (followed
+/// by a parenthesis), keywords, nor Grafana variables.
+fn metric_names(query: &str) -> Vec<String> {
+    const KEYWORDS: [&str; 14] = [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "inf",
+        "nan",
+        "atan2",
+    ];
+    const AGGREGATIONS: [&str; 12] = [
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+    ];
+    // Strings, {…} and […] go.
+    let mut plain = String::new();
+    let mut skip_until: Option<char> = None;
+    for c in query.chars() {
+        match skip_until {
+            Some(end) if c == end => skip_until = None,
+            Some(_) => {}
+            None => match c {
+                '"' => skip_until = Some('"'),
+                '{' => skip_until = Some('}'),
+                '[' => skip_until = Some(']'),
+                c => plain.push(c),
+            },
+        }
+    }
+    let chars: Vec<char> = plain.chars().collect();
+    let mut names = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        let starts = c.is_ascii_alphabetic() || c == '_' || c == ':';
+        if !starts || (i > 0 && (chars[i - 1] == '$' || chars[i - 1].is_ascii_alphanumeric() || chars[i - 1] == '.')) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_' || chars[i] == ':') {
+            i += 1;
+        }
+        let word: String = chars[start..i].iter().collect();
+        let next = chars[i..].iter().find(|c| !c.is_whitespace());
+        if KEYWORDS.contains(&word.as_str()) {
+            // A grouping clause's label list goes with it.
+            if matches!(word.as_str(), "by" | "without" | "on" | "ignoring" | "group_left" | "group_right")
+                && next == Some(&'(')
+            {
+                while i < chars.len() && chars[i] != ')' {
+                    i += 1;
+                }
+            }
+            continue;
+        }
+        // Aggregations may put their grouping before their parenthesis.
+        if next != Some(&'(') && !AGGREGATIONS.contains(&word.as_str()) {
+            names.push(word);
+        }
+    }
+    names
+}
+
+#[test]
+fn promql_metric_names_are_told_from_functions_labels_and_variables() {
+    let q = "histogram_quantile(0.99, sum by (le, model_name) (rate(vllm:time_to_first_token_seconds_bucket{job=\"w\"}[$__rate_interval]))) \
+             / on (model_name) group_left tessera:ttft:p50 > bool 2 and up == 1";
+    assert_eq!(metric_names(q), ["vllm:time_to_first_token_seconds_bucket", "tessera:ttft:p50", "up"]);
 }

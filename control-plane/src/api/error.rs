@@ -230,6 +230,16 @@ impl IntoResponse for ApiError {
         if let Self::Internal(detail) = &self {
             tracing::error!("internal error: {detail}");
         }
+        let refused = match &self {
+            Self::RateLimited { .. } => Some("rate_limited"),
+            Self::SubscriptionLimited { .. } => Some("window_exhausted"),
+            Self::InsufficientQuota { .. } => Some("insufficient_quota"),
+            Self::Overloaded => Some("overloaded"),
+            _ => None,
+        };
+        if let Some(outcome) = refused {
+            metrics::counter!(crate::metrics::REFUSALS, "outcome" => outcome).increment(1);
+        }
         let mut response = (self.status(), axum::Json(self.body())).into_response();
         if let Self::RateLimited { decision, .. } = &self {
             super::auth::set_rate_headers(response.headers_mut(), decision);

@@ -173,6 +173,20 @@ async fn metrics_text(State(app): State<App>) -> impl IntoResponse {
         for (model, n) in ready {
             metrics::gauge!(m::READY_REPLICAS, "model" => model).set(n);
         }
+    } else {
+        // `tessera serve`: its local workers, those answering.
+        for model in app.models.all() {
+            metrics::gauge!(m::READY_REPLICAS, "model" => model.entry.id.clone()).set(model.pool.loads().len() as f64);
+        }
+    }
+    // Every served model is low until a state is recorded for it.
+    let supply = app.billing.supply();
+    for model in app.models.all() {
+        let state = supply.state(&model.entry.id) as u8 as f64;
+        metrics::gauge!(m::SUPPLY_STATE, "model" => model.entry.id.clone()).set(state);
+    }
+    for point in supply.current() {
+        metrics::gauge!(m::SUPPLY_LOAD, "model" => point.model).set(point.load_bp as f64 / 10_000.0);
     }
     let handle = crate::metrics::handle();
     handle.run_upkeep();

@@ -349,9 +349,13 @@ fn refusal_error(refusal: Refusal, now: i64) -> ApiError {
 
 /// Settles, retrying a failing database a few times; true once the ledger has it.
 async fn settle_with_retries(ledger: Ledger, usage: UsageRecord) -> bool {
+    let start = std::time::Instant::now();
     for attempt in 0..5u32 {
         match ledger.settle(&usage).await {
-            Ok(_) => return true,
+            Ok(_) => {
+                metrics::histogram!(crate::metrics::SETTLEMENT).record(start.elapsed().as_secs_f64());
+                return true;
+            }
             Err(e) => {
                 tracing::warn!("settling {} (attempt {}): {e}", usage.request_id, attempt + 1);
                 tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
@@ -360,6 +364,7 @@ async fn settle_with_retries(ledger: Ledger, usage: UsageRecord) -> bool {
     }
     // The hold stays, and `Ledger::release_stale` returns it to the organization later.
     tracing::error!("could not settle {}; its hold is released later", usage.request_id);
+    metrics::counter!(crate::metrics::SETTLEMENT_FAILURES).increment(1);
     false
 }
 

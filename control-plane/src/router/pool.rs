@@ -10,6 +10,7 @@
 
 use super::choice::{self, Candidate, PrefixIndex, Routing, Weights};
 use super::replica::Replica;
+use crate::metrics as m;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -151,12 +152,21 @@ impl Pool {
                 .collect();
             (candidates, index.matched(blocks))
         };
-        let chosen = match self.routing {
-            Routing::CacheAware => choice::choose(&candidates, blocks.len(), &matched, self.weights)?,
+        let picked = match self.routing {
+            Routing::CacheAware => choice::choose(&candidates, blocks.len(), &matched, self.weights),
             Routing::RoundRobin => {
-                choice::in_turn(&candidates, self.turn.fetch_add(1, Ordering::Relaxed), self.weights)?
+                choice::in_turn(&candidates, self.turn.fetch_add(1, Ordering::Relaxed), self.weights)
             }
         };
+        let Some(chosen) = picked else {
+            metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => "none").increment(1);
+            return None;
+        };
+        let held = matched.get(&chosen.id).copied().unwrap_or(0).min(blocks.len());
+        let outcome = if held > 0 { "cached" } else { "uncached" };
+        metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => outcome).increment(1);
+        metrics::counter!(m::ROUTED_BLOCKS, "model" => self.model.clone()).increment(blocks.len() as u64);
+        metrics::counter!(m::ROUTED_CACHED_BLOCKS, "model" => self.model.clone()).increment(held as u64);
         let member = members[&chosen.id].clone();
         member.load.lock().unwrap_or_else(|e| e.into_inner()).unanswered += 1;
         Some(Dispatch { member })
