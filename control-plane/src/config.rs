@@ -11,6 +11,17 @@ use std::path::PathBuf;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Log lines as text, or as JSON objects (one per line, with the request's id in
+    /// every line of a request). The level is RUST_LOG's (default: warnings, and each
+    /// API request answered).
+    #[arg(long, global = true, value_enum, env = "TESSERA_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]

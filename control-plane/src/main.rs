@@ -1,16 +1,20 @@
 //! `tessera`: the control plane's command line.
 
 use clap::Parser;
-use tessera_control_plane::config::{Cli, Command};
+use tessera_control_plane::config::{Cli, Command, LogFormat};
 use tessera_control_plane::{cluster, ops, serve};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "warn,tessera_control_plane::api=info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match cli.command {
         Command::Serve(config) => serve::run(config).await,
         Command::ControlPlane(config) => cluster::control_plane::run(config).await,
         Command::Orgs(cmd) => ops::orgs(cmd).await,

@@ -32,6 +32,7 @@ use rand::Rng;
 use serde_json::{Value, json};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tracing::Instrument;
 
 /// Enough for the longest context in the catalog (about 4 bytes a token) with room
 /// for JSON; larger bodies get a 413 in the API's error shape.
@@ -120,10 +121,15 @@ async fn observe(mut request: Request, next: Next) -> Response {
     request.extensions_mut().insert(RequestId { id: id.clone(), model: model.clone() });
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     let start = Instant::now();
-    let mut response = next.run(request).await;
-    let status = response.status().as_u16().to_string();
+    // Every line logged while serving it (streams' tasks included) names the request.
+    let span = tracing::info_span!("request", request_id = %id);
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
     let model = model.get().cloned().unwrap_or_default();
-    metrics::histogram!(m::HTTP_DURATION, "route" => route.clone()).record(start.elapsed().as_secs_f64());
+    let took = start.elapsed();
+    span.in_scope(|| tracing::info!(%route, status, %model, ms = took.as_millis() as u64, "answered"));
+    metrics::histogram!(m::HTTP_DURATION, "route" => route.clone()).record(took.as_secs_f64());
+    let status = status.to_string();
     metrics::counter!(m::HTTP_REQUESTS, "route" => route, "status" => status, "model" => model).increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);

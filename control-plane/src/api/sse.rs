@@ -8,6 +8,7 @@ use serde_json::Value;
 use std::convert::Infallible;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 pub struct Sender(mpsc::Sender<Result<Event, Infallible>>);
 
@@ -18,7 +19,8 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(fill(Sender(tx)));
+    // The request's span goes with the task: its lines name the request too.
+    tokio::spawn(fill(Sender(tx)).in_current_span());
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
 }
 
