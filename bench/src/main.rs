@@ -9,6 +9,7 @@ mod gateway;
 mod gpu;
 mod grammar;
 mod kernels;
+mod metrics_cost;
 mod serve;
 
 use anyhow::Result;
@@ -40,6 +41,8 @@ enum Command {
     /// A serving load generator against a multi-replica `tessera serve`: tenants with
     /// long system prompts of their own, cache-aware routing against round-robin.
     Serve(serve::Args),
+    /// Requests per second through `tessera serve` with metrics on against off.
+    Metrics(metrics_cost::Args),
     /// The CUDA backend on a Llama-3-8B-shaped model with random weights: decode steps,
     /// prefill and paged attention against the device's bandwidth and matrix ceilings.
     #[cfg(feature = "cuda")]
@@ -65,6 +68,7 @@ fn main() -> Result<()> {
         Command::Billing(args) => billing::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Metrics(args) => metrics_cost::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),
         #[cfg(feature = "cuda")]

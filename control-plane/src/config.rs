@@ -159,6 +159,10 @@ pub struct ApiArgs {
     /// turn (a baseline for comparison).
     #[arg(long, value_enum, default_value_t = Routing::CacheAware)]
     pub routing: Routing,
+    /// Record no metrics (GET /metrics answers 404; `tessera serve`'s workers record
+    /// none either): the baseline for measuring what metrics cost.
+    #[arg(long)]
+    pub no_metrics: bool,
 }
 
 #[derive(Subcommand)]

@@ -33,7 +33,9 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         let mut pool: Option<(Arc<Replica>, Arc<Pool>)> = None;
         for n in 0..config.replicas {
             eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
-            let worker = workers::start(&binary, &weights, &format!("{weights}-{n}"), config.kv_cache_bytes).await?;
+            let replica = format!("{weights}-{n}");
+            let worker =
+                workers::start(&binary, &weights, &replica, config.kv_cache_bytes, !config.api.no_metrics).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
             let (_, pool) = pool
                 .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));
@@ -58,7 +60,9 @@ pub async fn serve_api(
     config: &ApiArgs,
 ) -> Result<Arc<AppState>> {
     // Metrics recorded from here on reach GET /metrics.
-    crate::metrics::handle();
+    if !config.no_metrics {
+        crate::metrics::handle();
+    }
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
     let billing = store.billing(Arc::new(DevProcessor::default()));
@@ -69,7 +73,7 @@ pub async fn serve_api(
     billing.supply().reload().await?;
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
-    let app = Arc::new(AppState { store, models, billing, limits, cluster });
+    let app = Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics });
     let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
     tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
 

@@ -36,9 +36,18 @@ pub fn worker_binary(configured: Option<&Path>) -> PathBuf {
 
 /// Starts a worker serving `weights` (named `replica` in its metrics) and waits until it listens (it fetches and loads
 /// the model first, which may take minutes on a first start).
-pub async fn start(binary: &Path, weights: &str, replica: &str, kv_cache_bytes: Option<u64>) -> Result<LocalWorker> {
+pub async fn start(
+    binary: &Path,
+    weights: &str,
+    replica: &str,
+    kv_cache_bytes: Option<u64>,
+    metrics: bool,
+) -> Result<LocalWorker> {
     let mut cmd = Command::new(binary);
     cmd.args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
+    if !metrics {
+        cmd.arg("--no-metrics");
+    }
     if let Some(bytes) = kv_cache_bytes {
         cmd.args(["--kv-cache-bytes", &bytes.to_string()]);
     }

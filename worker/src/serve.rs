@@ -57,6 +57,9 @@ pub struct ServeConfig {
     /// This replica's name in its metrics' `replica` label.
     #[arg(long, default_value = "worker")]
     pub replica_id: String,
+    /// Record no metrics (GET /metrics serves nothing).
+    #[arg(long)]
+    pub no_metrics: bool,
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
@@ -186,6 +189,9 @@ fn build<B: Backend + 'static>(
     } else {
         EngineCore::tensor_parallel(ranks, tokenizer, engine_config, &config.model)?
     };
+    if config.no_metrics {
+        return Ok(WorkerService::new(EngineHandle::spawn(core), card));
+    }
     let (recorder, metrics) = crate::metrics::registry(&config.model, &config.replica_id);
     Ok(WorkerService::new(EngineHandle::spawn_recording(core, Some(recorder)), card).with_metrics(metrics))
 }

@@ -27,6 +27,7 @@ async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
         cuda_graph_sizes: vec![1, 2, 4],
         enforce_eager: false,
         replica_id: "test".into(),
+        no_metrics: false,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
     };

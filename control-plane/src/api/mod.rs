@@ -46,6 +46,8 @@ pub struct AppState {
     /// Cluster mode: the replica table, whose etcd connection /health reports, and
     /// whether this process leads placement.
     pub cluster: Option<crate::cluster::ClusterView>,
+    /// Whether metrics are recorded (and served at GET /metrics).
+    pub metrics: bool,
 }
 
 pub type App = Arc<AppState>;
@@ -165,7 +167,10 @@ async fn scrape_targets(State(app): State<App>) -> Json<Value> {
 }
 
 /// Prometheus's text format: this process's metrics, the cluster's gauges read now.
-async fn metrics_text(State(app): State<App>) -> impl IntoResponse {
+async fn metrics_text(State(app): State<App>, uri: Uri) -> Response {
+    if !app.metrics {
+        return ApiError::UnknownUrl { method: "GET".into(), path: uri.path().to_string() }.into_response();
+    }
     if let Some(cluster) = &app.cluster {
         let table = cluster.table.borrow().clone();
         metrics::gauge!(m::ETCD_CONNECTED).set(if table.connected { 1.0 } else { 0.0 });
@@ -196,7 +201,7 @@ async fn metrics_text(State(app): State<App>) -> impl IntoResponse {
     }
     let handle = crate::metrics::handle();
     handle.run_upkeep();
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render())
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
 }
 
 /// A generation request's JSON body and the model it names (`param` is what a

@@ -138,6 +138,7 @@ impl Replicas {
             cuda_graph_sizes: crate::engine::core::DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             enforce_eager: false,
             replica_id: a.replica.clone(),
+            no_metrics: false,
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
         };
