@@ -155,6 +155,10 @@ pub struct ApiArgs {
     /// Seconds between refreshes of each model's supply state (subscription discount).
     #[arg(long, env = "TESSERA_SUPPLY_REFRESH_SECS", default_value_t = 600)]
     pub supply_refresh_secs: u64,
+    /// Seconds between refreshes of GET /status's figures (and writes of this process's
+    /// counts to the database).
+    #[arg(long, env = "TESSERA_STATUS_REFRESH_SECS", default_value_t = 10)]
+    pub status_refresh_secs: u64,
     /// How each request picks among a model's replicas: by prefix cache and load, or in
     /// turn (a baseline for comparison).
     #[arg(long, value_enum, default_value_t = Routing::CacheAware)]

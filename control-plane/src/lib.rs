@@ -4,6 +4,7 @@
 pub mod accounts;
 pub mod api;
 pub mod billing;
+pub mod calendar;
 pub mod catalog;
 pub mod chat;
 pub mod cluster;
@@ -13,4 +14,5 @@ pub mod metrics;
 pub mod ops;
 pub mod router;
 pub mod serve;
+pub mod status;
 pub mod workers;

@@ -11,6 +11,7 @@ use crate::catalog::Catalog;
 use crate::config::{ApiArgs, ServeConfig};
 use crate::limits::RateConfig;
 use crate::router::{Models, Pool, Replica};
+use crate::status::Status;
 use crate::workers;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -73,9 +74,14 @@ pub async fn serve_api(
     billing.supply().reload().await?;
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
-    let app = Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics });
+    let status = Status::new(store.status_minutes(), Arc::new(crate::limits::now_us));
+    let app = Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics, status });
     let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
     tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
+    // The first snapshot is ready before the first request.
+    app.status.tick(&app.models.listed(), app.billing.supply()).await;
+    let refresh = Duration::from_secs(config.status_refresh_secs.max(1));
+    tokio::spawn(refresh_status(app.status.clone(), refresh, Arc::downgrade(&app)));
 
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
@@ -100,6 +106,8 @@ pub async fn serve_api(
     }
     // Requests still open are settled with what they used, before the process ends.
     billing_at_exit.shutdown(Duration::from_secs(10)).await;
+    // And their /status counts are written.
+    app.status.tick(&app.models.listed(), app.billing.supply()).await;
     Ok(app)
 }
 
@@ -192,6 +200,20 @@ async fn refresh_supply(supply: Supply, slot: Duration, app: std::sync::Weak<App
         if let Err(e) = refresher.sample(crate::limits::now_us(), &loads).await {
             tracing::error!("recording supply states: {e}");
         }
+    }
+}
+
+/// Writes this process's /status counts and refreshes the snapshots every `every`.
+/// Stops with the app.
+async fn refresh_status(status: Status, every: Duration, app: std::sync::Weak<AppState>) {
+    let mut every = tokio::time::interval(every);
+    every.tick().await;
+    loop {
+        every.tick().await;
+        let Some(app) = app.upgrade() else { return };
+        let (models, supply) = (app.models.listed(), app.billing.supply().clone());
+        drop(app);
+        status.tick(&models, &supply).await;
     }
 }
 

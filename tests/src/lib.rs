@@ -1,8 +1,10 @@
 //! Helpers for end-to-end tests: the workspace's real binaries, built if needed.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// Path of binary `bin` of workspace package `package`, rebuilt first (a no-op when
 /// fresh) so a test never runs a stale one, in the profile the tests were built in.
@@ -21,26 +23,16 @@ pub fn binary(package: &str, bin: &str) -> PathBuf {
     profile_dir.join(bin)
 }
 
-/// A `tessera-worker serve` process, killed when dropped.
-pub struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `tessera-worker serve` of the real model on a free loopback port with a 64 MiB KV
 /// cache, and the address it printed once listening.
-pub fn serve_worker() -> (Worker, String) {
+pub fn serve_worker() -> (Process, String) {
     let mut child = Command::new(binary("tessera-worker", "tessera-worker"))
         .args(["serve", "--model", "smollm2-135m-instruct", "--listen", "127.0.0.1:0", "--kv-cache-bytes", "67108864"])
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting tessera-worker");
     let stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
-    let worker = Worker(child);
+    let worker = Process(child);
     for line in stderr.lines() {
         let line = line.expect("reading the worker's output");
         if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.split(" on ").nth(1)) {
@@ -48,4 +40,101 @@ pub fn serve_worker() -> (Worker, String) {
         }
     }
     panic!("the worker exited before listening");
+}
+
+/// A child process, killed (SIGKILL) when dropped.
+pub struct Process(pub Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// GET `url` (through Python's standard library), as text; None unless it answers 200.
+pub fn get(url: &str) -> Option<String> {
+    let script = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())";
+    let out = Command::new("python3").args(["-c", script, url]).stderr(Stdio::null()).output().unwrap();
+    out.status.success().then(|| String::from_utf8(out.stdout).unwrap())
+}
+
+/// Waits (up to `secs`) for `f`: for what converges on its own schedule (leases,
+/// watches, scrapes, background refreshes).
+pub fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `tessera serve` on a free loopback port over a data directory, once listening.
+pub struct Serve {
+    pub port: u16,
+    /// The bootstrap organization's key.
+    pub key: String,
+    /// What it wrote to stderr before it listened.
+    pub started: Vec<String>,
+    /// Every line it writes to stderr after.
+    pub lines: mpsc::Receiver<String>,
+    pub process: Process,
+}
+
+impl Serve {
+    /// `tessera serve --listen … --data-dir DATA_DIR ARGS` with a 64 MiB KV cache per
+    /// worker; `env_remove` names variables it must not inherit.
+    pub fn start(data_dir: &Path, args: &[&str], env_remove: &[&str]) -> Self {
+        binary("tessera-worker", "tessera-worker");
+        let port = free_port();
+        let mut command = Command::new(binary("tessera-control-plane", "tessera"));
+        command
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--kv-cache-bytes", "67108864"])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for name in env_remove {
+            command.env_remove(name);
+        }
+        let mut child = command.spawn().expect("starting tessera serve");
+        let stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
+        let process = Process(child);
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stderr.lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut started = Vec::new();
+        loop {
+            let line = lines.recv_timeout(Duration::from_secs(300)).expect("tessera serve exited or went quiet");
+            if line.contains("tessera listening on") {
+                break;
+            }
+            started.push(line);
+        }
+        let key = std::fs::read_to_string(data_dir.join("bootstrap.key")).expect("the bootstrap key");
+        Self { port, key: key.trim().to_string(), started, lines, process }
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+
+    /// GET `path` (from the root, not /v1), as text; None unless it answers 200.
+    pub fn get(&self, path: &str) -> Option<String> {
+        get(&format!("http://127.0.0.1:{}{path}", self.port))
+    }
 }

@@ -11,29 +11,14 @@
 pub mod etcd;
 
 use serde_json::Value;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-use tessera_e2e::binary;
+use std::process::{Command, Stdio};
+pub use tessera_e2e::{Process, until};
+use tessera_e2e::{binary, free_port};
 
 /// The model every test deploys (the built-in catalog's).
 pub const MODEL: &str = "vendor-a/model-a";
 /// The agents' and control planes' lease, seconds.
 pub const LEASE_TTL_SECS: u64 = 2;
-
-/// A child process, killed (SIGKILL) when dropped.
-pub struct Process(pub Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 /// `tessera ARGS --json`, parsed.
 pub fn tessera(args: &[&str]) -> Value {
@@ -72,11 +57,7 @@ impl ControlPlane {
     }
 
     fn get(&self, path: &str) -> Option<String> {
-        let url = format!("http://127.0.0.1:{}{path}", self.port);
-        let script =
-            "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())";
-        let out = Command::new("python3").args(["-c", script, &url]).stderr(Stdio::null()).output().unwrap();
-        out.status.success().then(|| String::from_utf8(out.stdout).unwrap())
+        tessera_e2e::get(&format!("http://127.0.0.1:{}{path}", self.port))
     }
 }
 
@@ -165,18 +146,6 @@ impl Cluster {
     /// The organization's spendable balance and held credit, in micro-dollars.
     pub fn credits(&self) -> Value {
         tessera(&["credits", "show", "--org", &self.org, "--data-dir", self.data_dir()])
-    }
-}
-
-/// Waits (up to `secs`) for `f`; the cluster converges through leases and watches.
-pub fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

@@ -79,6 +79,15 @@ for t in threads: t.join()
 for r in results.values(): print(json.dumps(r), flush=True)
 "#;
 
+/// Reads the clients' output until `count` lines have said `what`.
+fn read_until(lines: &mut impl Iterator<Item = std::io::Result<String>>, what: &str, count: u32) {
+    let mut seen = 0;
+    while seen < count {
+        let line = lines.next().unwrap_or_else(|| panic!("the clients stopped before {count} said {what:?}")).unwrap();
+        seen += (line == what) as u32;
+    }
+}
+
 #[test]
 fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
     let c = Cluster::start();
@@ -95,11 +104,7 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
     let mut steady =
         python(STEADY, &cp.base_url(), &c.key, &[("THREADS", "4".into()), ("STOP", stop.clone())]).spawn().unwrap();
     let mut lines = BufReader::new(steady.stdout.take().unwrap()).lines();
-    let mut ok_before = 0;
-    while ok_before < 4 {
-        let line = lines.next().expect("the clients stopped").unwrap();
-        ok_before += (line == "ok") as u32;
-    }
+    read_until(&mut lines, "ok", 4);
     let drained = placed[0].clone();
     tessera(&["nodes", "drain", &drained, "--etcd", &c.endpoint()]);
     let after_drain = until(120, "the drained node's replica moved", || {
@@ -110,11 +115,7 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
         (on_it == 0).then_some(())
     });
     // A few more after the move, then stop.
-    let mut ok_after = 0;
-    while ok_after < 4 {
-        let line = lines.next().expect("the clients stopped").unwrap();
-        ok_after += (line == "ok") as u32;
-    }
+    read_until(&mut lines, "ok", 4);
     std::fs::write(&stop, "").unwrap();
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(steady.wait().unwrap().success());
@@ -127,11 +128,7 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
     let billed_before = c.usage().len();
     let mut streams = python(STREAMS, &cp.base_url(), &c.key, &[("N", "8".into())]).spawn().unwrap();
     let mut lines = BufReader::new(streams.stdout.take().unwrap()).lines();
-    let mut started = 0;
-    while started < 4 {
-        let line = lines.next().expect("the streams stopped").unwrap();
-        started += (line == "started") as u32;
-    }
+    read_until(&mut lines, "started", 4);
     let victim = after_drain[0].clone();
     drop(nodes[names.iter().position(|n| *n == victim).unwrap()].take());
     let results: Vec<Value> =

@@ -3,51 +3,15 @@
 //! streamed completion and a refused request alike.
 
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
-use tessera_e2e::binary;
-
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use tessera_e2e::Serve;
 
 #[test]
 fn json_logs_name_each_request_by_its_response_id() {
-    binary("tessera-worker", "tessera-worker");
-    let tessera = binary("tessera-control-plane", "tessera");
     let data = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = Command::new(&tessera)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--kv-cache-bytes", "67108864"])
-        .args(["--log-format", "json"])
-        .arg("--data-dir")
-        .arg(data.path())
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let _serve = Process(child);
-    // The server's own lines (JSON) and its workers' relayed output (text, prefixed).
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in stderr.lines() {
-            if tx.send(line.unwrap()).is_err() {
-                return;
-            }
-        }
-    });
-    let next = || lines.recv_timeout(Duration::from_secs(120)).expect("tessera serve went quiet");
-    while !next().contains("tessera listening on") {}
-    let key = std::fs::read_to_string(data.path().join("bootstrap.key")).unwrap().trim().to_string();
+    let serve = Serve::start(data.path(), &["--log-format", "json"], &["RUST_LOG"]);
+    let next = || serve.lines.recv_timeout(Duration::from_secs(120)).expect("tessera serve went quiet");
 
     // A streamed chat completion and a request without a model; their response ids.
     let script = r#"
@@ -67,8 +31,8 @@ print(post({"messages": [{"role": "user", "content": "Hi"}]}))
 "#;
     let out = Command::new("python3")
         .args(["-c", script])
-        .env("BASE", format!("http://127.0.0.1:{port}/v1"))
-        .env("KEY", &key)
+        .env("BASE", serve.base_url())
+        .env("KEY", &serve.key)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -7,42 +7,8 @@
 //! `deploy/grafana` dashboard queries is one the processes export.
 
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-use tessera_e2e::binary;
-
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// GET `url`, as text; None when it does not answer 200.
-fn get(url: &str) -> Option<String> {
-    let script = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())";
-    let out = Command::new("python3").args(["-c", script, url]).stderr(Stdio::null()).output().unwrap();
-    out.status.success().then(|| String::from_utf8(out.stdout).unwrap())
-}
-
-/// Waits (up to `secs`) for `f`: Prometheus scrapes and discovers on its own schedule.
-fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
+use std::process::{Command, Stdio};
+use tessera_e2e::{Process, Serve, free_port, get, until};
 
 /// The series a PromQL query returns, each as its label set.
 fn series(prometheus: u16, query: &str) -> Vec<Value> {
@@ -68,36 +34,17 @@ fn prometheus_finds_every_worker_through_discovery_and_reads_their_labels() {
     else {
         panic!("this test starts a real Prometheus: apt-get install prometheus (`.ci/run` does)");
     };
-    binary("tessera-worker", "tessera-worker");
-    let tessera = binary("tessera-control-plane", "tessera");
     let data = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let mut child = Command::new(&tessera)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--replicas", "2"])
-        .args(["--kv-cache-bytes", "67108864"])
-        // A supply state (and its load) every two seconds rather than ten minutes.
-        .args(["--supply-refresh-secs", "2"])
-        .arg("--data-dir")
-        .arg(data.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let _serve = Process(child);
-    let mut workers = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if line.contains("tessera-worker serving") {
-            workers.push(line.rsplit(" on ").next().unwrap().to_string());
-        }
-        if line.starts_with("tessera listening on") {
-            break;
-        }
-    }
-    std::thread::spawn(move || lines.for_each(drop));
+    // A supply state (and its load) every two seconds rather than ten minutes.
+    let serve = Serve::start(data.path(), &["--replicas", "2", "--supply-refresh-secs", "2"], &[]);
+    let port = serve.port;
+    let mut workers: Vec<String> = serve
+        .started
+        .iter()
+        .filter(|l| l.contains("tessera-worker serving"))
+        .map(|l| l.rsplit(" on ").next().unwrap().to_string())
+        .collect();
     assert_eq!(workers.len(), 2, "two local workers");
-    let key = std::fs::read_to_string(data.path().join("bootstrap.key")).unwrap().trim().to_string();
 
     // One request, so that the counters exist.
     let script = r#"
@@ -107,8 +54,8 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
 "#;
     let status = Command::new("python3")
         .args(["-c", script])
-        .env("BASE", format!("http://127.0.0.1:{port}/v1"))
-        .env("KEY", &key)
+        .env("BASE", serve.base_url())
+        .env("KEY", &serve.key)
         .status()
         .unwrap();
     assert!(status.success());

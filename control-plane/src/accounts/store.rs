@@ -133,6 +133,16 @@ impl Store {
     }
 
     /// Request rate limits kept in the same database.
+    /// GET /status's per-minute aggregates in the same database.
+    pub fn status_minutes(&self) -> crate::status::Minutes {
+        crate::status::Minutes::new(self.pool.clone())
+    }
+
+    /// Closes the connections: later queries fail (tests of a database going away).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
     pub fn rate_limiter(&self, config: crate::limits::RateConfig) -> crate::limits::RateLimiter {
         crate::limits::RateLimiter::new(self.pool.clone(), config)
     }

@@ -60,8 +60,12 @@ pub async fn handle(
     let mut outputs = Vec::new();
     for (slot, p) in request.prompts.iter().enumerate() {
         let g = Generation { prompt: p.tokens.clone(), ..request.template.clone() };
-        let out = if g.max_tokens == 0 { None } else { Some(generate::start(&model.pool, g, &meter, slot).await?) };
-        outputs.push(out);
+        if g.max_tokens == 0 {
+            outputs.push(None);
+            continue;
+        }
+        let probe = app.status.probe(&model.entry.id, request_id.received);
+        outputs.push(Some(generate::start(&model.pool, g, &meter, slot, probe).await?));
     }
     let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});
     if request.stream {

@@ -6,6 +6,7 @@ use super::error::ApiError;
 use crate::billing::Meter;
 use crate::chat::output::{Reading, Split};
 use crate::router::Pool;
+use crate::status::Probe;
 use tessera_proto::GRAMMAR_REFUSED;
 use tessera_proto::worker::{self as pb};
 use tonic::{Code, Status, Streaming};
@@ -29,6 +30,8 @@ pub struct Output {
     /// The request's bill, and which of its prompts this is.
     meter: Meter,
     slot: usize,
+    /// Its measurements for GET /status.
+    probe: Probe,
 }
 
 /// Most replicas one request tries before it answers 503.
@@ -38,8 +41,33 @@ const ATTEMPTS: usize = 3;
 /// first delta arrives nothing has been generated or billed, so a replica that cannot be
 /// reached, fails, or is full by then is left for the next choice (one that failed is
 /// taken out of routing until its load stream answers again). After the first delta a
-/// failure ends the request with what it generated (`Output::next`).
-pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Result<Output, ApiError> {
+/// failure ends the request with what it generated (`Output::next`). `probe` measures
+/// the generation, and counts its failure if it fails on our side.
+pub async fn start(
+    pool: &Pool,
+    g: Generation,
+    meter: &Meter,
+    slot: usize,
+    mut probe: Probe,
+) -> Result<Output, ApiError> {
+    match first_delta(pool, g, meter, slot).await {
+        Ok((stream, first)) => {
+            probe.first_token();
+            Ok(Output { stream, first, meter: meter.clone(), slot, probe })
+        }
+        Err(e) => {
+            if e.status().is_server_error() {
+                probe.failed();
+            }
+            Err(e)
+        }
+    }
+}
+
+type Started = (Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>);
+
+/// Sends the generation to replicas until one returns its first delta.
+async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Result<Started, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
         prompt_token_ids: g.prompt,
@@ -71,9 +99,9 @@ pub async fn start(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Re
             Err(s) => Err(s),
         };
         match first {
-            Ok((stream, first)) => {
+            Ok(started) => {
                 meter.started(slot);
-                return Ok(Output { stream, first, meter: meter.clone(), slot });
+                return Ok(started);
             }
             Err(s) if retry_elsewhere(s.code()) => {
                 tracing::warn!("replica {id} failed before the first token ({s}); trying another");
@@ -103,7 +131,13 @@ impl Output {
     pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
         let r = match self.first.take() {
             Some(first) => Some(first),
-            None => self.stream.message().await.map_err(|s| worker_error(s, ""))?,
+            None => {
+                let r = self.stream.message().await.map_err(|s| worker_error(s, ""));
+                if let Ok(Some(r)) = &r {
+                    self.probe.delta(r.tokens.len());
+                }
+                r.inspect_err(|_| self.probe.failed())?
+            }
         };
         if let Some(r) = &r {
             self.meter.record(self.slot, r.cached_prompt_tokens, r.tokens.len());
@@ -111,6 +145,7 @@ impl Output {
         if let Some(r) = &r
             && r.finish_reason == pb::FinishReason::Abort as i32
         {
+            self.probe.failed();
             return Err(ApiError::Overloaded);
         }
         Ok(r)

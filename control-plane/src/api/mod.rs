@@ -13,6 +13,7 @@ pub mod models;
 pub mod params;
 pub mod responses;
 pub mod sse;
+pub mod status;
 
 use crate::accounts::Store;
 use crate::metrics as m;
@@ -48,6 +49,8 @@ pub struct AppState {
     pub cluster: Option<crate::cluster::ClusterView>,
     /// Whether metrics are recorded (and served at GET /metrics).
     pub metrics: bool,
+    /// GET /status's figures, and what measures them.
+    pub status: crate::status::Status,
 }
 
 pub type App = Arc<AppState>;
@@ -59,6 +62,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/responses", post(responses::handle))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
+        .route("/status", get(status::handle))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/metrics/targets", get(scrape_targets))
@@ -107,11 +111,12 @@ async fn unknown(method: Method, uri: Uri) -> ApiError {
 }
 
 /// A request's id: in its `x-request-id` response header (which the SDKs surface on
-/// errors) and its usage record, so that a bill can be traced to a call. Also the model
-/// its body named, once read, for its metrics.
+/// errors) and its usage record, so that a bill can be traced to a call. Also when it
+/// arrived, and the model its body named, once read, for its metrics.
 #[derive(Debug, Clone)]
 pub struct RequestId {
     pub id: String,
+    pub received: Instant,
     model: Arc<OnceLock<String>>,
 }
 
@@ -120,9 +125,9 @@ pub struct RequestId {
 async fn observe(mut request: Request, next: Next) -> Response {
     let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
     let model = Arc::new(OnceLock::new());
-    request.extensions_mut().insert(RequestId { id: id.clone(), model: model.clone() });
-    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     let start = Instant::now();
+    request.extensions_mut().insert(RequestId { id: id.clone(), received: start, model: model.clone() });
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     // Every line logged while serving it (streams' tasks included) names the request.
     let span = tracing::info_span!("request", request_id = %id);
     let mut response = next.run(request).instrument(span.clone()).await;

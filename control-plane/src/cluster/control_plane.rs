@@ -42,7 +42,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     tokio::spawn(leader::run(client.clone(), leader, weights, leading));
 
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
-    let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| m.id.clone())));
+    let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| (m.id.clone(), m.name.clone()))));
     tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
     let view = ClusterView { table: table.subscribe(), leading: leading_rx };
     crate::serve::serve_api(store, models, Some(view), &config.api).await?;

@@ -11,7 +11,7 @@ pub use pool::{Dispatch, Pool, PoolError};
 pub use replica::{Replica, ReplicaError};
 
 use crate::catalog::{Catalog, CatalogModel};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use tessera_proto::chat_template::ChatTemplate;
 
@@ -57,8 +57,8 @@ pub struct Models {
     by_id: RwLock<BTreeMap<String, Arc<ServedModel>>>,
     /// Models that will be served once a replica is ready (cluster mode's catalog):
     /// until then a request for one is told to come back (503), not that it does not
-    /// exist.
-    expected: BTreeSet<String>,
+    /// exist. By id, with their display names.
+    expected: BTreeMap<String, String>,
 }
 
 impl Models {
@@ -73,14 +73,23 @@ impl Models {
         Ok(models)
     }
 
-    /// None served yet; `expected` are the ids that may be.
-    pub fn expecting(expected: impl IntoIterator<Item = String>) -> Self {
+    /// None served yet; `expected` are the models (id, display name) that may be.
+    pub fn expecting(expected: impl IntoIterator<Item = (String, String)>) -> Self {
         Self { by_id: RwLock::default(), expected: expected.into_iter().collect() }
     }
 
     /// Whether `id` is a model that is not served yet but will be.
     pub fn is_expected(&self, id: &str) -> bool {
-        self.expected.contains(id) && self.get(id).is_none()
+        self.expected.contains_key(id) && self.get(id).is_none()
+    }
+
+    /// The models GET /status reports: those served and those expected, by id.
+    pub fn listed(&self) -> Vec<crate::status::Listed> {
+        let mut all = self.expected.clone();
+        for m in self.all() {
+            all.insert(m.entry.id.clone(), m.entry.name.clone());
+        }
+        all.into_iter().map(|(id, name)| crate::status::Listed { id, name }).collect()
     }
 
     pub fn insert(&self, model: ServedModel) {
