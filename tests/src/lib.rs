@@ -76,6 +76,17 @@ pub fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// Python run with the SDK client's settings in its environment (`BASE`, `KEY`, and
+/// `env`), its output piped.
+pub fn python(script: &str, base: &str, key: &str, env: &[(&str, String)]) -> Command {
+    let mut command = Command::new("python3");
+    command.args(["-c", script]).env("BASE", base).env("KEY", key).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command
+}
+
 /// `tessera serve` on a free loopback port over a data directory, once listening.
 pub struct Serve {
     pub port: u16,

@@ -12,7 +12,7 @@ pub mod etcd;
 
 use serde_json::Value;
 use std::process::{Command, Stdio};
-pub use tessera_e2e::{Process, until};
+pub use tessera_e2e::{Process, python, until};
 use tessera_e2e::{binary, free_port};
 
 /// The model every test deploys (the built-in catalog's).
@@ -147,17 +147,6 @@ impl Cluster {
     pub fn credits(&self) -> Value {
         tessera(&["credits", "show", "--org", &self.org, "--data-dir", self.data_dir()])
     }
-}
-
-/// Python run with the SDK client's settings in its environment (`BASE`, `KEY`, and
-/// `env`), its output piped.
-pub fn python(script: &str, base: &str, key: &str, env: &[(&str, String)]) -> Command {
-    let mut command = Command::new("python3");
-    command.args(["-c", script]).env("BASE", base).env("KEY", key).stdout(Stdio::piped()).stderr(Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    command
 }
 
 /// Sends `count` chat completions one after another through the SDK, each of which must

@@ -3,9 +3,8 @@
 //! streamed completion and a refused request alike.
 
 use serde_json::Value;
-use std::process::Command;
 use std::time::Duration;
-use tessera_e2e::Serve;
+use tessera_e2e::{Serve, python};
 
 #[test]
 fn json_logs_name_each_request_by_its_response_id() {
@@ -29,12 +28,7 @@ print(post({"model": "vendor-a/model-a", "stream": True, "max_tokens": 3,
             "messages": [{"role": "user", "content": "Hi"}]}))
 print(post({"messages": [{"role": "user", "content": "Hi"}]}))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .env("BASE", serve.base_url())
-        .env("KEY", &serve.key)
-        .output()
-        .unwrap();
+    let out = python(script, &serve.base_url(), &serve.key, &[]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let ids: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect();
     assert_eq!(ids.len(), 2);

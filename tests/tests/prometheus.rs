@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 use std::process::{Command, Stdio};
-use tessera_e2e::{Process, Serve, free_port, get, until};
+use tessera_e2e::{Process, Serve, free_port, get, python, until};
 
 /// The series a PromQL query returns, each as its label set.
 fn series(prometheus: u16, query: &str) -> Vec<Value> {
@@ -52,13 +52,8 @@ import os, openai
 c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
 c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
 "#;
-    let status = Command::new("python3")
-        .args(["-c", script])
-        .env("BASE", serve.base_url())
-        .env("KEY", &serve.key)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let out = python(script, &serve.base_url(), &serve.key, &[]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let targets: Value =
         serde_json::from_str(&get(&format!("http://127.0.0.1:{port}/metrics/targets")).unwrap()).unwrap();

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 use std::process::Command;
-use tessera_e2e::{Serve, until};
+use tessera_e2e::{Serve, python, until};
 
 const MODEL: &str = "vendor-a/model-a";
 
@@ -73,12 +73,7 @@ for i in range(3):
         r = c.chat.completions.create(model="vendor-a/model-a", max_tokens=8, messages=messages)
         assert r.usage.completion_tokens >= 2, r
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .env("BASE", serve.base_url())
-        .env("KEY", &serve.key)
-        .output()
-        .unwrap();
+    let out = python(script, &serve.base_url(), &serve.key, &[]).output().unwrap();
     assert!(out.status.success(), "the SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
 
     // The figures reach the database and the snapshot within a refresh or two.
