@@ -161,6 +161,12 @@ fn weighted_sums(scores: &[f32], offsets: &[usize], v_cache: &[f32], hd: usize, 
 #[inline(always)]
 fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx512() {
+        // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
+        unsafe { avx512::head_sums::<H>(scores, offsets, v_cache, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
         unsafe { avx2::head_sums::<H>(scores, offsets, v_cache, out) };
@@ -195,6 +201,12 @@ fn portable_head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache
 /// `head_dim mod 8` leftovers in order: the same operations for a key whichever keys
 /// are computed beside it, on either path.
 fn key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], scale: f32, scores: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(LANES) && super::simd::has_avx512() {
+        // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
+        unsafe { avx512::key_scores(queries, hd, k_cache, offsets, scale, scores) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(LANES) && super::simd::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
@@ -343,6 +355,136 @@ mod avx2 {
     }
 }
 
+/// AVX-512: a value sum's elements are each their own chain, so sixteen lanes compute
+/// the bits of eight; a key's score packs two keys into each register (one per 8-lane
+/// half, the query broadcast to both), so every lane runs the AVX2 path's chain and the
+/// reduction forms `pairwise`' tree.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{LANES, VALUE_CHUNK, pairwise};
+    use std::arch::x86_64::*;
+
+    const WIDE: usize = 16;
+
+    /// `super::head_sums`: a whole 64-wide head in four registers when it divides
+    /// evenly, else 32-value chunks in two.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+        let hd = out.len() / H;
+        if hd.is_multiple_of(4 * WIDE) {
+            chunked::<H, 4>(scores, offsets, v_cache, out)
+        } else {
+            chunked::<H, { VALUE_CHUNK / WIDE }>(scores, offsets, v_cache, out)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[inline]
+    fn chunked<const H: usize, const REGS: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+        let (keys, hd) = (offsets.len(), out.len() / H);
+        let chunk = REGS * WIDE;
+        assert!(hd.is_multiple_of(chunk) && scores.len() >= H * keys);
+        assert!(offsets.iter().all(|&at| at + hd <= v_cache.len()), "a value outside the cache");
+        for d0 in (0..hd).step_by(chunk) {
+            let mut acc = [[_mm512_setzero_ps(); REGS]; H];
+            for (p, &at) in offsets.iter().enumerate() {
+                let mut value = [_mm512_setzero_ps(); REGS];
+                for (r, v) in value.iter_mut().enumerate() {
+                    // SAFETY: at + d0 + chunk <= at + hd, inside the cache (asserted).
+                    *v = unsafe { _mm512_loadu_ps(v_cache.as_ptr().add(at + d0 + r * WIDE)) };
+                }
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let s = _mm512_set1_ps(scores[h * keys + p]);
+                    for (a, v) in acc.iter_mut().zip(&value) {
+                        *a = _mm512_fmadd_ps(s, *v, *a);
+                    }
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                for (r, a) in acc.iter().enumerate() {
+                    let o = &mut out[h * hd + d0 + r * WIDE..h * hd + d0 + (r + 1) * WIDE];
+                    // SAFETY: `o` holds 16 floats.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+                }
+            }
+        }
+    }
+
+    /// `super::key_scores` for a head size that is a multiple of 8: eight keys at a
+    /// time, key `p + j` in the low half of register `j` and key `p + 4 + j` in its
+    /// high half.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) fn key_scores(
+        queries: &[f32],
+        hd: usize,
+        k_cache: &[f32],
+        offsets: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let (keys, group) = (offsets.len(), queries.len() / hd);
+        assert!(hd.is_multiple_of(LANES) && scores.len() >= group * keys);
+        assert!(offsets.iter().all(|&at| at + hd <= k_cache.len()), "a key outside the cache");
+        let scale_v = _mm256_set1_ps(scale);
+        let whole = keys / LANES * LANES;
+        let mut p = 0;
+        while p < whole {
+            for h in 0..group {
+                let mut acc = [_mm512_setzero_ps(); LANES / 2];
+                for d in (0..hd).step_by(LANES) {
+                    // SAFETY: query h spans [h*hd, (h+1)*hd) of `queries` and every key
+                    // [at, at+hd) of the cache, asserted above; d + 8 <= hd.
+                    unsafe {
+                        let q = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries.as_ptr().add(h * hd + d)));
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let lo = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + j] + d));
+                            let hi = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + 4 + j] + d));
+                            *a = _mm512_fmadd_ps(q, _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), *a);
+                        }
+                    }
+                }
+                let sums = _mm256_mul_ps(reduce8(&acc), scale_v);
+                // SAFETY: h*keys + p + 8 <= group*keys, asserted above.
+                unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(h * keys + p), sums) };
+            }
+            p += LANES;
+        }
+        for p in whole..keys {
+            for h in 0..group {
+                let mut acc = _mm256_setzero_ps();
+                for d in (0..hd).step_by(LANES) {
+                    // SAFETY: as above.
+                    unsafe {
+                        let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
+                        acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
+                    }
+                }
+                let mut lanes = [0.0f32; LANES];
+                // SAFETY: `lanes` holds 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+                scores[h * keys + p] = pairwise(&lanes) * scale;
+            }
+        }
+    }
+
+    /// The eight keys' `pairwise` sums in key order, from registers laid out as
+    /// `key_scores` fills them.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce8(a: &[__m512; LANES / 2]) -> __m256 {
+        // In each 128-bit quarter, [a0+a1, a2+a3, b0+b1, b2+b3]: AVX2's horizontal add.
+        let hadd = |a: __m512, b: __m512| {
+            _mm512_add_ps(_mm512_shuffle_ps(a, b, 0b10_00_10_00), _mm512_shuffle_ps(a, b, 0b11_01_11_01))
+        };
+        // Quarter 0 holds lanes 0..4's sums of keys p..p+4, quarter 1 their lanes 4..8;
+        // quarters 2 and 3 the same for keys p+4..p+8.
+        let u = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));
+        let low = _mm512_shuffle_f32x4(u, u, 0b00_00_10_00);
+        let high = _mm512_shuffle_f32x4(u, u, 0b00_00_11_01);
+        _mm512_castps512_ps256(_mm512_add_ps(low, high))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -388,6 +530,40 @@ mod tests {
         assert_eq!(bits(&fast), bits(&slow));
         let want: f64 = (0..keys).map(|p| scores[2 * keys + p] as f64 * cache[offsets[p] + 5] as f64).sum();
         assert!((fast[2 * hd + 5] as f64 - want).abs() < 1e-5);
+    }
+
+    /// The AVX-512 paths against the AVX2 ones, key counts past every multiple of 8.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_and_avx2_paths_agree_bit_for_bit() {
+        if !crate::cpu::simd::has_avx512() {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(3);
+        for (hd, keys) in [(64, 1), (64, 8), (64, 29), (32, 17), (96, 40), (24, 13)] {
+            let group = 3;
+            let queries: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let cache: Vec<f32> = (0..(keys + 4) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let offsets: Vec<usize> = (0..keys).map(|p| ((p * 3) % (keys + 4)) * hd).collect();
+            let (mut wide, mut narrow) = (vec![0.0f32; group * keys], vec![0.0f32; group * keys]);
+            // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA (checked above).
+            unsafe {
+                avx512::key_scores(&queries, hd, &cache, &offsets, 0.125, &mut wide);
+                avx2::key_scores(&queries, hd, &cache, &offsets, 0.125, &mut narrow);
+            }
+            assert_eq!(bits(&wide), bits(&narrow), "scores, head_dim {hd}, {keys} keys");
+            if hd % VALUE_CHUNK == 0 {
+                let scores: Vec<f32> = (0..group * keys).map(|_| rng.random_range(0.0..1.0)).collect();
+                let (mut wide, mut narrow) = (vec![0.0f32; group * hd], vec![0.0f32; group * hd]);
+                // SAFETY: as above.
+                unsafe {
+                    avx512::head_sums::<3>(&scores, &offsets, &cache, &mut wide);
+                    avx2::head_sums::<3>(&scores, &offsets, &cache, &mut narrow);
+                }
+                assert_eq!(bits(&wide), bits(&narrow), "values, head_dim {hd}, {keys} keys");
+            }
+        }
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {

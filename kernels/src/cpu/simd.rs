@@ -1,9 +1,10 @@
-//! Hot loops compiled twice — once with AVX2 and FMA enabled, once for any CPU — and
-//! chosen at run time, so the binary stays portable while the loops use wide vectors
-//! where the CPU has them.
+//! Hot loops compiled three times — with AVX-512, with AVX2 and FMA, and for any CPU —
+//! and chosen at run time, so the binary stays portable while the loops use wide
+//! vectors where the CPU has them. Rust never reassociates or contracts float
+//! arithmetic, so the three builds compute the same bits.
 
-/// Defines `fn NAME(args) -> R` that runs BODY compiled with AVX2+FMA when the CPU
-/// supports them, and compiled for the baseline target otherwise.
+/// Defines `fn NAME(args) -> R` that runs BODY compiled with AVX-512 or AVX2+FMA when
+/// the CPU supports them, and compiled for the baseline target otherwise.
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block) => {
         $(#[$meta])*
@@ -17,6 +18,17 @@ macro_rules! multiversion {
                 portable($($arg),*)
             }
 
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+            fn avx512($($arg: $ty),*) -> $ret {
+                portable($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            if $crate::cpu::simd::has_avx512() {
+                // SAFETY: the CPU has the features `avx512` is compiled for.
+                return unsafe { avx512($($arg),*) };
+            }
             #[cfg(target_arch = "x86_64")]
             if $crate::cpu::simd::has_avx2_fma() {
                 // SAFETY: the CPU has the features `avx2` is compiled for.
@@ -33,6 +45,12 @@ pub(crate) use multiversion;
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx2_fma() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// Whether the CPU runs the AVX-512 paths (F and DQ, with AVX2 and FMA).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq")
 }
 
 /// e^x within about 1 ulp for x ≤ 88 (Cephes' single-precision polynomial), written in

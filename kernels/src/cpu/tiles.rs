@@ -6,9 +6,9 @@
 //! sums `k ≡ l (mod 8)` in increasing `k`, the eight lanes are then added in a fixed
 //! tree, then the `k mod 8` leftovers in order — and which tile an output falls in
 //! changes only what is computed beside it, never its operations. A sequence therefore
-//! gets the same bits alone or in any batch. The AVX2 path and the portable one compute
-//! the same fused operations (the portable one slowly where the CPU has no FMA), so
-//! they agree bit for bit.
+//! gets the same bits alone or in any batch. The AVX-512 path (two rows to a register,
+//! below), the AVX2 path and the portable one compute the same fused operations (the
+//! portable one slowly where the CPU has no FMA), so they agree bit for bit.
 
 pub(super) const LANES: usize = 8;
 /// Tile shape: 4 × 3 accumulators of 8 lanes plus the 3 inputs' operands fill the 16
@@ -21,6 +21,12 @@ const INPUT_EDGE: usize = 3;
 pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
     let (rows, tokens) = (w.len() / k, x.len() / k);
     assert!(tokens <= stride && (rows == 0 || out.len() >= (rows - 1) * stride + tokens), "output too small");
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx512() {
+        // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
+        unsafe { avx512::dot_tile(w, x, k, out, stride) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
@@ -92,7 +98,12 @@ fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &m
 /// An output from its lanes and the `k mod 8` products past them.
 #[inline(always)]
 fn finish(lanes: &[f32; LANES], w_tail: &[f32], x_tail: &[f32]) -> f32 {
-    let mut sum = reduce_lanes(lanes);
+    tail(reduce_lanes(lanes), w_tail, x_tail)
+}
+
+/// `sum` plus the `k mod 8` products past the lanes, in order.
+#[inline(always)]
+fn tail(mut sum: f32, w_tail: &[f32], x_tail: &[f32]) -> f32 {
     for (w, x) in w_tail.iter().zip(x_tail) {
         sum = w.mul_add(*x, sum);
     }
@@ -142,6 +153,110 @@ mod avx2 {
                 out[i * stride + j] = finish(&lanes, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
             }
         }
+    }
+}
+
+/// With AVX-512 each 16-lane register holds two weight rows' 8 lanes side by side and
+/// one input's 8 lanes broadcast to both halves, so every lane runs exactly the chain of
+/// fused multiply-adds of the 8-lane paths — the same bits — at twice the width, and the
+/// 32 registers hold a tile of 4 row pairs × 6 inputs.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{LANES, tail};
+    use std::arch::x86_64::*;
+
+    const PAIRS: usize = 4;
+    const INPUTS: usize = 6;
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+        let (rows, tokens) = (w.len() / k, x.len() / k);
+        let mut t = 0;
+        while t < tokens {
+            let tt = (tokens - t).min(INPUTS);
+            let xs = &x[t * k..(t + tt) * k];
+            let mut r = 0;
+            while r < rows {
+                let rr = (rows - r).min(2 * PAIRS);
+                let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[r * stride + t..]);
+                macro_rules! by_inputs {
+                    ($p:literal) => {
+                        match tt {
+                            6 => micro::<$p, 6>(ws, xs, k, o, stride),
+                            5 => micro::<$p, 5>(ws, xs, k, o, stride),
+                            4 => micro::<$p, 4>(ws, xs, k, o, stride),
+                            3 => micro::<$p, 3>(ws, xs, k, o, stride),
+                            2 => micro::<$p, 2>(ws, xs, k, o, stride),
+                            _ => micro::<$p, 1>(ws, xs, k, o, stride),
+                        }
+                    };
+                }
+                match rr.div_ceil(2) {
+                    4 => by_inputs!(4),
+                    3 => by_inputs!(3),
+                    2 => by_inputs!(2),
+                    _ => by_inputs!(1),
+                }
+                r += rr;
+            }
+            t += tt;
+        }
+    }
+
+    /// `P` row pairs (the last one's second row repeats its first when `w` holds an odd
+    /// number of rows; that result is dropped) against `T` input rows.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[inline]
+    fn micro<const P: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+        let rows = w.len() / k;
+        assert!(rows <= 2 * P && rows + 2 > 2 * P && x.len() >= T * k);
+        let row = |i: usize| i.min(rows - 1) * k;
+        let whole = k / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); T]; P];
+        let mut at = 0;
+        while at < whole {
+            // SAFETY: rows start at `row(i)` < rows * k <= w.len() and inputs at j * k,
+            // j < T; each read is 8 floats from `at`, at + 8 <= whole <= k.
+            unsafe {
+                let mut wv = [_mm512_setzero_ps(); P];
+                for (p, v) in wv.iter_mut().enumerate() {
+                    let lo = _mm256_loadu_ps(w.as_ptr().add(row(2 * p) + at));
+                    let hi = _mm256_loadu_ps(w.as_ptr().add(row(2 * p + 1) + at));
+                    *v = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+                }
+                for j in 0..T {
+                    let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x.as_ptr().add(j * k + at)));
+                    for p in 0..P {
+                        acc[p][j] = _mm512_fmadd_ps(wv[p], xv, acc[p][j]);
+                    }
+                }
+            }
+            at += LANES;
+        }
+        for p in 0..P {
+            for j in 0..T {
+                let v = reduce_halves(acc[p][j]);
+                let sums = [_mm512_cvtss_f32(v), _mm_cvtss_f32(_mm512_extractf32x4_ps(v, 2))];
+                for (h, sum) in sums.into_iter().enumerate() {
+                    let i = 2 * p + h;
+                    if i < rows {
+                        out[i * stride + j] = tail(sum, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Each half's eight lanes summed in `reduce_lanes`' tree, into lanes 0 and 8.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce_halves(a: __m512) -> __m512 {
+        // s_l = a_l + a_(l+4): the 128-bit quarters swapped within each half.
+        let s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0b10_11_00_01));
+        // s_0 + s_2 and s_1 + s_3.
+        let u = _mm512_add_ps(s, _mm512_permute_ps(s, 0b01_00_11_10));
+        // (s_0 + s_2) + (s_1 + s_3).
+        _mm512_add_ps(u, _mm512_permute_ps(u, 0b10_11_00_01))
     }
 }
 
@@ -212,5 +327,33 @@ mod tests {
             fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+
+    /// Every tile shape and remainder of the AVX-512 path against the AVX2 one.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_and_avx2_paths_agree_bit_for_bit() {
+        if !crate::cpu::simd::has_avx512() {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(11);
+        for k in [8, 8 * 9 + 5, 576] {
+            for rows in 1..=19 {
+                let tokens = 14;
+                let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                for t in 1..=tokens {
+                    let (mut wide, mut narrow) = (vec![0.0f32; rows * t], vec![0.0f32; rows * t]);
+                    // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA (checked above).
+                    unsafe {
+                        avx512::dot_tile(&w, &x[..t * k], k, &mut wide, t);
+                        avx2::dot_tile(&w, &x[..t * k], k, &mut narrow, t);
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&wide), bits(&narrow), "k {k}, rows {rows}, inputs {t}");
+                }
+            }
+        }
     }
 }
