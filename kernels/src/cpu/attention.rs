@@ -89,8 +89,11 @@ multiversion! {
         let table = &t.batch.block_tables[row.seq * t.batch.max_blocks_per_seq..];
         // Where each key position's vector for this KV head starts.
         let mut offsets = Vec::with_capacity(row.keys);
-        for pos in 0..row.keys {
-            offsets.push(((table[pos / bs] as usize * bs + pos % bs) * kv_heads + kv_head) * hd);
+        for (b, &block) in table[..row.keys.div_ceil(bs)].iter().enumerate() {
+            let first = block as usize * bs;
+            for slot in first..first + bs.min(row.keys - b * bs) {
+                offsets.push((slot * kv_heads + kv_head) * hd);
+            }
         }
         let mut scores = vec![0.0f32; group * row.keys];
         key_scores(queries, hd, t.k_cache, &offsets, shape.scale, &mut scores);
@@ -112,9 +115,18 @@ multiversion! {
 /// `exp(s - max)` in place; returns their sum (eight lanes, then `pairwise`).
 #[inline(always)]
 fn softmax_numerators(scores: &mut [f32]) -> f32 {
-    let mut max = f32::NEG_INFINITY;
-    for s in scores.iter() {
-        max = max.max(*s);
+    // Sixteen running maxima, so the loop vectorises: a maximum is the same whatever
+    // the order it is taken in.
+    let mut maxima = [f32::NEG_INFINITY; 16];
+    let chunks = scores.chunks_exact(16);
+    let mut max = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+    for c in chunks {
+        for l in 0..16 {
+            maxima[l] = maxima[l].max(c[l]);
+        }
+    }
+    for m in maxima {
+        max = max.max(m);
     }
     for s in scores.iter_mut() {
         *s = exp(*s - max);
@@ -412,7 +424,7 @@ mod avx512 {
 
     /// `super::key_scores` for a head size that is a multiple of 8: eight keys at a
     /// time, key `p + j` in the low half of register `j` and key `p + 4 + j` in its
-    /// high half.
+    /// high half, each pair loaded once for up to four query heads.
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
     pub(super) fn key_scores(
         queries: &[f32],
@@ -425,35 +437,26 @@ mod avx512 {
         let (keys, group) = (offsets.len(), queries.len() / hd);
         assert!(hd.is_multiple_of(LANES) && scores.len() >= group * keys);
         assert!(offsets.iter().all(|&at| at + hd <= k_cache.len()), "a key outside the cache");
-        let scale_v = _mm256_set1_ps(scale);
         let whole = keys / LANES * LANES;
-        let mut p = 0;
-        while p < whole {
-            for h in 0..group {
-                let mut acc = [_mm512_setzero_ps(); LANES / 2];
-                for d in (0..hd).step_by(LANES) {
-                    // SAFETY: query h spans [h*hd, (h+1)*hd) of `queries` and every key
-                    // [at, at+hd) of the cache, asserted above; d + 8 <= hd.
-                    unsafe {
-                        let q = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries.as_ptr().add(h * hd + d)));
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            let lo = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + j] + d));
-                            let hi = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + 4 + j] + d));
-                            *a = _mm512_fmadd_ps(q, _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), *a);
-                        }
-                    }
-                }
-                let sums = _mm256_mul_ps(reduce8(&acc), scale_v);
-                // SAFETY: h*keys + p + 8 <= group*keys, asserted above.
-                unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(h * keys + p), sums) };
+        let mut h = 0;
+        while h < group {
+            let g = (group - h).min(4);
+            let heads = &queries[h * hd..(h + g) * hd];
+            let out = &mut scores[h * keys..(h + g) * keys];
+            match g {
+                4 => eight_keys_at_a_time::<4>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                3 => eight_keys_at_a_time::<3>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                2 => eight_keys_at_a_time::<2>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                _ => eight_keys_at_a_time::<1>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
             }
-            p += LANES;
+            h += g;
         }
         for p in whole..keys {
             for h in 0..group {
                 let mut acc = _mm256_setzero_ps();
                 for d in (0..hd).step_by(LANES) {
-                    // SAFETY: as above.
+                    // SAFETY: key [at, at+hd) lies in the cache (asserted above), query h
+                    // spans [h*hd, (h+1)*hd) of `queries`, and d + 8 <= hd.
                     unsafe {
                         let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
                         acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
@@ -463,6 +466,50 @@ mod avx512 {
                 // SAFETY: `lanes` holds 8 floats.
                 unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
                 scores[h * keys + p] = pairwise(&lanes) * scale;
+            }
+        }
+    }
+
+    /// Scores of `G` query heads (`queries`, `G * hd`) for the keys at `offsets`, a
+    /// multiple of 8 of them, into rows of `keys` scores.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[inline]
+    fn eight_keys_at_a_time<const G: usize>(
+        queries: &[f32],
+        hd: usize,
+        k_cache: &[f32],
+        offsets: &[usize],
+        keys: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        assert!(queries.len() >= G * hd && scores.len() >= (G - 1) * keys + offsets.len());
+        let scale_v = _mm256_set1_ps(scale);
+        for p in (0..offsets.len()).step_by(LANES) {
+            let mut acc = [[_mm512_setzero_ps(); LANES / 2]; G];
+            for d in (0..hd).step_by(LANES) {
+                // SAFETY: every key [at, at+hd) lies in the cache and query g spans
+                // [g*hd, (g+1)*hd) of `queries`, asserted by the caller and above;
+                // d + 8 <= hd; p + 8 <= offsets.len().
+                unsafe {
+                    let mut pairs = [_mm512_setzero_ps(); LANES / 2];
+                    for (j, pair) in pairs.iter_mut().enumerate() {
+                        let lo = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + j] + d));
+                        let hi = _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + 4 + j] + d));
+                        *pair = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+                    }
+                    for (g, acc) in acc.iter_mut().enumerate() {
+                        let q = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries.as_ptr().add(g * hd + d)));
+                        for (a, pair) in acc.iter_mut().zip(&pairs) {
+                            *a = _mm512_fmadd_ps(q, *pair, *a);
+                        }
+                    }
+                }
+            }
+            for (g, acc) in acc.iter().enumerate() {
+                let sums = _mm256_mul_ps(reduce8(acc), scale_v);
+                // SAFETY: g*keys + p + 8 <= (G-1)*keys + offsets.len(), asserted above.
+                unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(g * keys + p), sums) };
             }
         }
     }
@@ -541,8 +588,9 @@ mod tests {
             return;
         }
         let mut rng = StdRng::seed_from_u64(3);
-        for (hd, keys) in [(64, 1), (64, 8), (64, 29), (32, 17), (96, 40), (24, 13)] {
-            let group = 3;
+        for (hd, keys, group) in
+            [(64, 1, 3), (64, 8, 3), (64, 29, 3), (32, 17, 5), (96, 40, 1), (24, 13, 4), (64, 33, 7)]
+        {
             let queries: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
             let cache: Vec<f32> = (0..(keys + 4) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
             let offsets: Vec<usize> = (0..keys).map(|p| ((p * 3) % (keys + 4)) * hd).collect();
@@ -553,7 +601,7 @@ mod tests {
                 avx2::key_scores(&queries, hd, &cache, &offsets, 0.125, &mut narrow);
             }
             assert_eq!(bits(&wide), bits(&narrow), "scores, head_dim {hd}, {keys} keys");
-            if hd % VALUE_CHUNK == 0 {
+            if hd % VALUE_CHUNK == 0 && group == 3 {
                 let scores: Vec<f32> = (0..group * keys).map(|_| rng.random_range(0.0..1.0)).collect();
                 let (mut wide, mut narrow) = (vec![0.0f32; group * hd], vec![0.0f32; group * hd]);
                 // SAFETY: as above.
