@@ -39,6 +39,20 @@ pub struct ModelStatus {
     pub current_subscription_credit_multiplier: f64,
 }
 
+impl Snapshot {
+    /// `window`'s snapshot at `now` (µs), before its models are added.
+    fn header(window: Window, now: i64, stale: bool, supply_updated_at: Option<String>) -> Self {
+        Self {
+            updated_at: rfc3339(now),
+            window: window.as_str(),
+            window_secs: window.secs(),
+            stale,
+            current_subscription_supply_updated_at: supply_updated_at,
+            models: Vec::new(),
+        }
+    }
+}
+
 /// A model as /status names it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Listed {
@@ -54,6 +68,8 @@ pub struct Status {
     clock: Clock,
     /// When this process last wrote its counts (µs; 0: never).
     flushed_at: Arc<AtomicI64>,
+    /// The hour (minutes / 60) of this process's last deletion of old minutes.
+    pruned_hour: Arc<AtomicI64>,
     board: Arc<RwLock<Board>>,
 }
 
@@ -71,6 +87,7 @@ impl Status {
             minutes,
             clock,
             flushed_at: Default::default(),
+            pruned_hour: Arc::new(AtomicI64::new(i64::MIN)),
             board: Default::default(),
         }
     }
@@ -81,7 +98,8 @@ impl Status {
     }
 
     /// The background work, every few seconds: writes this process's counts, sums every
-    /// window anew for `models`, and (hourly) deletes minutes no window reaches.
+    /// window anew for `models`, and (at its first tick of each hour) deletes minutes
+    /// no window reaches.
     pub async fn tick(&self, models: &[Listed], supply: &Supply) {
         let served: Vec<String> = models.iter().map(|m| m.id.clone()).collect();
         match self.recorder.flush(&self.minutes, &served).await {
@@ -92,9 +110,13 @@ impl Status {
             tracing::error!("reading status aggregates: {e}");
         }
         let now_minute = (self.clock)().div_euclid(MINUTE_US);
-        if now_minute % 60 == 0
+        let hour = now_minute.div_euclid(60);
+        let last = self.pruned_hour.swap(hour, Ordering::SeqCst);
+        if last != hour
             && let Err(e) = self.minutes.prune(now_minute - KEEP_MINUTES).await
         {
+            // Tried again at the next tick.
+            self.pruned_hour.store(last, Ordering::SeqCst);
             tracing::error!("deleting old status aggregates: {e}");
         }
     }
@@ -110,12 +132,8 @@ impl Status {
         for window in Window::ALL {
             let sums = self.minutes.sums_since(window.first_minute(now)).await?;
             snapshots.push(Snapshot {
-                updated_at: rfc3339(now),
-                window: window.as_str(),
-                window_secs: window.secs(),
-                stale,
-                current_subscription_supply_updated_at: supply_updated_at.clone(),
                 models: models.iter().map(|m| model_status(m, sums.get(&m.id), supply)).collect(),
+                ..Snapshot::header(window, now, stale, supply_updated_at.clone())
             });
         }
         *self.board.write().unwrap_or_else(|e| e.into_inner()) = Board { refreshed_at: now, snapshots };
@@ -127,14 +145,8 @@ impl Status {
     pub fn snapshot(&self, window: Window) -> Snapshot {
         let now = (self.clock)();
         let board = self.board.read().unwrap_or_else(|e| e.into_inner());
-        let mut snapshot = board.snapshots.get(window.index()).cloned().unwrap_or_else(|| Snapshot {
-            updated_at: rfc3339(now),
-            window: window.as_str(),
-            window_secs: window.secs(),
-            stale: true,
-            current_subscription_supply_updated_at: None,
-            models: Vec::new(),
-        });
+        let mut snapshot =
+            board.snapshots.get(window.index()).cloned().unwrap_or_else(|| Snapshot::header(window, now, true, None));
         snapshot.stale |= now - board.refreshed_at > STALE_AFTER_US;
         snapshot
     }
@@ -167,7 +179,7 @@ mod tests {
     use crate::billing::supply::{SupplyPoint, SupplyState};
     use serde_json::{Value, json};
 
-    /// 2026-11-23 12:00:30 UTC: a whole hour's minute, so a tick prunes.
+    /// 2026-11-23 12:00:30 UTC.
     const T: i64 = 1_795_435_230_000_000;
     const A: &str = "vendor-a/model-a";
     const B: &str = "vendor-b/model-b";
@@ -265,7 +277,7 @@ mod tests {
                 ]
             })
         );
-        // The hour's tick deleted the minutes no window reaches.
+        // The hour's first tick deleted the minutes no window reaches.
         assert_eq!(store.status_minutes().sums_since(0).await.unwrap()[A].requests, 10);
 
         // Another control plane (or this one restarted) reads the same figures.
@@ -281,8 +293,14 @@ mod tests {
         assert!(status.snapshot(Window::Hour).stale);
         // And the first minute's figures left the 5-minute window.
         assert_eq!(figures(&status, Window::FiveMinutes), json!({A: [null, null, null], B: [null, null, null]}));
-        // The aggregator writes again: current.
+        // The aggregator writes again: current. Later ticks of the hour delete nothing;
+        // the next hour's first does.
+        add(33 * 1440, A, counts(7, 7, (0, 0), (0, 0, 0))).await;
         status.tick(&listed(), &supply).await;
         assert!(!status.snapshot(Window::Hour).stale);
+        assert_eq!(store.status_minutes().sums_since(0).await.unwrap()[A].requests, 17);
+        now.store(T + 60 * MINUTE_US, Ordering::SeqCst);
+        status.tick(&listed(), &supply).await;
+        assert_eq!(store.status_minutes().sums_since(0).await.unwrap()[A].requests, 10);
     }
 }
