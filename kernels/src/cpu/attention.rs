@@ -333,11 +333,30 @@ mod avx2 {
             }
             p += LANES;
         }
-        for p in whole..keys {
+        one_key_at_a_time(queries, hd, k_cache, offsets, whole, scale, scores);
+    }
+
+    /// `super::key_scores` for keys `from..` one at a time (the keys past the last
+    /// whole eight), in the same operations as eight at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn one_key_at_a_time(
+        queries: &[f32],
+        hd: usize,
+        k_cache: &[f32],
+        offsets: &[usize],
+        from: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let (keys, group) = (offsets.len(), queries.len() / hd);
+        assert!(hd.is_multiple_of(LANES) && scores.len() >= group * keys);
+        assert!(offsets[from..].iter().all(|&at| at + hd <= k_cache.len()), "a key outside the cache");
+        for p in from..keys {
             for h in 0..group {
                 let mut acc = _mm256_setzero_ps();
                 for d in (0..hd).step_by(LANES) {
-                    // SAFETY: as above.
+                    // SAFETY: query h spans [h*hd, (h+1)*hd) of `queries` and every
+                    // key [at, at+hd) of the cache, asserted above; d + 8 <= hd.
                     unsafe {
                         let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
                         acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
@@ -373,7 +392,7 @@ mod avx2 {
 /// reduction forms `pairwise`' tree.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{LANES, VALUE_CHUNK, pairwise};
+    use super::{LANES, VALUE_CHUNK};
     use std::arch::x86_64::*;
 
     const WIDE: usize = 16;
@@ -451,23 +470,7 @@ mod avx512 {
             }
             h += g;
         }
-        for p in whole..keys {
-            for h in 0..group {
-                let mut acc = _mm256_setzero_ps();
-                for d in (0..hd).step_by(LANES) {
-                    // SAFETY: key [at, at+hd) lies in the cache (asserted above), query h
-                    // spans [h*hd, (h+1)*hd) of `queries`, and d + 8 <= hd.
-                    unsafe {
-                        let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
-                        acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
-                    }
-                }
-                let mut lanes = [0.0f32; LANES];
-                // SAFETY: `lanes` holds 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-                scores[h * keys + p] = pairwise(&lanes) * scale;
-            }
-        }
+        super::avx2::one_key_at_a_time(queries, hd, k_cache, offsets, whole, scale, scores);
     }
 
     /// Scores of `G` query heads (`queries`, `G * hd`) for the keys at `offsets`, a
