@@ -591,9 +591,17 @@ mod tests {
             return;
         }
         let mut rng = StdRng::seed_from_u64(3);
-        for (hd, keys, group) in
-            [(64, 1, 3), (64, 8, 3), (64, 29, 3), (32, 17, 5), (96, 40, 1), (24, 13, 4), (64, 33, 7)]
-        {
+        for (hd, keys, group) in [
+            (64, 1, 3),
+            (64, 8, 3),
+            (64, 29, 3),
+            (32, 17, 5),
+            (96, 40, 1),
+            (24, 13, 4),
+            (64, 33, 7),
+            (128, 20, 2),
+            (160, 9, 2),
+        ] {
             let queries: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
             let cache: Vec<f32> = (0..(keys + 4) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
             let offsets: Vec<usize> = (0..keys).map(|p| ((p * 3) % (keys + 4)) * hd).collect();
@@ -604,13 +612,19 @@ mod tests {
                 avx2::key_scores(&queries, hd, &cache, &offsets, 0.125, &mut narrow);
             }
             assert_eq!(bits(&wide), bits(&narrow), "scores, head_dim {hd}, {keys} keys");
-            if hd % VALUE_CHUNK == 0 && group == 3 {
-                let scores: Vec<f32> = (0..group * keys).map(|_| rng.random_range(0.0..1.0)).collect();
-                let (mut wide, mut narrow) = (vec![0.0f32; group * hd], vec![0.0f32; group * hd]);
+            if hd % VALUE_CHUNK == 0 {
+                // Value sums for up to three heads at a time, as `weighted_sums` calls them.
+                let heads = group.min(3);
+                let scores: Vec<f32> = (0..heads * keys).map(|_| rng.random_range(0.0..1.0)).collect();
+                let (mut wide, mut narrow) = (vec![0.0f32; heads * hd], vec![0.0f32; heads * hd]);
+                let (s, o, c) = (&scores, &offsets, &cache);
                 // SAFETY: as above.
                 unsafe {
-                    avx512::head_sums::<3>(&scores, &offsets, &cache, &mut wide);
-                    avx2::head_sums::<3>(&scores, &offsets, &cache, &mut narrow);
+                    match heads {
+                        3 => (avx512::head_sums::<3>(s, o, c, &mut wide), avx2::head_sums::<3>(s, o, c, &mut narrow)),
+                        2 => (avx512::head_sums::<2>(s, o, c, &mut wide), avx2::head_sums::<2>(s, o, c, &mut narrow)),
+                        _ => (avx512::head_sums::<1>(s, o, c, &mut wide), avx2::head_sums::<1>(s, o, c, &mut narrow)),
+                    };
                 }
                 assert_eq!(bits(&wide), bits(&narrow), "values, head_dim {hd}, {keys} keys");
             }
