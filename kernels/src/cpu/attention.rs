@@ -631,6 +631,49 @@ mod tests {
         }
     }
 
+    /// The whole kernel — offsets, scores, softmax, value sums, normalisation — on each
+    /// build the dispatch can pick, over decode rows, a prefill and a chunk after a
+    /// cached prefix.
+    #[test]
+    fn paged_attention_has_the_same_bits_on_every_build() {
+        use crate::cpu::simd::{Isa, capped};
+        let mut rng = StdRng::seed_from_u64(17);
+        for (num_heads, num_kv_heads, head_dim) in [(9, 3, 64), (4, 4, 24), (6, 1, 32), (8, 2, 96)] {
+            let shape = AttentionShape { num_heads, num_kv_heads, head_dim, block_size: 4, scale: 0.125 };
+            // (context length, query rows).
+            let seqs = [(30usize, 1usize), (12, 4), (3, 3)];
+            let max_blocks = 8;
+            let (mut tables, mut starts, mut contexts) = (vec![], vec![0u32], vec![]);
+            let mut free: Vec<u32> = (0..3 * max_blocks as u32).rev().collect();
+            free.swap(2, 11);
+            for (context, rows) in seqs {
+                let mut table: Vec<u32> = (0..context.div_ceil(4)).map(|_| free.pop().unwrap()).collect();
+                table.resize(max_blocks, 0);
+                tables.extend(table);
+                starts.push(starts.last().unwrap() + rows as u32);
+                contexts.push(context as u32);
+            }
+            let cache_len = 3 * max_blocks * shape.block_floats();
+            let k_cache: Vec<f32> = (0..cache_len).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let v_cache: Vec<f32> = (0..cache_len).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let q: Vec<f32> = (0..8 * shape.q_width()).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let batch = PagedBatch {
+                num_seqs: seqs.len(),
+                query_start: &starts,
+                context_lens: &contexts,
+                block_tables: &tables,
+                max_blocks_per_seq: max_blocks,
+            };
+            // Keys × head size × heads under the threshold past which rayon's threads,
+            // which the cap does not reach, would take the rows.
+            assert!((30 + (9 + 10 + 11 + 12) + (1 + 2 + 3)) * num_heads * head_dim < 1 << 16);
+            let run = |isa| capped(isa, || paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap());
+            let wide = run(Isa::Avx512);
+            assert_eq!(bits(&wide), bits(&run(Isa::Avx2)), "AVX2, {num_heads} heads over {num_kv_heads} of {head_dim}");
+            assert_eq!(bits(&wide), bits(&run(Isa::Portable)), "portable, {num_heads} heads of {head_dim}");
+        }
+    }
+
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }

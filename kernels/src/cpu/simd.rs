@@ -41,15 +41,53 @@ macro_rules! multiversion {
 
 pub(crate) use multiversion;
 
+/// The builds of a hot loop, lowest first.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The highest build this thread's dispatch may pick: tests lower it to compare
+    /// the builds end to end. (Work handed to rayon's threads is not capped.)
+    static CAP: std::cell::Cell<Isa> = const { std::cell::Cell::new(Isa::Avx512) };
+}
+
+/// Runs `f` with this thread's dispatch capped at `cap`.
+#[cfg(test)]
+pub(crate) fn capped<R>(cap: Isa, f: impl FnOnce() -> R) -> R {
+    let old = CAP.replace(cap);
+    let out = f();
+    CAP.set(old);
+    out
+}
+
+#[cfg(test)]
+fn allowed(isa: Isa) -> bool {
+    CAP.get() >= isa
+}
+
 /// Whether the CPU runs the AVX2+FMA paths.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx2_fma() -> bool {
+    #[cfg(test)]
+    if !allowed(Isa::Avx2) {
+        return false;
+    }
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// Whether the CPU runs the AVX-512 paths (F and DQ, with AVX2 and FMA).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx512() -> bool {
+    #[cfg(test)]
+    if !allowed(Isa::Avx512) {
+        return false;
+    }
     has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq")
 }
 
