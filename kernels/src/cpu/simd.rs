@@ -91,6 +91,30 @@ pub(crate) fn has_avx512() -> bool {
     has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq")
 }
 
+/// Eight floats from `lo` in the low half of a register and eight from `hi` in the high
+/// half: the two rows (or keys) the AVX-512 paths pair in each register.
+///
+/// # Safety
+/// The CPU has AVX-512 F and DQ; `lo` and `hi` each point at 8 readable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+#[inline]
+pub(crate) unsafe fn halves(lo: *const f32, hi: *const f32) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: by the caller's promise.
+    unsafe { _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(lo)), _mm256_loadu_ps(hi), 1) }
+}
+
+/// Whether the AVX-512 paths can be compared with the AVX2 ones here; says so when not.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn avx512_to_compare() -> bool {
+    let has = has_avx512();
+    if !has {
+        eprintln!("this CPU has no AVX-512: nothing to compare");
+    }
+    has
+}
+
 /// e^x within about 1 ulp for x ≤ 88 (Cephes' single-precision polynomial), written in
 /// plain arithmetic so loops over it vectorise — libm's `expf` is one call per element.
 /// Below −87.3 it returns 2⁻¹²⁶·e^r, a tiny normal, where e^x would underflow; above 88
