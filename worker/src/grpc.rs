@@ -22,6 +22,7 @@ impl From<EngineError> for Status {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::InvalidRequest(m) => Status::invalid_argument(m),
+            EngineError::ContextLength(m) => Status::out_of_range(m),
             EngineError::DuplicateId(_) => Status::already_exists(e.to_string()),
             EngineError::Stopped => Status::unavailable(e.to_string()),
             EngineError::Model(_) | EngineError::Detokenize(_) => Status::internal(e.to_string()),
@@ -248,6 +249,7 @@ impl pb::worker_server::Worker for WorkerService {
                             prefix_queried_blocks: r.prefix_queried_blocks,
                             prefix_hit_blocks: r.prefix_hit_blocks,
                             snapshot: false,
+                            preemptions: r.preemptions,
                         };
                         if tx.send(Ok(report)).await.is_err() {
                             return;

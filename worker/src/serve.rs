@@ -163,20 +163,6 @@ fn build<B: Backend + 'static>(
     let budget = kv_budget(rank0);
     let num_blocks = (budget / block_bytes) as usize;
     anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");
-    let c = &model_config;
-    let tok = &tokenizer;
-    let card = pb::ModelCard {
-        model: config.model.clone(),
-        tokenizer_json: tok.json.clone(),
-        chat_template: tok.chat_template.clone().unwrap_or_default(),
-        bos_token_id: tok.bos.as_ref().map(|t| t.id),
-        bos_token: tok.bos.as_ref().map(|t| t.text.clone()).unwrap_or_default(),
-        eos_token_ids: tok.eos.iter().map(|t| t.id).collect(),
-        eos_token: tok.eos.first().map(|t| t.text.clone()).unwrap_or_default(),
-        context_length: c.context_length as u32,
-        kv_block_size: BLOCK_TOKENS as u32,
-        vocab_size: c.vocab_size as u32,
-    };
     let engine_config = EngineConfig {
         max_num_batched_tokens: config.max_num_batched_tokens,
         max_num_seqs: config.max_num_seqs,
@@ -188,6 +174,28 @@ fn build<B: Backend + 'static>(
         EngineCore::new(model, tokenizer, engine_config, &config.model)?
     } else {
         EngineCore::tensor_parallel(ranks, tokenizer, engine_config, &config.model)?
+    };
+    let context_length = core.max_model_len();
+    if context_length < model_config.context_length {
+        eprintln!(
+            "tessera-worker: the KV cache holds {context_length} tokens, less than the model's context of {}: \
+             requests may use {context_length} (a larger --kv-cache-bytes or --gpu-memory-fraction gives more)",
+            model_config.context_length
+        );
+    }
+    let c = &model_config;
+    let tok = core.tokenizer();
+    let card = pb::ModelCard {
+        model: config.model.clone(),
+        tokenizer_json: tok.json.clone(),
+        chat_template: tok.chat_template.clone().unwrap_or_default(),
+        bos_token_id: tok.bos.as_ref().map(|t| t.id),
+        bos_token: tok.bos.as_ref().map(|t| t.text.clone()).unwrap_or_default(),
+        eos_token_ids: tok.eos.iter().map(|t| t.id).collect(),
+        eos_token: tok.eos.first().map(|t| t.text.clone()).unwrap_or_default(),
+        context_length: context_length as u32,
+        kv_block_size: BLOCK_TOKENS as u32,
+        vocab_size: c.vocab_size as u32,
     };
     if config.no_metrics {
         return Ok(WorkerService::new(EngineHandle::spawn(core), card));

@@ -213,11 +213,59 @@ fn bad_requests_are_refused_with_a_reason() {
         (Request::greedy(6, vec![60000], 4), "outside the vocabulary"),
     ];
     for (req, want) in cases {
+        let id = req.id;
         let err = e.add_request(req).unwrap_err();
-        assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+        if id == 2 || id == 3 {
+            assert!(matches!(err, EngineError::ContextLength(_)), "{err}");
+        } else {
+            assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+        }
         assert!(err.to_string().contains(want), "{err} should mention {want:?}");
     }
     assert!(!e.has_work());
+}
+
+#[test]
+fn a_request_the_kv_cache_cannot_hold_is_refused_before_it_runs() {
+    // 91 blocks: 1,456 tokens, less than the model's 8,192. The case: a 1,380-token
+    // prompt with max_tokens 400 used to preempt and readmit itself for ever.
+    let mut e = engine(EngineConfig { num_blocks: 91, ..EngineConfig::default() });
+    assert_eq!((e.max_model_len(), e.config().context_length), (1456, 8192));
+    let err = e.add_request(Request::greedy(1, vec![5; 1380], 400)).unwrap_err();
+    assert!(matches!(err, EngineError::ContextLength(_)), "{err}");
+    for want in ["max_tokens 400", "1380", "1456 tokens", "KV cache", "8192"] {
+        assert!(err.to_string().contains(want), "{err} should mention {want:?}");
+    }
+    let err = e.add_request(Request::greedy(2, vec![5; 1456], 1)).unwrap_err();
+    assert!(err.to_string().contains("the prompt has 1456 tokens"), "{err}");
+    assert!(!e.has_work(), "nothing of them was queued");
+}
+
+#[test]
+fn n_completions_that_do_not_fit_together_take_turns() {
+    // 12 blocks: 192 tokens. Two completions of a 60-odd-token prompt that may each
+    // reach 192 tokens fit only one at a time.
+    let mut e = engine(EngineConfig { num_blocks: 12, ..EngineConfig::default() });
+    let prompt: Vec<u32> = e.tokenizer().encode(&"The tide comes in. ".repeat(12)).unwrap();
+    let max_tokens = 192 - prompt.len();
+    e.add_request(Request { n: 2, ignore_eos: true, ..Request::greedy(1, prompt.clone(), max_tokens) }).unwrap();
+    e.add_request(Request::greedy(2, vec![5, 6, 7, 8], 4)).unwrap();
+    let mut lengths: HashMap<(u64, usize), usize> = HashMap::new();
+    let mut steps = 0;
+    while e.has_work() {
+        steps += 1;
+        for o in e.step().unwrap() {
+            *lengths.entry((o.id, o.index)).or_default() += o.token.is_some() as usize;
+            if o.id == 1 && o.finish.is_some() {
+                assert_eq!(o.finish, Some(FinishReason::Length), "{o:?}");
+            }
+        }
+    }
+    assert_eq!((lengths[&(1, 0)], lengths[&(1, 1)]), (max_tokens, max_tokens));
+    assert!(lengths[&(2, 0)] >= 1);
+    assert!(e.stats().preemptions > 0, "the completions did not fit together");
+    assert!(steps < 4 * max_tokens, "{steps} steps for two completions of {max_tokens}");
+    assert_eq!(e.scheduler().pool().num_free(), 12);
 }
 
 #[test]

@@ -1,41 +1,19 @@
 //! The worker over gRPC, in-process on a loopback port with the real model: the
 //! model card, concurrent streams equal to solo ones, aborts and dropped streams
-//! returning every block, bad requests refused with INVALID_ARGUMENT.
+//! returning every block, bad requests refused with INVALID_ARGUMENT (OUT_OF_RANGE past
+//! the context, which the KV cache may cap).
 
 mod common;
 
-use common::smollm2_path;
+use common::{serve_config, serve_in_process};
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
-use tessera_worker::device::Device;
-use tessera_worker::serve::{ServeConfig, build_service, serve};
-use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
 /// A worker on a loopback port; the server stops when the runtime ends.
 async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
-    let config = ServeConfig {
-        model: smollm2_path().display().to_string(),
-        listen: "127.0.0.1:0".into(),
-        kv_cache_bytes: Some(kv_cache_bytes),
-        kv_cache_fraction: 0.2,
-        device: Device::Cpu,
-        cuda_devices: Vec::new(),
-        tensor_parallel_size: 1,
-        gpu_memory_fraction: 0.9,
-        cuda_graph_sizes: vec![1, 2, 4],
-        enforce_eager: false,
-        replica_id: "test".into(),
-        no_metrics: false,
-        max_num_seqs: 256,
-        max_num_batched_tokens: 2048,
-    };
-    let service = tokio::task::spawn_blocking(move || build_service(&config)).await.unwrap().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(service, listener, std::future::pending()));
-    WorkerClient::connect(format!("http://{addr}")).await.unwrap()
+    serve_in_process(serve_config(kv_cache_bytes)).await
 }
 
 fn request(id: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
@@ -112,7 +90,9 @@ async fn the_model_card_describes_the_model() {
     let card = client.get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner();
     assert_eq!((card.bos_token_id, card.eos_token_ids.as_slice()), (Some(1), &[2][..]));
     assert_eq!((card.bos_token.as_str(), card.eos_token.as_str()), ("<|im_start|>", "<|im_end|>"));
-    assert_eq!((card.context_length, card.kv_block_size, card.vocab_size), (8192, 16, 49152));
+    // 64 MiB hold 1,456 tokens of this model's cache, less than its 8,192: the card says
+    // what a request may use.
+    assert_eq!((card.context_length, card.kv_block_size, card.vocab_size), (1456, 16, 49152));
     assert!(card.chat_template.contains("<|im_start|>"));
     let tokenizer = tokenizers::Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).unwrap();
     assert_eq!(tokenizer.encode("Hello", false).unwrap().get_ids(), &[19556]);
@@ -143,13 +123,13 @@ async fn sixty_four_concurrent_streams_match_their_solo_runs() {
 async fn a_dropped_stream_and_an_abort_return_every_block() {
     let mut client = start(64 << 20).await;
     // Dropped after its first response: the engine aborts it.
-    let mut stream = client.generate(request("dropped", prompts(1)[0].clone(), 2000)).await.unwrap().into_inner();
+    let mut stream = client.generate(request("dropped", prompts(1)[0].clone(), 1000)).await.unwrap().into_inner();
     assert!(stream.message().await.unwrap().is_some());
     drop(stream);
     let report = wait_until_idle(&mut client).await;
     assert!(report.kv_blocks_total > 0);
     // Aborted by id: its stream ends with ABORT.
-    let mut stream = client.generate(request("aborted", prompts(2)[1].clone(), 2000)).await.unwrap().into_inner();
+    let mut stream = client.generate(request("aborted", prompts(2)[1].clone(), 1000)).await.unwrap().into_inner();
     assert!(stream.message().await.unwrap().is_some());
     let found = client.abort(pb::AbortRequest { request_id: "aborted".into() }).await.unwrap().into_inner().found;
     assert!(found);
@@ -164,12 +144,14 @@ async fn a_dropped_stream_and_an_abort_return_every_block() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_requests_get_invalid_argument_with_a_reason() {
+async fn bad_requests_are_refused_with_a_reason() {
     let mut client = start(64 << 20).await;
     let cases = [
         (request("empty", vec![], 4), "prompt is empty"),
         (request("long", vec![5; 8192], 4), "context"),
         (request("max", vec![5; 10], 8190), "max_tokens"),
+        // Within the model's context, beyond what the cache holds (the case).
+        (request("cache", vec![5; 1380], 400), "the context is 1456 tokens, all this replica's KV cache holds"),
         (
             pb::GenerateRequest {
                 sampling: Some(pb::SamplingParams { logit_bias: [(60000, 1.0)].into(), ..Default::default() }),
@@ -187,8 +169,10 @@ async fn bad_requests_get_invalid_argument_with_a_reason() {
         (request("", vec![5], 4), "request_id"),
     ];
     for (req, want) in cases {
+        let long = ["long", "max", "cache"].contains(&req.request_id.as_str());
         let Err(status) = client.generate(req).await else { panic!("refused") };
-        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        let code = if long { tonic::Code::OutOfRange } else { tonic::Code::InvalidArgument };
+        assert_eq!(status.code(), code, "{status:?}");
         assert!(status.message().contains(want), "{} should mention {want:?}", status.message());
     }
 }

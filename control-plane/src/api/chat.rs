@@ -146,7 +146,15 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     let max_tokens =
         params::max_tokens(model, prepared.prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
     Ok(ChatRequest {
-        generation: Generation { prompt: prepared.prompt, sampling, max_tokens, stop, n, grammar: prepared.grammar },
+        generation: Generation {
+            prompt: prepared.prompt,
+            sampling,
+            max_tokens,
+            stop,
+            n,
+            grammar: prepared.grammar,
+            prompt_param: "messages",
+        },
         reading: prepared.reading,
         named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),
         stream,

@@ -150,7 +150,15 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     let max_tokens = params::max_tokens(model, longest, Some(max_tokens), "prompt")?;
     Ok(CompletionRequest {
         prompts,
-        template: Generation { prompt: Vec::new(), sampling, max_tokens, stop, n, grammar: None },
+        template: Generation {
+            prompt: Vec::new(),
+            sampling,
+            max_tokens,
+            stop,
+            n,
+            grammar: None,
+            prompt_param: "prompt",
+        },
         echo,
         logprobs,
         stream,

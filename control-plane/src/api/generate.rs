@@ -21,6 +21,8 @@ pub struct Generation {
     pub n: u32,
     /// Structured output, and the parameter that asked for it (named in its errors).
     pub grammar: Option<(pb::Grammar, &'static str)>,
+    /// The parameter holding the prompt, named when prompt and completion do not fit.
+    pub prompt_param: &'static str,
 }
 
 pub struct Output {
@@ -110,7 +112,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
                 }
                 tried.push(id);
             }
-            Err(s) => return Err(worker_error(s, grammar_param)),
+            Err(s) => return Err(worker_error(s, grammar_param, g.prompt_param)),
         }
     }
     Err(ApiError::Overloaded)
@@ -132,7 +134,7 @@ impl Output {
         let r = match self.first.take() {
             Some(first) => Some(first),
             None => {
-                let r = self.stream.message().await.map_err(|s| worker_error(s, ""));
+                let r = self.stream.message().await.map_err(|s| worker_error(s, "", ""));
                 if let Ok(Some(r)) = &r {
                     self.probe.delta(r.tokens.len());
                 }
@@ -154,9 +156,19 @@ impl Output {
 
 /// A worker's refusal of what we validated is our bug; a worker that is gone or full
 /// is overload.
-/// `grammar_param`: the parameter a grammar the worker cannot compile came from.
-fn worker_error(s: Status, grammar_param: &str) -> ApiError {
+/// `grammar_param`: the parameter a grammar the worker cannot compile came from;
+/// `prompt_param`: the one holding a prompt too long for the replica that took it (its
+/// KV cache smaller than the model's context, and than the others' when it joined).
+fn worker_error(s: Status, grammar_param: &str, prompt_param: &'static str) -> ApiError {
     match s.code() {
+        Code::OutOfRange if !prompt_param.is_empty() => ApiError::ContextLength {
+            param: prompt_param,
+            message: format!(
+                "This request does not fit the model's context on the server that took it: {}. Please reduce the \
+                 length of the {prompt_param} or completion.",
+                s.message()
+            ),
+        },
         Code::InvalidArgument if s.message().starts_with(GRAMMAR_REFUSED) && !grammar_param.is_empty() => {
             ApiError::invalid_value(grammar_param, format!("Invalid schema: {}", &s.message()[GRAMMAR_REFUSED.len()..]))
         }
@@ -246,10 +258,17 @@ mod tests {
         assert_eq!(finish_reason(pb::FinishReason::Stop as i32), Some("stop"));
         assert_eq!(finish_reason(pb::FinishReason::Length as i32), Some("length"));
         assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), None);
-        assert!(matches!(worker_error(Status::unavailable("gone"), ""), ApiError::Overloaded));
-        assert!(matches!(worker_error(Status::invalid_argument("x"), "response_format"), ApiError::Internal(_)));
+        assert!(matches!(worker_error(Status::unavailable("gone"), "", "messages"), ApiError::Overloaded));
+        assert!(matches!(
+            worker_error(Status::invalid_argument("x"), "response_format", "messages"),
+            ApiError::Internal(_)
+        ));
         let refused = Status::invalid_argument(format!("{GRAMMAR_REFUSED}unknown type 'frob'"));
-        let e = worker_error(refused, "response_format");
+        let e = worker_error(refused, "response_format", "messages");
         assert_eq!(e, ApiError::invalid_value("response_format", "Invalid schema: unknown type 'frob'"));
+        let e = worker_error(Status::out_of_range("the prompt has 2000 tokens; the context is 1456"), "", "prompt");
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+        assert_eq!(e.body()["error"]["param"], "prompt");
+        assert!(e.body()["error"]["message"].as_str().unwrap().contains("the context is 1456"), "{:?}", e.body());
     }
 }

@@ -144,6 +144,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             stop: Vec::new(),
             n: 1,
             grammar: prepared.grammar,
+            prompt_param: "input",
         },
         reading: prepared.reading,
         instructions,

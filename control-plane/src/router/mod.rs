@@ -44,9 +44,11 @@ impl ServedModel {
     }
 
     /// The longest prompt plus completion a request may ask for: the catalog's limit,
-    /// or the served weights' if smaller.
+    /// or the least of the replicas' (their weights' context, capped at what their KV
+    /// cache holds) if smaller.
     pub fn context_length(&self) -> u32 {
-        self.entry.context_length.min(self.replica.card.context_length)
+        let served = self.pool.context_length().unwrap_or(self.replica.card.context_length);
+        self.entry.context_length.min(served)
     }
 }
 

@@ -180,6 +180,13 @@ impl Pool {
         }
     }
 
+    /// The longest prompt plus completion every member takes (the least of their cards'
+    /// contexts: each caps its own at what its KV cache holds); None with no member.
+    pub fn context_length(&self) -> Option<u32> {
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        members.values().map(|m| m.replica.card.context_length).min()
+    }
+
     /// Every member's address, routable or not (for Prometheus to scrape).
     pub fn addrs(&self) -> Vec<String> {
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());
@@ -205,9 +212,11 @@ impl Pool {
 }
 
 /// How often workers are asked to report, and the silence after which one is taken out
-/// of routing.
+/// of routing. Workers report from a thread apart from their engine, so a long step
+/// does not silence them: silence means the process or the network is gone (the
+/// connection's keep-alive says so too, `replica::KEEP_ALIVE_TIMEOUT`).
 const REPORT_MS: u32 = 250;
-const SILENCE: Duration = Duration::from_secs(2);
+const SILENCE: Duration = Duration::from_secs(4);
 
 /// Follows a member's load stream while the member lives, reconnecting a second after
 /// it breaks.

@@ -3,11 +3,19 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tessera_proto::chat_template::ChatTemplate;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
 use tokenizers::Tokenizer;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
+
+/// HTTP/2 pings on every worker connection, answered by the worker's network threads
+/// (not its engine): a worker that stops answering them — a frozen process, a node cut
+/// off — fails its streams within `KEEP_ALIVE_INTERVAL + KEEP_ALIVE_TIMEOUT`, however
+/// long its engine's steps run.
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
@@ -31,7 +39,15 @@ impl Replica {
     pub async fn connect(addr: &str) -> Result<Self, ReplicaError> {
         let connect = |message: String| ReplicaError::Connect { addr: addr.to_string(), message };
         let card_err = |message: String| ReplicaError::Card { addr: addr.to_string(), message };
-        let mut client = WorkerClient::connect(format!("http://{addr}")).await.map_err(|e| connect(e.to_string()))?;
+        let endpoint = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| connect(e.to_string()))?;
+        let channel = endpoint
+            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+            .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .connect()
+            .await
+            .map_err(|e| connect(e.to_string()))?;
+        let mut client = WorkerClient::new(channel);
         let card =
             client.get_model_card(pb::ModelCardRequest {}).await.map_err(|e| connect(e.to_string()))?.into_inner();
         let tokenizer = Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).map_err(|e| card_err(e.to_string()))?;

@@ -131,6 +131,9 @@ pub struct Output {
 pub enum EngineError {
     #[error("{0}")]
     InvalidRequest(String),
+    /// Prompt and `max_tokens` do not fit the usable context (`EngineCore::max_model_len`).
+    #[error("{0}")]
+    ContextLength(String),
     #[error("request {0} already exists")]
     DuplicateId(SeqId),
     #[error(transparent)]
@@ -236,6 +239,24 @@ impl<B: Backend> EngineCore<B> {
         })
     }
 
+    /// The longest sequence (prompt and output) a request may reach: the model's
+    /// context, or what the KV cache holds if less. Every admitted sequence then fits
+    /// the cache alone, which the scheduler's progress guarantee rests on (as vLLM
+    /// refuses a `max_model_len` its cache cannot hold; here the context is capped).
+    pub fn max_model_len(&self) -> usize {
+        self.exec.config().context_length.min(self.scheduler.capacity_tokens())
+    }
+
+    /// The usable context, and why when it is less than the model's.
+    fn context_note(&self) -> String {
+        let (limit, model) = (self.max_model_len(), self.exec.config().context_length);
+        if limit < model {
+            format!("the context is {limit} tokens, all this replica's KV cache holds (the model's own is {model})")
+        } else {
+            format!("the model's context is {limit} tokens")
+        }
+    }
+
     /// The model's shape (with tensor parallelism, one rank's heads and MLP).
     pub fn config(&self) -> &ModelConfig {
         self.exec.config()
@@ -305,12 +326,13 @@ impl<B: Backend> EngineCore<B> {
 
     fn validate(&self, req: &Request) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        let (context, vocab) = (self.exec.config().context_length, self.exec.config().vocab_size);
+        let too_long = |m: String| Err(EngineError::ContextLength(m));
+        let (context, vocab) = (self.max_model_len(), self.exec.config().vocab_size);
         if req.prompt.is_empty() {
             return bad("the prompt is empty".into());
         }
         if req.prompt.len() >= context {
-            return bad(format!("the prompt has {} tokens; the model's context is {context}", req.prompt.len()));
+            return too_long(format!("the prompt has {} tokens; {}", req.prompt.len(), self.context_note()));
         }
         if req.n == 0 || req.n > MAX_N {
             return bad(format!("n is {}; it must be between 1 and {MAX_N}", req.n));
@@ -318,11 +340,14 @@ impl<B: Backend> EngineCore<B> {
         if req.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
         }
+        // Each of the `n` completions must fit on its own, no more: they share the
+        // prompt's blocks, and under pressure they run one after another.
         if req.prompt.len() + req.max_tokens > context {
-            return bad(format!(
-                "max_tokens {} plus the prompt's {} tokens exceed the model's context of {context}",
+            return too_long(format!(
+                "max_tokens {} plus the prompt's {} tokens exceed the context: {}",
                 req.max_tokens,
-                req.prompt.len()
+                req.prompt.len(),
+                self.context_note()
             ));
         }
         if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -391,8 +416,9 @@ impl<B: Backend> EngineCore<B> {
         requests.sort_unstable();
         requests.dedup();
         self.last_step = StepSummary { tokens: step.scheduled.iter().map(|s| s.len).sum(), requests };
+        let mut outputs = self.end_exhausted(&step.exhausted);
         if step.scheduled.is_empty() {
-            return Ok(Vec::new());
+            return Ok(outputs);
         }
         self.stats.steps += 1;
         // When no sampled row follows a grammar the device may pick the tokens itself.
@@ -440,7 +466,7 @@ impl<B: Backend> EngineCore<B> {
                 sample_batch(&mut logits, self.exec.config().vocab_size, &mut states)
             }
         };
-        let mut outputs = Vec::with_capacity(taken.len());
+        outputs.reserve(taken.len());
         let mut pending = taken.into_iter().zip(sampled);
         while let Some(((seq_id, mut state), s)) = pending.next() {
             let mut output = match self.advance(seq_id, &mut state, s) {
@@ -469,6 +495,33 @@ impl<B: Backend> EngineCore<B> {
         Ok(outputs)
     }
 
+    /// Ends the sequences the scheduler could find no room for even alone (which
+    /// `validate` rules out: see `Scheduler`), as having filled their context.
+    fn end_exhausted(&mut self, ids: &[SeqId]) -> Vec<Output> {
+        ids.iter()
+            .filter_map(|&seq_id| {
+                let mut state = self.requests.remove(&seq_id)?;
+                let seq = self.scheduler.remove(seq_id)?;
+                let members = self.families.get_mut(&state.request)?;
+                members.retain(|&m| m != seq_id);
+                let last = members.is_empty();
+                if last {
+                    self.families.remove(&state.request);
+                }
+                Some(Output {
+                    id: state.request,
+                    index: state.index,
+                    last,
+                    token: None,
+                    text: state.detok.finish(),
+                    finish: Some(FinishReason::Length),
+                    prompt_tokens: seq.prompt_len,
+                    cached_prompt_tokens: seq.num_cached_prompt,
+                })
+            })
+            .collect()
+    }
+
     /// Appends a sampled token to its sequence and decides whether it ends there.
     fn advance(&mut self, seq_id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
         let token = s.token;
@@ -490,7 +543,7 @@ impl<B: Backend> EngineCore<B> {
                 finish = Some(FinishReason::Stop);
             }
         }
-        if finish.is_none() && (num_output >= state.max_tokens || total >= self.exec.config().context_length) {
+        if finish.is_none() && (num_output >= state.max_tokens || total >= self.max_model_len()) {
             finish = Some(FinishReason::Length);
         }
         if finish.is_some() {

@@ -1,7 +1,13 @@
 //! The engine on its own thread. The async side talks to it through a command
 //! channel and gets each request's outputs on a channel of its own; it never blocks the
-//! loop, and the loop never waits on it. A request whose output channel is gone (the
-//! client hung up) is aborted at its next output, its blocks freed at once.
+//! loop, and the loop never waits on it. Between steps the loop aborts every request
+//! whose output channel is gone (the client hung up), whatever its state — running,
+//! waiting, preempted or mid-prefill — and its blocks are freed at once.
+//!
+//! Load reports go out from a thread of their own (`reporter`), from what the loop
+//! published after its last step: a step that runs for seconds (a long prefill chunk on
+//! a busy CPU) never silences them, so a router never mistakes a busy replica for a
+//! gone one.
 
 use super::block_pool::KvEvents;
 use super::core::{EngineCore, EngineError, Output, Request};
@@ -10,11 +16,12 @@ use crate::metrics::{self as m, RequestTimes};
 use metrics_exporter_prometheus::PrometheusRecorder;
 use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tessera_kernels::Backend;
 use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
 
-/// How often the loop publishes a load report.
+/// How often a load report goes out.
 pub const REPORT_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What a request's stream receives: outputs, or the engine's failure.
@@ -30,6 +37,8 @@ pub struct LoadReport {
     pub kv_events: KvEvents,
     pub prefix_queried_blocks: u64,
     pub prefix_hit_blocks: u64,
+    /// Sequences sent back to the queue since start.
+    pub preemptions: u64,
 }
 
 enum Command {
@@ -64,7 +73,8 @@ impl EngineHandle {
     pub fn spawn_recording<B: Backend + 'static>(core: EngineCore<B>, recorder: Option<PrometheusRecorder>) -> Self {
         let (commands, rx) = mpsc::channel();
         let (reports, _) = broadcast::channel(64);
-        let publisher = reports.clone();
+        let published = Arc::new(Mutex::new(Published::default()));
+        let reporter = reporter::spawn(published.clone(), reports.clone(), REPORT_INTERVAL);
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -72,7 +82,7 @@ impl EngineHandle {
                 let _installed = recorder.as_ref().map(|r| metrics::set_default_local_recorder(r));
                 crate::metrics::describe();
                 let times = RequestTimes::default();
-                Loop { core, streams: HashMap::new(), reports: publisher, tokens: 0, times }.run(rx)
+                Loop { core, streams: HashMap::new(), published, _reporter: reporter, tokens: 0, times }.run(rx)
             })
             .expect("spawning the engine thread");
         Self { commands, reports }
@@ -116,22 +126,34 @@ impl EngineHandle {
     }
 }
 
+/// The engine's state as of its last step, for the reporter to send on its own clock.
+#[derive(Debug, Default)]
+pub struct Published {
+    /// Counts as of the last step; `kv_events` gathers changes until a report takes them.
+    report: LoadReport,
+    /// Output tokens since the last report went out.
+    tokens: u64,
+}
+
 struct Loop<B: Backend> {
     core: EngineCore<B>,
     streams: HashMap<SeqId, tmpsc::UnboundedSender<OutputEvent>>,
-    reports: broadcast::Sender<LoadReport>,
-    /// Output tokens since the last report.
+    published: Arc<Mutex<Published>>,
+    /// Stops the reporter when the loop ends.
+    _reporter: reporter::Stop,
+    /// Output tokens since the last publication.
     tokens: u64,
     times: RequestTimes,
 }
 
 impl<B: Backend> Loop<B> {
     fn run(mut self, commands: mpsc::Receiver<Command>) {
-        let mut last_report = Instant::now();
+        let mut last_metrics = Instant::now();
         loop {
-            // Idle: sleep until a command or the next report. Busy: take what is queued.
+            // Idle: sleep until a command or the next metrics update. Busy: take what is
+            // queued.
             if !self.core.has_work() {
-                match commands.recv_timeout(REPORT_INTERVAL.saturating_sub(last_report.elapsed())) {
+                match commands.recv_timeout(REPORT_INTERVAL.saturating_sub(last_metrics.elapsed())) {
                     Ok(c) => self.handle(c),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -140,12 +162,14 @@ impl<B: Backend> Loop<B> {
             while let Ok(c) = commands.try_recv() {
                 self.handle(c);
             }
+            self.drop_departed();
             if self.core.has_work() {
                 self.step();
             }
-            if last_report.elapsed() >= REPORT_INTERVAL {
-                self.report(last_report.elapsed());
-                last_report = Instant::now();
+            self.publish();
+            if last_metrics.elapsed() >= REPORT_INTERVAL {
+                self.record_gauges();
+                last_metrics = Instant::now();
             }
         }
     }
@@ -162,10 +186,7 @@ impl<B: Backend> Loop<B> {
                 let _ = accepted.send(result);
             }
             Command::Abort { id, found } => {
-                let outputs = self.core.abort(id);
-                if let Some(out) = outputs.last() {
-                    self.times.finished(id, Instant::now(), "abort", out.prompt_tokens);
-                }
+                let outputs = self.abort(id, Instant::now());
                 if let Some(stream) = self.streams.remove(&id) {
                     for out in &outputs {
                         let _ = stream.send(Ok(out.clone()));
@@ -177,6 +198,26 @@ impl<B: Backend> Loop<B> {
                 let _ = hashes.send(self.core.scheduler().pool().cached_hashes());
             }
         }
+    }
+
+    /// Aborts every request whose client is gone. Only running sequences produce
+    /// outputs, so a closed channel is looked for directly: a waiting, preempted or
+    /// half-prefilled request would otherwise hold its place (and blocks) until then.
+    fn drop_departed(&mut self) {
+        let gone: Vec<SeqId> = self.streams.iter().filter(|(_, s)| s.is_closed()).map(|(&id, _)| id).collect();
+        let now = Instant::now();
+        for id in gone {
+            self.streams.remove(&id);
+            self.abort(id, now);
+        }
+    }
+
+    fn abort(&mut self, id: SeqId, now: Instant) -> Vec<Output> {
+        let outputs = self.core.abort(id);
+        if let Some(out) = outputs.last() {
+            self.times.finished(id, now, "abort", out.prompt_tokens);
+        }
+        outputs
     }
 
     fn step(&mut self) {
@@ -201,55 +242,129 @@ impl<B: Backend> Loop<B> {
                         let reason = out.finish.map_or("abort", |f| f.as_str());
                         self.times.finished(out.id, now, reason, out.prompt_tokens);
                     }
+                    // A client gone meanwhile is aborted before the next step.
                     let (id, last) = (out.id, out.last);
-                    let delivered = self.streams.get(&id).is_some_and(|s| s.send(Ok(out)).is_ok());
+                    if let Some(stream) = self.streams.get(&id) {
+                        let _ = stream.send(Ok(out));
+                    }
                     if last {
                         self.streams.remove(&id);
-                    } else if !delivered && self.streams.remove(&id).is_some() {
-                        // The client is gone: stop computing for it.
-                        if let Some(out) = self.core.abort(id).last() {
-                            self.times.finished(id, now, "abort", out.prompt_tokens);
-                        }
                     }
                 }
             }
             Err(e) => {
                 // A failed forward leaves no request in a known state: end them all.
                 let message = e.to_string();
-                for (id, stream) in self.streams.drain() {
+                for (id, stream) in std::mem::take(&mut self.streams) {
                     let _ = stream.send(Err(message.clone()));
-                    if let Some(out) = self.core.abort(id).last() {
-                        self.times.finished(id, now, "abort", out.prompt_tokens);
-                    }
+                    self.abort(id, now);
                 }
             }
         }
     }
 
-    fn report(&mut self, elapsed: Duration) {
+    /// Hands the reporter the state after this step: counts, cache changes, tokens.
+    fn publish(&mut self) {
+        let events = self.core.take_kv_events();
+        let preemptions = self.core.stats().preemptions;
         let s = self.core.scheduler();
         let pool = s.pool();
         let stats = pool.stats();
-        let report = LoadReport {
-            running: s.num_running(),
-            waiting: s.num_waiting(),
-            kv_blocks_used: pool.num_used(),
-            kv_blocks_total: pool.num_blocks(),
-            tokens_per_s: self.tokens as f64 / elapsed.as_secs_f64(),
-            kv_events: KvEvents::default(),
-            prefix_queried_blocks: stats.queried_blocks,
-            prefix_hit_blocks: stats.hit_blocks,
-        };
-        metrics::gauge!(m::RUNNING).set(report.running as f64);
-        metrics::gauge!(m::WAITING).set(report.waiting as f64);
-        metrics::gauge!(m::KV_USAGE).set(report.kv_blocks_used as f64 / report.kv_blocks_total.max(1) as f64);
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        let r = &mut p.report;
+        r.running = s.num_running();
+        r.waiting = s.num_waiting();
+        r.kv_blocks_used = pool.num_used();
+        r.kv_blocks_total = pool.num_blocks();
+        r.prefix_queried_blocks = stats.queried_blocks;
+        r.prefix_hit_blocks = stats.hit_blocks;
+        r.preemptions = preemptions;
+        r.kv_events.stored.extend(events.stored);
+        r.kv_events.removed.extend(events.removed);
+        p.tokens += std::mem::take(&mut self.tokens);
+    }
+
+    /// The engine's gauges, recorded on this thread (its metrics recorder is local to it).
+    fn record_gauges(&self) {
+        let s = self.core.scheduler();
+        let pool = s.pool();
+        let stats = pool.stats();
+        metrics::gauge!(m::RUNNING).set(s.num_running() as f64);
+        metrics::gauge!(m::WAITING).set(s.num_waiting() as f64);
+        metrics::gauge!(m::KV_USAGE).set(pool.num_used() as f64 / pool.num_blocks().max(1) as f64);
         let block = tessera_proto::block_hash::BLOCK_TOKENS as u64;
         metrics::counter!(m::PREFIX_QUERIES).absolute(stats.queried_blocks * block);
         metrics::counter!(m::PREFIX_HITS).absolute(stats.hit_blocks * block);
         metrics::counter!(m::PREEMPTIONS).absolute(self.core.stats().preemptions);
-        let report = LoadReport { kv_events: self.core.take_kv_events(), ..report };
-        self.tokens = 0;
-        // No subscriber is fine: the events are dropped, as no router is listening.
-        let _ = self.reports.send(report);
+    }
+}
+
+/// The thread that sends a load report every interval, whatever the engine is doing.
+mod reporter {
+    use super::{LoadReport, Published};
+    use std::sync::mpsc::{self, RecvTimeoutError};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    use tokio::sync::broadcast;
+
+    /// Dropped, the reporter stops.
+    pub struct Stop(#[allow(dead_code)] mpsc::Sender<()>);
+
+    pub fn spawn(published: Arc<Mutex<Published>>, reports: broadcast::Sender<LoadReport>, interval: Duration) -> Stop {
+        let (stop, stopped) = mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("engine-reports".into())
+            .spawn(move || {
+                let mut last = Instant::now();
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
+                    let elapsed = std::mem::replace(&mut last, Instant::now()).elapsed();
+                    let report = {
+                        let mut p = published.lock().unwrap_or_else(|e| e.into_inner());
+                        let tokens = std::mem::take(&mut p.tokens);
+                        LoadReport {
+                            tokens_per_s: tokens as f64 / elapsed.as_secs_f64(),
+                            kv_events: std::mem::take(&mut p.report.kv_events),
+                            ..p.report.clone()
+                        }
+                    };
+                    // No subscriber is fine: the events are dropped, as no router listens.
+                    let _ = reports.send(report);
+                }
+            })
+            .expect("spawning the engine's reporter");
+        Stop(stop)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn reports_go_out_on_time_while_the_engine_publishes_nothing() {
+            // The engine thread is stuck in one long step: it publishes nothing for a
+            // second. Reports keep coming, with the state it published before.
+            let published = Arc::new(Mutex::new(Published::default()));
+            {
+                let mut p = published.lock().unwrap();
+                p.report.running = 3;
+                p.report.kv_events.stored = vec![7, 8];
+                p.tokens = 5;
+            }
+            let (reports, mut rx) = broadcast::channel(64);
+            let stop = spawn(published, reports, Duration::from_millis(20));
+            let began = Instant::now();
+            let mut got = Vec::new();
+            while began.elapsed() < Duration::from_secs(1) {
+                got.push(rx.blocking_recv().unwrap());
+            }
+            assert!(got.len() >= 10, "{} reports in a second at 20 ms", got.len());
+            assert!(got.iter().all(|r| r.running == 3));
+            assert_eq!(got[0].kv_events.stored, vec![7, 8], "changes go out once");
+            assert!(got[1..].iter().all(|r| r.kv_events.stored.is_empty()));
+            assert!(got[0].tokens_per_s > 0.0 && got[1..].iter().all(|r| r.tokens_per_s == 0.0));
+            drop(stop);
+            // Stopped: the sender goes with the thread.
+            while let Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) = rx.blocking_recv() {}
+        }
     }
 }

@@ -8,6 +8,14 @@
 //! preempted: its blocks are freed and it returns to the head of the queue, to be
 //! recomputed (prompt and output so far) when there is room.
 //!
+//! Progress: the first running sequence is never preempted while another runs, so it
+//! advances every step; the engine admits only sequences that fit the whole cache alone
+//! (`fits`), so preempting everyone behind it always makes room, it finishes, and the
+//! next takes its place. Preempted sequences return to the head of the queue, ahead of
+//! later arrivals, so none waits forever. A lone sequence that still cannot grow (which
+//! `fits` rules out) is not put back into the queue to loop: it is `exhausted`, and the
+//! engine ends it as having filled its context.
+//!
 //! Plain synchronous data, owned by the engine thread.
 
 use super::block_pool::{BlockId, BlockPool, KvEvents, PoolStats};
@@ -37,6 +45,8 @@ pub struct Step {
     pub scheduled: Vec<Scheduled>,
     /// Sequences sent back to the queue this step.
     pub preempted: Vec<SeqId>,
+    /// Running alone, and still no room to grow: they end here (see the module's note).
+    pub exhausted: Vec<SeqId>,
 }
 
 pub struct Scheduler {
@@ -64,6 +74,17 @@ impl Scheduler {
     pub fn add(&mut self, seq: Sequence) {
         self.waiting.push_back(seq.id);
         self.seqs.insert(seq.id, seq);
+    }
+
+    /// Tokens the whole cache holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.config.num_blocks * BLOCK_TOKENS
+    }
+
+    /// Whether a sequence that may reach `tokens` tokens (prompt and output) can run
+    /// alone in the cache: what the progress guarantee needs of every sequence.
+    pub fn fits(&self, tokens: usize) -> bool {
+        tokens <= self.capacity_tokens()
     }
 
     pub fn get(&self, id: SeqId) -> Option<&Sequence> {
@@ -102,12 +123,18 @@ impl Scheduler {
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let n = self.seqs[&id].num_pending().min(budget);
-            // Make room, preempting from the back; possibly this sequence itself.
+            // Make room, preempting from the back; possibly this sequence itself, unless
+            // it runs alone: preempting it would free nothing for anyone.
             let scheduled = loop {
                 if self.grow(id, n) {
                     break true;
                 }
                 let victim = *self.running.last().expect("the sequence itself is running");
+                if victim == id && i == 0 {
+                    self.exhaust(id);
+                    step.exhausted.push(id);
+                    break false;
+                }
                 self.preempt(victim);
                 step.preempted.push(victim);
                 if victim == id {
@@ -145,6 +172,12 @@ impl Scheduler {
             let need = (hits.len() * BLOCK_TOKENS + n).div_ceil(BLOCK_TOKENS) - hits.len();
             let Some(fresh) = self.pool.allocate(need) else {
                 self.pool.release(hits.into_iter().rev());
+                if self.running.is_empty() {
+                    // Not even an empty cache holds it: waiting would block the queue forever.
+                    self.waiting.pop_front();
+                    step.exhausted.push(id);
+                    continue;
+                }
                 break;
             };
             seq.num_computed = hits.len() * BLOCK_TOKENS;
@@ -177,6 +210,14 @@ impl Scheduler {
             }
             None => false,
         }
+    }
+
+    /// Takes a sequence out of the running set for good, its blocks freed; it stays
+    /// known until `remove`.
+    fn exhaust(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        let seq = self.seqs.get_mut(&id).expect("running sequences are known");
+        self.pool.release(std::mem::take(&mut seq.block_table).into_iter().rev());
     }
 
     fn preempt(&mut self, id: SeqId) {
@@ -359,6 +400,128 @@ mod tests {
         let x = step.scheduled.iter().find(|x| x.id == 2).unwrap();
         assert_eq!((x.start, x.len), (32, 8), "two full blocks shared");
         assert_eq!(s.block_table(2)[..2], s.block_table(1)[..2]);
+    }
+
+    #[test]
+    fn a_lone_sequence_that_cannot_grow_ends_instead_of_preempting_itself() {
+        // 2 blocks hold 32 tokens; this one (admitted without `fits`, which refuses it)
+        // reaches a 33rd. It used to be preempted and readmitted for ever.
+        let mut s = sched(1000, 8, 2);
+        assert!(!s.fits(33));
+        s.add(Sequence::new(1, prompt(31, 0)));
+        run(&mut s);
+        run(&mut s);
+        let step = run(&mut s);
+        assert_eq!((step.exhausted, step.preempted, step.scheduled), (vec![1], vec![], vec![]));
+        assert_eq!(s.num_running() + s.num_waiting(), 0);
+        assert_eq!(s.pool().num_free(), 2, "its blocks are free at once");
+        assert!(s.remove(1).is_some(), "it stays known until the engine ends it");
+        // Nor does one that no empty cache can take wait at the head of the queue.
+        s.add(Sequence::new(2, prompt(40, 1)));
+        s.add(Sequence::new(3, prompt(5, 2)));
+        let step = run(&mut s);
+        assert_eq!(step.exhausted, vec![2]);
+        assert_eq!(step.scheduled.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
+    }
+
+    /// xorshift64: the property walk's numbers, the same on every run.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+    }
+
+    /// Every block's references are exactly the block tables that hold it, and waiting
+    /// sequences hold none.
+    fn check_blocks(s: &Scheduler, seed: u64) {
+        let mut refs = vec![0u32; s.pool.num_blocks()];
+        for seq in s.seqs.values() {
+            for &b in &seq.block_table {
+                refs[b as usize] += 1;
+            }
+        }
+        for (b, &r) in refs.iter().enumerate() {
+            assert_eq!(s.pool.refs(b as BlockId), r, "seed {seed}: block {b}");
+        }
+        assert_eq!(s.pool.num_used(), refs.iter().filter(|&&r| r > 0).count(), "seed {seed}");
+        for id in &s.waiting {
+            assert!(s.seqs[id].block_table.is_empty(), "seed {seed}: waiting sequence {id} holds blocks");
+        }
+    }
+
+    #[test]
+    fn every_sequence_finishes_or_is_refused_and_no_block_leaks() {
+        // Random caches, budgets and arrivals: prompts up to past the cache, shared
+        // prefixes, `n` siblings. Every step with work advances a sequence; every
+        // sequence that `fits` gets all its tokens; the pool ends whole.
+        let mut preemptions = 0;
+        let mut refused = 0;
+        for seed in 1..=300u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let num_blocks = rng.below(24) + 1;
+            let budget = [1, 5, 16, 40, 1000][rng.below(5)];
+            let mut s = sched(budget, rng.below(6) + 1, num_blocks);
+            let stems: Vec<Vec<u32>> = (0..3).map(|k| prompt(num_blocks * BLOCK_TOKENS + 40, 1000 * k)).collect();
+            let mut arrivals: Vec<(usize, Vec<u32>, usize, usize)> = (0..30)
+                .map(|_| {
+                    let at = rng.below(200);
+                    let len = rng.below(num_blocks * BLOCK_TOKENS + 20) + 1;
+                    let shared = rng.below(len + 1);
+                    let mut p = stems[rng.below(3)][..shared].to_vec();
+                    p.extend((shared..len).map(|_| rng.below(50_000) as u32));
+                    (at, p, rng.below(40) + 1, rng.below(3) + 1)
+                })
+                .collect();
+            arrivals.sort_by_key(|a| std::cmp::Reverse(a.0));
+            // Sequence id → tokens it must reach; and each finished sequence's length.
+            let mut want: HashMap<SeqId, usize> = HashMap::new();
+            let mut got: HashMap<SeqId, usize> = HashMap::new();
+            let mut next_id = 0;
+            let mut steps = 0;
+            while s.has_work() || !arrivals.is_empty() {
+                while arrivals.last().is_some_and(|a| a.0 <= steps) {
+                    let (_, p, max_tokens, n) = arrivals.pop().unwrap();
+                    if !s.fits(p.len() + max_tokens) {
+                        refused += 1;
+                        continue;
+                    }
+                    let first = next_id;
+                    for i in 0..n {
+                        let after = (i > 0).then_some(first);
+                        s.add(Sequence { after, ..Sequence::new(next_id, p.clone()) });
+                        want.insert(next_id, p.len() + max_tokens);
+                        next_id += 1;
+                    }
+                }
+                steps += 1;
+                assert!(steps < 100_000, "seed {seed}: no end in sight");
+                let had_work = s.has_work();
+                let step = s.schedule();
+                assert!(step.exhausted.is_empty(), "seed {seed}: {:?} could not grow", step.exhausted);
+                assert_eq!(had_work, !step.scheduled.is_empty(), "seed {seed}: step {steps} advanced nothing");
+                preemptions += step.preempted.len();
+                s.complete(&step);
+                for x in step.scheduled.iter().filter(|x| x.sample) {
+                    s.append(x.id, 1);
+                    let len = s.get(x.id).unwrap().tokens.len();
+                    if len == want[&x.id] {
+                        s.remove(x.id);
+                        got.insert(x.id, len);
+                    }
+                }
+                check_blocks(&s, seed);
+            }
+            assert_eq!(got, want, "seed {seed}: every admitted sequence ran to its end");
+            assert_eq!(s.pool().num_free(), num_blocks, "seed {seed}: every block returned");
+        }
+        // The walk reached the cases it is about.
+        assert!(preemptions > 100, "{preemptions} preemptions");
+        assert!(refused > 100, "{refused} refused");
     }
 
     #[test]

@@ -23,3 +23,38 @@ pub fn smollm2() -> &'static LoadedModel<CpuBackend> {
     static MODEL: OnceLock<LoadedModel<CpuBackend>> = OnceLock::new();
     MODEL.get_or_init(|| load_model(CpuBackend, &smollm2_path()).unwrap_or_else(|e| panic!("{e}")))
 }
+
+/// `serve`'s settings for the real model on the CPU with a KV cache of `kv_cache_bytes`.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
+    tessera_worker::serve::ServeConfig {
+        model: smollm2_path().display().to_string(),
+        listen: "127.0.0.1:0".into(),
+        kv_cache_bytes: Some(kv_cache_bytes),
+        kv_cache_fraction: 0.2,
+        device: tessera_worker::device::Device::Cpu,
+        cuda_devices: Vec::new(),
+        tensor_parallel_size: 1,
+        gpu_memory_fraction: 0.9,
+        cuda_graph_sizes: vec![1, 2, 4],
+        enforce_eager: false,
+        replica_id: "test".into(),
+        no_metrics: false,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 2048,
+    }
+}
+
+/// A worker serving gRPC on a loopback port, in process; the server stops when the
+/// runtime ends.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub async fn serve_in_process(
+    config: tessera_worker::serve::ServeConfig,
+) -> tessera_proto::worker::worker_client::WorkerClient<tonic::transport::Channel> {
+    use tessera_worker::serve::{build_service, serve};
+    let service = tokio::task::spawn_blocking(move || build_service(&config)).await.unwrap().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve(service, listener, std::future::pending()));
+    tessera_proto::worker::worker_client::WorkerClient::connect(format!("http://{addr}")).await.unwrap()
+}
