@@ -41,6 +41,8 @@ async fn open_stream(port: u16, key: &str, max_tokens: u32) -> tokio::net::TcpSt
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let head = String::from_utf8_lossy(&seen);
+        assert!(!head.starts_with("HTTP/1.1 4") && !head.starts_with("HTTP/1.1 5"), "refused: {head}");
         let n = socket.read(&mut buf).await.unwrap();
         assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
@@ -67,7 +69,8 @@ async fn read_to_end(socket: &mut tokio::net::TcpStream) -> String {
 async fn a_dropped_stream_aborts_the_sequence(port: u16, key: &str, worker_addr: &str) {
     let mut worker = WorkerClient::connect(format!("http://{worker_addr}")).await.unwrap();
     let mut load = worker.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.unwrap().into_inner();
-    let socket = open_stream(port, key, 4000).await;
+    // Long enough to outlast the test, within the 2,912 tokens a 128 MiB cache holds.
+    let socket = open_stream(port, key, 2800).await;
     let within = Duration::from_secs(30);
     let wait_for = async |load: &mut tonic::Streaming<pb::LoadReport>, want_running: bool| {
         tokio::time::timeout(within, async {
