@@ -238,3 +238,38 @@ fn sixteen_clients_mixing_long_and_malformed_requests_get_no_503_and_no_hang() {
     assert!(outcomes["oversized"]["400"].as_u64().unwrap_or(0) > 0, "{summary}");
     assert!(outcomes["malformed"].as_object().is_some_and(|m| !m.is_empty()), "{summary}");
 }
+
+/// Sequential requests, each with `TIMEOUT` seconds to answer; prints how many did.
+const SEQUENTIAL: &str = r#"
+import os, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0, timeout=30)
+done = 0
+for i in range(6):
+    r = c.chat.completions.create(model="vendor-c/model-c", messages=[{"role": "user", "content": f"Hi {i}"}],
+                                  max_tokens=2)
+    done += r.choices[0].finish_reason in ("stop", "length")
+print(done)
+"#;
+
+#[test]
+fn a_frozen_replica_leaves_routing_within_seconds() {
+    // Two replicas taking turns; one stops (SIGSTOP: its connections stay open and
+    // silent, as a node cut off would). A request sent to it fails over once the
+    // connection's keep-alive gives up on it, and later ones go to the other.
+    let data = tempfile::tempdir().unwrap();
+    let serve = Serve::start(data.path(), &["--replicas", "2", "--routing", "round-robin"], &[]);
+    let children =
+        std::process::Command::new("pgrep").args(["-P", &serve.process.0.id().to_string()]).output().unwrap();
+    let workers: Vec<String> =
+        String::from_utf8(children.stdout).unwrap().split_whitespace().map(String::from).collect();
+    assert_eq!(workers.len(), 2, "two local workers: {workers:?}");
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill").args([sig, &workers[0]]).status().unwrap();
+        assert!(status.success());
+    };
+    signal("-STOP");
+    let out = python(SEQUENTIAL, &serve.base_url(), &serve.key, &[]).output().unwrap();
+    signal("-CONT");
+    assert!(out.status.success(), "a request failed or hung: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), "6");
+}

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{serve_config, serve_in_process};
+use common::{request, serve_config, serve_in_process};
 use std::collections::HashSet;
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
@@ -17,17 +17,6 @@ use tonic::transport::Channel;
 
 /// Bytes of KV cache per token of SmolLM2-135M (30 layers × K and V × 3 heads × 64 × f32).
 const KV_BYTES_PER_TOKEN: u64 = 46_080;
-
-fn request(id: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        request_id: id.into(),
-        prompt_token_ids: prompt,
-        sampling: Some(pb::SamplingParams::default()),
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
 
 /// Distinct prompt tokens from `from` on.
 fn tokens(from: u32, len: u32) -> Vec<u32> {

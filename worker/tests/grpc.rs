@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{serve_config, serve_in_process};
+use common::{request, serve_config, serve_in_process};
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
@@ -14,17 +14,6 @@ use tonic::transport::Channel;
 /// A worker on a loopback port; the server stops when the runtime ends.
 async fn start(kv_cache_bytes: u64) -> WorkerClient<Channel> {
     serve_in_process(serve_config(kv_cache_bytes)).await
-}
-
-fn request(id: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        request_id: id.into(),
-        prompt_token_ids: prompt,
-        sampling: Some(pb::SamplingParams::default()),
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    }
 }
 
 /// Runs a request to its end; returns its tokens, text and finish reason.

@@ -58,3 +58,16 @@ pub async fn serve_in_process(
     tokio::spawn(serve(service, listener, std::future::pending()));
     tessera_proto::worker::worker_client::WorkerClient::connect(format!("http://{addr}")).await.unwrap()
 }
+
+/// A greedy request for `max_tokens` tokens, past any end-of-sequence token.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn request(id: &str, prompt: Vec<u32>, max_tokens: u32) -> tessera_proto::worker::GenerateRequest {
+    tessera_proto::worker::GenerateRequest {
+        request_id: id.into(),
+        prompt_token_ids: prompt,
+        sampling: Some(tessera_proto::worker::SamplingParams::default()),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
