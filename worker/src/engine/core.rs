@@ -483,16 +483,22 @@ impl<B: Backend> EngineCore<B> {
                 self.requests.insert(seq_id, state);
             } else {
                 self.scheduler.remove(seq_id);
-                let members = self.families.get_mut(&output.id).expect("live requests have a family");
-                members.retain(|&m| m != seq_id);
-                if members.is_empty() {
-                    self.families.remove(&output.id);
-                    output.last = true;
-                }
+                output.last = self.leave_family(output.id, seq_id);
             }
             outputs.push(output);
         }
         Ok(outputs)
+    }
+
+    /// Takes an ended sequence out of its request's family; true if it was the last.
+    fn leave_family(&mut self, request: SeqId, seq_id: SeqId) -> bool {
+        let members = self.families.get_mut(&request).expect("live requests have a family");
+        members.retain(|&m| m != seq_id);
+        let last = members.is_empty();
+        if last {
+            self.families.remove(&request);
+        }
+        last
     }
 
     /// Ends the sequences the scheduler could find no room for even alone (which
@@ -502,12 +508,7 @@ impl<B: Backend> EngineCore<B> {
             .filter_map(|&seq_id| {
                 let mut state = self.requests.remove(&seq_id)?;
                 let seq = self.scheduler.remove(seq_id)?;
-                let members = self.families.get_mut(&state.request)?;
-                members.retain(|&m| m != seq_id);
-                let last = members.is_empty();
-                if last {
-                    self.families.remove(&state.request);
-                }
+                let last = self.leave_family(state.request, seq_id);
                 Some(Output {
                     id: state.request,
                     index: state.index,
