@@ -229,7 +229,8 @@ fn sixteen_clients_mixing_long_and_malformed_requests_get_no_503_and_no_hang() {
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     println!("{summary}");
     assert_eq!(summary["problems"], Value::Array(Vec::new()), "{summary:#}");
-    assert_eq!(summary["after"], "length");
+    // The replica still answers afterwards (two tokens, or fewer if the model ends).
+    assert!(["stop", "length"].contains(&summary["after"].as_str().unwrap_or("")), "{summary}");
     // Every kind of request was sent, and each had answers of the kind expected.
     let outcomes = &summary["outcomes"];
     for kind in ["short", "long_prompt", "long_generation", "no_max_tokens", "n2", "streamed", "abandoned"] {
