@@ -84,6 +84,10 @@ pub struct Reasoning {
     /// that marker or the end shows which it was.
     #[serde(default)]
     pub bare_close: bool,
+    /// Reasoning tokens a completion may spend when the request names no budget;
+    /// absent: `--thinking-budget`, else no limit.
+    #[serde(default)]
+    pub thinking_budget: Option<u32>,
 }
 
 fn no_markers() -> Markers {
@@ -99,6 +103,14 @@ pub enum CatalogError {
 }
 
 impl Catalog {
+    /// Gives models whose entry names no thinking budget the server's default.
+    pub fn default_thinking_budget(mut self, budget: Option<u32>) -> Self {
+        for m in &mut self.models {
+            m.reasoning.thinking_budget = m.reasoning.thinking_budget.or(budget);
+        }
+        self
+    }
+
     pub fn load(path: Option<&Path>) -> Result<Self, CatalogError> {
         let read = |p: &Path| {
             std::fs::read_to_string(p).map_err(|source| CatalogError::Read { path: p.display().to_string(), source })

@@ -167,6 +167,10 @@ pub struct ApiArgs {
     /// none either): the baseline for measuring what metrics cost.
     #[arg(long)]
     pub no_metrics: bool,
+    /// Reasoning tokens a completion may spend, for models whose catalog entry names no
+    /// `thinking_budget` (a request's own budget comes first); absent: no limit.
+    #[arg(long, env = "TESSERA_THINKING_BUDGET")]
+    pub thinking_budget: Option<u32>,
 }
 
 #[derive(Subcommand)]

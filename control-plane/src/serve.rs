@@ -25,7 +25,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
     bootstrap(&store, data_dir, config.dev_credit_usd).await?;
-    let catalog = Catalog::load(config.api.catalog.as_deref())?;
+    let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
     let binary = workers::worker_binary(config.worker_bin.as_deref());
     let mut local = Vec::new();

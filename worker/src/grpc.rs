@@ -6,6 +6,7 @@ use crate::engine::grammar::{Constraint, GrammarSource, GrammarSpec};
 use crate::engine::runner::{EngineHandle, OutputEvent};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::sequence::SeqId;
+use crate::engine::thinking::ThinkingBudget;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,6 +112,13 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> 
         ignore_eos: r.ignore_eos,
         n: r.n.max(1) as usize,
         grammar,
+        thinking: r.thinking.map(|t| ThinkingBudget {
+            inside: t.inside,
+            open: t.open,
+            close: t.close,
+            close_tokens: t.close_tokens,
+            budget: t.budget as usize,
+        }),
     })
 }
 

@@ -111,6 +111,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
             return Err(ApiError::invalid_type("chat_template_kwargs", "an object"));
         }
     };
+    let budget = chat::budget::requested(&mut f, kwargs)?;
     let mut kwargs = chat::template_kwargs(model, kwargs);
     if let Some(effort) = f.string("reasoning_effort")? {
         const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "max"];
@@ -143,8 +144,10 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     f.finish()?;
 
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
+    let max_param = if max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens =
         params::max_tokens(model, prepared.prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
+    let thinking = chat::budget::for_worker(model, &prepared, budget, max_tokens, max_param)?;
     Ok(ChatRequest {
         generation: Generation {
             prompt: prepared.prompt,
@@ -154,6 +157,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
             n,
             grammar: prepared.grammar,
             prompt_param: "messages",
+            thinking,
         },
         reading: prepared.reading,
         named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),

@@ -158,6 +158,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
             n,
             grammar: None,
             prompt_param: "prompt",
+            thinking: None,
         },
         echo,
         logprobs,

@@ -23,6 +23,8 @@ pub struct Generation {
     pub grammar: Option<(pb::Grammar, &'static str)>,
     /// The parameter holding the prompt, named when prompt and completion do not fit.
     pub prompt_param: &'static str,
+    /// When the worker ends the output's reasoning.
+    pub thinking: Option<pb::ThinkingBudget>,
 }
 
 pub struct Output {
@@ -80,6 +82,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         ignore_eos: false,
         n: g.n,
         grammar,
+        thinking: g.thinking,
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids);

@@ -91,6 +91,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
     }
     let sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let stream = f.bool("stream", false)?;
+    let budget = chat::budget::requested(&mut f, None)?;
     let max_output_tokens = f.integer("max_output_tokens", Some(1), None)?;
     let caps = &model.entry.capabilities;
     let tools = chat::tools::parse(&mut f, Shape::Responses, caps.tool_calling, &model.entry.id)?;
@@ -136,6 +137,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
     let kwargs = chat::template_kwargs(model, None);
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
     let max_tokens = params::max_tokens(model, prepared.prompt.len(), max_output_tokens, "input")?;
+    let thinking = chat::budget::for_worker(model, &prepared, budget, max_tokens, "max_output_tokens")?;
     Ok(ResponsesRequest {
         generation: Generation {
             prompt: prepared.prompt,
@@ -145,6 +147,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             n: 1,
             grammar: prepared.grammar,
             prompt_param: "input",
+            thinking,
         },
         reading: prepared.reading,
         instructions,

@@ -1,10 +1,12 @@
 //! Turning API messages into a prompt: the message list the model's chat template
 //! reads, the template rendered with the request's and the catalog's kwargs, tokens.
 
+pub mod budget;
 pub mod grammar;
 pub mod messages;
 pub mod output;
 pub mod reasoning;
+pub mod shortest;
 pub mod tools;
 
 use crate::api::error::ApiError;
@@ -23,6 +25,10 @@ pub struct Prepared {
     pub prompt: Vec<u32>,
     pub grammar: Option<(pb::Grammar, &'static str)>,
     pub reading: Reading,
+    /// Where the output begins: in reasoning, with thinking off, or free to think.
+    pub thinking: Thinking,
+    /// With a constrained output, the shortest answer it allows (`shortest::answer`).
+    pub shortest: Option<String>,
 }
 
 /// Renders the prompt with the tools the model may call, and decides from the family's
@@ -39,13 +45,15 @@ pub fn prepare(
     let reasoning = &model.entry.reasoning;
     let thinking = Thinking::of(&rendered, reasoning.markers);
     let tool_format = model.entry.tool_format;
+    let shortest = shortest::answer(callable, format.as_ref().map(|(g, _)| g), tool_format);
     let grammar = grammar::compose(thinking, reasoning.markers, tool_format, callable, format);
     let reading = Reading {
         markers: reasoning.markers,
         start: thinking.start(reasoning.bare_close, grammar.is_some()),
         tools: callable.map(|_| tool_format),
     };
-    Ok(Prepared { prompt, grammar, reading })
+    let shortest = shortest.filter(|_| grammar.is_some());
+    Ok(Prepared { prompt, grammar, reading, thinking, shortest })
 }
 
 /// The catalog's `chat_template_kwargs` for the model with the request's merged over

@@ -26,7 +26,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
-    let catalog = Catalog::load(config.api.catalog.as_deref())?;
+    let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
     let client = Client::connect([config.etcd.clone()], Some(etcd_options()))
         .await
         .with_context(|| format!("connecting to etcd at {}", config.etcd))?;

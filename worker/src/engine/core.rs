@@ -9,6 +9,7 @@ use super::grammar::Constraint;
 use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
+use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
 use std::collections::HashMap;
@@ -22,6 +23,8 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 pub const MAX_STOP_STRINGS: usize = 4;
 /// Most completions one request may ask for (OpenAI's limit).
 pub const MAX_N: usize = 128;
+/// A constrained output this close to its limit is steered to finish in time.
+const FINISH_WATCH: usize = 128;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -70,6 +73,8 @@ pub struct Request {
     /// The grammar the output must match, compiled (`Grammars::matcher`); each of the
     /// `n` completions follows its own copy.
     pub grammar: Option<Constraint>,
+    /// Reasoning is watched and ended when its budget is spent.
+    pub thinking: Option<ThinkingBudget>,
 }
 
 impl Request {
@@ -84,6 +89,7 @@ impl Request {
             ignore_eos: false,
             n: 1,
             grammar: None,
+            thinking: None,
         }
     }
 }
@@ -153,6 +159,7 @@ struct RequestState {
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
+    thinking: Option<Thinking>,
 }
 
 /// Counters since start.
@@ -304,6 +311,10 @@ impl<B: Backend> EngineCore<B> {
                 SamplingParams { seed: req.params.seed.map(|s| s.wrapping_add(index as u64)), ..req.params.clone() };
             let mut sampler = SamplerState::new(params, &req.prompt);
             sampler.constraint = req.grammar.as_ref().map(Constraint::fork);
+            sampler.ends = req.stop_token_ids.clone();
+            if !req.ignore_eos {
+                sampler.ends.extend(&self.eos);
+            }
             self.requests.insert(
                 seq_id,
                 RequestState {
@@ -314,6 +325,7 @@ impl<B: Backend> EngineCore<B> {
                     max_tokens: req.max_tokens,
                     stop_token_ids: req.stop_token_ids.clone(),
                     ignore_eos: req.ignore_eos,
+                    thinking: req.thinking.clone().map(Thinking::new),
                 },
             );
             let after = members.first().copied();
@@ -364,6 +376,12 @@ impl<B: Backend> EngineCore<B> {
         }
         if req.stop.len() > MAX_STOP_STRINGS {
             return bad(format!("{} stop strings; at most {MAX_STOP_STRINGS}", req.stop.len()));
+        }
+        if let Some(t) = &req.thinking {
+            t.check().or_else(bad)?;
+            if let Some(id) = t.close_tokens.iter().find(|&&id| id as usize >= vocab) {
+                return bad(format!("thinking close token id {id} is outside the vocabulary of {vocab}"));
+            }
         }
         let p = &req.params;
         if !(p.temperature >= 0.0 && p.temperature.is_finite()) {
@@ -421,7 +439,21 @@ impl<B: Backend> EngineCore<B> {
             return Ok(outputs);
         }
         self.stats.steps += 1;
-        // When no sampled row follows a grammar the device may pick the tokens itself.
+        // Each sampled sequence's rule for this step: its thinking budget's, and near
+        // its limit, a grammar's output must finish in time.
+        let context = self.max_model_len();
+        for s in step.scheduled.iter().filter(|s| s.sample) {
+            let (Some(r), Some(seq)) = (self.requests.get_mut(&s.id), self.scheduler.get(s.id)) else { continue };
+            let mut rule = r.thinking.as_mut().map(Thinking::rule).unwrap_or_default();
+            let answering = !r.thinking.as_ref().is_some_and(Thinking::inside);
+            let remaining = r.max_tokens.saturating_sub(seq.num_output()).min(context - seq.tokens.len());
+            if r.sampler.constraint.is_some() && answering && remaining <= FINISH_WATCH {
+                rule.finish_within = Some(remaining);
+            }
+            r.sampler.rule = rule;
+        }
+        // When no sampled row follows a grammar (or is forced) the device may pick the
+        // tokens itself.
         let device_rows: Option<Vec<PickRow>> = step
             .scheduled
             .iter()
@@ -459,7 +491,14 @@ impl<B: Backend> EngineCore<B> {
         let sampled = match forwarded {
             Forwarded::Picked(picks) => picks
                 .into_iter()
-                .map(|p| Sampled { token: p.token, logprob: p.logprob, top_logprobs: p.top_logprobs })
+                .zip(&mut taken)
+                .map(|(p, (_, r))| Sampled {
+                    // An end the step's rule turns into a close (no log-probability was
+                    // asked for: such rows are sampled on the host).
+                    token: r.sampler.redirect_end(p.token),
+                    logprob: p.logprob,
+                    top_logprobs: p.top_logprobs,
+                })
                 .collect(),
             Forwarded::Logits(mut logits) => {
                 let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
@@ -526,6 +565,11 @@ impl<B: Backend> EngineCore<B> {
     /// Appends a sampled token to its sequence and decides whether it ends there.
     fn advance(&mut self, seq_id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
         let token = s.token;
+        if state.sampler.redirected()
+            && let Some(t) = &mut state.thinking
+        {
+            t.close_begun();
+        }
         state.sampler.push(token);
         self.scheduler.append(seq_id, token);
         self.stats.output_tokens += 1;
@@ -539,6 +583,9 @@ impl<B: Backend> EngineCore<B> {
             finish = Some(FinishReason::Stop);
         } else {
             let delta = state.detok.push(self.tokenizer.inner(), token)?;
+            if let Some(t) = &mut state.thinking {
+                t.observe(&delta.text);
+            }
             text = delta.text;
             if delta.stopped_on.is_some() {
                 finish = Some(FinishReason::Stop);

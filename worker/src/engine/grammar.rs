@@ -6,6 +6,7 @@
 //! grammars are cached by their text, so a schema sent again starts from a clone.
 
 use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::TokTrie;
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -27,6 +28,8 @@ const CACHE_CAPACITY: usize = 256;
 pub struct Grammars {
     factory: ParserFactory,
     eos: Vec<u32>,
+    /// Single-character tokens a finish is spelled with (`Constraint::finish`).
+    finishers: Arc<Finishers>,
     cache: Mutex<Cache>,
 }
 
@@ -46,9 +49,10 @@ impl Grammars {
             bytes.set_eos_tokens(eos);
         }
         let env = bytes.into_tok_env(Some(vocab)).map_err(|e| format!("token trie: {e}"))?;
+        let finishers = Arc::new(Finishers::new(env.tok_trie()));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("grammar factory: {e}"))?;
         factory.quiet();
-        Ok(Self { factory, eos: eos.to_vec(), cache: Mutex::new(Cache::default()) })
+        Ok(Self { factory, eos: eos.to_vec(), finishers, cache: Mutex::new(Cache::default()) })
     }
 
     /// A fresh matcher for `spec`, or why the grammar does not compile.
@@ -72,7 +76,12 @@ impl Grammars {
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(e) => Err(e),
-            None => Ok(Constraint { matcher: Arc::new(Mutex::new(matcher)), eos: self.eos.clone() }),
+            None => Ok(Constraint {
+                matcher: Arc::new(Mutex::new(matcher)),
+                eos: self.eos.clone(),
+                finishers: self.finishers.clone(),
+                finish: Arc::default(),
+            }),
         }
     }
 }
@@ -116,6 +125,9 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, String> {
 pub struct Constraint {
     matcher: Arc<Mutex<Matcher>>,
     eos: Vec<u32>,
+    finishers: Arc<Finishers>,
+    /// The shortest finish from the current position, once looked for.
+    finish: Arc<Mutex<Option<Vec<u32>>>>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -135,7 +147,12 @@ impl Constraint {
     /// An independent copy at the same position.
     pub fn fork(&self) -> Self {
         let m = self.matcher.lock().expect("matcher").deep_clone();
-        Self { matcher: Arc::new(Mutex::new(m)), eos: self.eos.clone() }
+        Self {
+            matcher: Arc::new(Mutex::new(m)),
+            eos: self.eos.clone(),
+            finishers: self.finishers.clone(),
+            finish: Arc::default(),
+        }
     }
 
     /// Sets every logit the grammar forbids now to −∞ (all but end-of-sequence once the
@@ -164,9 +181,92 @@ impl Constraint {
     /// Advances past a sampled token (one `mask` allowed). A matcher that refuses it
     /// keeps its error, and the next `mask` ends the output.
     pub fn accept(&self, token: u32) {
+        // The finish looked for from here goes on from its first token (the search is
+        // deterministic); after any other token it is looked for again.
+        let mut finish = self.finish.lock().expect("finish");
+        *finish = finish.take().filter(|f| f.first() == Some(&token)).map(|f| f[1..].to_vec());
         let mut m = self.matcher.lock().expect("matcher");
         if !m.is_stopped() {
             let _ = m.consume_token(token);
         }
+    }
+
+    /// The token to take when `remaining` tokens (this one included) are all that is
+    /// left: `picked` if the output can still finish after it (and end), else the first
+    /// token of the shortest finish from here. A model that would run on past its
+    /// limit (a JSON object nesting for ever) still ends inside its grammar.
+    pub fn finish_in_time(&self, picked: u32, remaining: usize) -> u32 {
+        if self.eos.contains(&picked) {
+            return picked;
+        }
+        let m = self.matcher.lock().expect("matcher");
+        let mut cached = self.finish.lock().expect("finish");
+        if cached.is_none() {
+            *cached = self.finishers.finish(&m, None);
+        }
+        // No finish found (a format the search cannot spell): the model's pick.
+        let Some(now) = cached.as_ref() else { return picked };
+        // One token more, its finish, and the end of output must all fit.
+        let fits = |after: usize| after + 2 <= remaining;
+        let keep = match now.first() {
+            Some(&first) if first == picked => fits(now.len() - 1),
+            _ => self.finishers.finish(&m, Some(picked)).is_some_and(|after| fits(after.len())),
+        };
+        match (keep, now.first()) {
+            (true, _) => picked,
+            (false, Some(&first)) => first,
+            // Already complete: end here.
+            (false, None) => self.eos.first().copied().unwrap_or(picked),
+        }
+    }
+}
+
+/// Finishes longer than this are not looked for.
+const MAX_FINISH: usize = 96;
+
+/// The single-character tokens a shortest finish is spelled with, in the order they
+/// are tried: closing a string, then structures, then the smallest value, then any
+/// other (a literal the grammar forces: a key's name, a tool call's closing tag).
+pub struct Finishers {
+    quote: Option<u32>,
+    /// A letter: allowed only inside a string (or a literal), which tells a string's
+    /// end from an object's next key.
+    letter: Option<u32>,
+    preferred: Vec<u32>,
+    others: Vec<u32>,
+}
+
+impl Finishers {
+    fn new(trie: &TokTrie) -> Self {
+        let id = |c: u8| trie.token_id(&[c]);
+        let preferred: Vec<u32> = b"}]0:,".iter().filter_map(|&c| id(c)).collect();
+        let others = (0x21u8..0x7f).chain(*b"\n ").filter(|c| !b"}]0:,\"".contains(c)).filter_map(id).collect();
+        Self { quote: id(b'"'), letter: id(b'a'), preferred, others }
+    }
+
+    /// The tokens of a short finish from `m`'s state (after `first`, if given), found
+    /// greedily: a string closes first, then structures, then the smallest value.
+    /// None if none is found within `MAX_FINISH` tokens (or `first` is refused).
+    fn finish(&self, m: &Matcher, first: Option<u32>) -> Option<Vec<u32>> {
+        let mut m = m.deep_clone();
+        if let Some(t) = first {
+            m.try_consume_tokens(&[t]).ok().filter(|&n| n == 1)?;
+        }
+        let mut out = Vec::new();
+        let ok = |m: &mut Matcher, t: u32| m.validate_tokens(&[t]).is_ok_and(|n| n == 1);
+        while !(m.is_stopped() || m.is_accepting().unwrap_or(false)) {
+            if out.len() >= MAX_FINISH {
+                return None;
+            }
+            let in_string = self.letter.is_some_and(|a| ok(&mut m, a));
+            let quote = self.quote.filter(|&q| in_string && ok(&mut m, q));
+            let next = quote
+                .or_else(|| self.preferred.iter().copied().find(|&t| ok(&mut m, t)))
+                .or_else(|| self.quote.filter(|&q| ok(&mut m, q)))
+                .or_else(|| self.others.iter().copied().find(|&t| ok(&mut m, t)))?;
+            m.consume_token(next).ok()?;
+            out.push(next);
+        }
+        Some(out)
     }
 }

@@ -14,3 +14,4 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod thinking;

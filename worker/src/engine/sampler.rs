@@ -68,7 +68,33 @@ pub struct SamplerState {
     pub constraint: Option<Constraint>,
     /// This step's random draw, once a device row has taken it.
     drawn: Option<f32>,
+    /// Tokens that end the output: end-of-sequence (unless ignored) and stop ids.
+    pub ends: Vec<u32>,
+    /// What the engine decides for this step (reset by `push`).
+    pub rule: StepRule,
+    /// This step's pick was an end token, replaced by `rule.end_becomes`.
+    redirected: bool,
 }
+
+/// What the engine decides for one step of a sequence beyond its request's settings:
+/// a thinking budget's rules (`super::thinking`). The grammar, if any, consumes
+/// whatever token results, as it would a sampled one.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepRule {
+    /// The token to take, whatever the logits.
+    pub forced: Option<u32>,
+    /// An end token picked becomes this one.
+    pub end_becomes: Option<u32>,
+    /// End tokens may not be picked.
+    pub ends_banned: bool,
+    /// Tokens left to the output, this one included, once they are few: a grammar's
+    /// output must then finish in time (`Constraint::finish_in_time`).
+    pub finish_within: Option<usize>,
+}
+
+/// A bias that no logit survives, for tokens a step may not take (finite, so that
+/// device kernels' arithmetic stays finite).
+const BANNED: f32 = -1e30;
 
 impl SamplerState {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
@@ -78,16 +104,28 @@ impl SamplerState {
         };
         let seen =
             if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
-        Self { params, rng, output_counts: HashMap::new(), seen, constraint: None, drawn: None }
+        Self {
+            params,
+            rng,
+            output_counts: HashMap::new(),
+            seen,
+            constraint: None,
+            drawn: None,
+            ends: Vec::new(),
+            rule: StepRule::default(),
+            redirected: false,
+        }
     }
 
     /// The row a device can pick for this sequence; None when it follows a grammar,
-    /// which only the host can apply. A sampled row takes this step's random draw from
-    /// the sequence's generator, and the host's sampler uses that same draw should the
-    /// backend hand the logits back instead: one draw per step either way, so a seeded
-    /// request gives the same tokens on any backend.
+    /// which only the host can apply, or its token is forced, or a redirected end needs
+    /// its log-probability. A sampled row takes this step's random draw from the sequence's generator, and the host's sampler uses
+    /// that same draw should the backend hand the logits back instead: one draw per
+    /// step either way (a forced step draws too), so a seeded request gives the same
+    /// tokens on any backend.
     pub fn device_row(&mut self) -> Option<PickRow> {
-        if self.constraint.is_some() {
+        let redirect_logprob = self.rule.end_becomes.is_some() && self.params.logprobs.is_some();
+        if self.constraint.is_some() || self.rule.forced.is_some() || redirect_logprob {
             return None;
         }
         let p = &self.params;
@@ -106,12 +144,16 @@ impl SamplerState {
                 uniform,
             }
         });
+        let mut logit_bias = p.logit_bias.clone();
+        if self.rule.ends_banned {
+            logit_bias.extend(self.ends.iter().map(|&t| (t, BANNED)));
+        }
         Some(PickRow {
             repetition_penalty: p.repetition_penalty,
             frequency_penalty: p.frequency_penalty,
             presence_penalty: p.presence_penalty,
             history,
-            logit_bias: p.logit_bias.clone(),
+            logit_bias,
             top_logprobs: p.logprobs,
             draw,
         })
@@ -122,9 +164,28 @@ impl SamplerState {
         self.drawn.take().unwrap_or_else(|| self.rng.random::<f32>())
     }
 
+    /// The token a pick becomes: an end token, where this step's rule says so, is
+    /// replaced (`redirected` tells).
+    pub fn redirect_end(&mut self, token: u32) -> u32 {
+        match self.rule.end_becomes {
+            Some(instead) if self.ends.contains(&token) => {
+                self.redirected = true;
+                instead
+            }
+            _ => token,
+        }
+    }
+
+    /// Whether this step's pick was an end token, replaced.
+    pub fn redirected(&self) -> bool {
+        self.redirected
+    }
+
     /// Records a token the sequence produced.
     pub fn push(&mut self, token: u32) {
         self.drawn = None;
+        self.rule = StepRule::default();
+        self.redirected = false;
         *self.output_counts.entry(token).or_default() += 1;
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token, ());
@@ -158,6 +219,12 @@ pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
         None => (None, Vec::new()),
     };
     let uniform = (state.params.temperature > 0.0).then(|| state.uniform());
+    if let Some(token) = state.rule.forced {
+        if let Some(c) = &state.constraint {
+            c.accept(token);
+        }
+        return Sampled { token, logprob: logprob_of.map(|lp| lp[token as usize]), top_logprobs };
+    }
     let p = &state.params;
     apply_penalties(logits, p, &state.output_counts, &state.seen);
     for &(token, bias) in &p.logit_bias {
@@ -165,13 +232,25 @@ pub fn sample(logits: &mut [f32], state: &mut SamplerState) -> Sampled {
             *l += bias;
         }
     }
+    if state.rule.ends_banned {
+        for &t in &state.ends {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
     if let Some(c) = &state.constraint {
         c.mask(logits);
     }
-    let token = match uniform {
+    let picked = match uniform {
         Some(u) => draw(logits, p, u),
         None => argmax(logits),
     };
+    let mut token = state.redirect_end(picked as u32);
+    if let (Some(c), Some(remaining)) = (&state.constraint, state.rule.finish_within) {
+        token = c.finish_in_time(token, remaining);
+    }
+    let token = token as usize;
     if let Some(c) = &state.constraint {
         c.accept(token as u32);
     }
