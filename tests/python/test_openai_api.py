@@ -470,8 +470,8 @@ class Reasoning(unittest.TestCase):
     """Chain-of-thought goes to `reasoning`, never to `content`, and counts as output."""
 
     def test_thinking_on_by_default_fills_reasoning_not_content(self):
-        # Model A's prompt opens <think>; this small model never closes it within the
-        # budget, so every token is reasoning and the budget bounds them all.
+        # Model A's prompt opens <think>; cut off at 16 tokens, before its thinking
+        # budget closes the block, every token is reasoning and the limit bounds them all.
         r = client().chat.completions.create(
             model=THINKING_MODEL, messages=HELLO, temperature=0, max_completion_tokens=16)
         m = r.choices[0].message
@@ -525,6 +525,116 @@ class Reasoning(unittest.TestCase):
         self.assertEqual(text, r.output[0].content[0].text)
         self.assertEqual(events[-1].type, "response.incomplete")
         self.assertEqual(events[-1].response.output[0].content[0].text, text)
+
+
+class ThinkingBudget(unittest.TestCase):
+    """Reasoning ends in time for an answer: at its budget, when the model ends inside
+    it, and early enough that a constrained answer still fits."""
+
+    def test_every_thinking_model_reasons_then_answers_within_300_tokens(self):
+        for model, kwargs in [(THINKING_MODEL, {}), (TEXT_MODEL, {}), ("vendor-d/model-d", {"thinking_mode": "enabled"})]:
+            r = client().chat.completions.create(model=model, messages=HELLO, temperature=0, max_tokens=300,
+                                                 extra_body={"chat_template_kwargs": kwargs})
+            m = r.choices[0].message
+            self.assertTrue((reasoning_of(m) or "").strip(), model)
+            self.assertTrue(m.content.strip(), f"{model}: an answer after the reasoning: {m}")
+            self.assertLessEqual(r.usage.completion_tokens, 300, model)
+            self.assertGreater(r.usage.completion_tokens, r.usage.completion_tokens_details.reasoning_tokens, model)
+        # D decides for itself by default: whatever it does, it answers.
+        r = client().chat.completions.create(model="vendor-d/model-d", messages=HELLO, temperature=0, max_tokens=300)
+        self.assertTrue(r.choices[0].message.content.strip())
+
+    def test_each_name_of_the_budget_bounds_the_reasoning(self):
+        ask = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
+        seen = set()
+        for extra in [{"thinking_token_budget": 10}, {"thinking_budget": 10},
+                      {"chat_template_kwargs": {"thinking_budget": 10}}]:
+            r = client().chat.completions.create(model=THINKING_MODEL, messages=ask, temperature=0, max_tokens=80,
+                                                 extra_body=extra)
+            m = r.choices[0].message
+            # Ten tokens of thought, then the closing marker's own (a few tokens).
+            self.assertLessEqual(r.usage.completion_tokens_details.reasoning_tokens, 16, extra)
+            self.assertTrue(m.content.strip(), extra)
+            seen.add((reasoning_of(m), m.content))
+        self.assertEqual(len(seen), 1, "the three names are one budget")
+        unbounded = client().chat.completions.create(model=THINKING_MODEL, messages=ask, temperature=0, max_tokens=80,
+                                                     extra_body={"thinking_budget": 1000})
+        self.assertGreater(unbounded.usage.completion_tokens_details.reasoning_tokens, 16, "the budget is what ended it")
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().chat.completions.create(model=THINKING_MODEL, messages=ask, extra_body={"thinking_budget": -5})
+        self.assertEqual(e.exception.param, "thinking_budget")
+
+    def test_an_answer_that_cannot_fit_is_a_400_naming_the_limit(self):
+        schema = {"type": "json_schema", "json_schema": {"name": "product", "schema": PRODUCT}}
+        for limit in ["max_tokens", "max_completion_tokens"]:
+            with self.assertRaises(openai.BadRequestError) as e:
+                client().chat.completions.create(model=THINKING_MODEL, messages=HELLO, response_format=schema,
+                                                 **{limit: 6})
+            self.assertEqual(e.exception.param, limit)
+            self.assertIn("too few for any valid answer", e.exception.message)
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().responses.create(model=MODEL, input="x", max_output_tokens=3,
+                                      text={"format": {"type": "json_schema", "name": "p", "schema": PRODUCT}})
+        self.assertEqual(e.exception.param, "max_output_tokens")
+
+    def test_responses_on_a_thinking_model_give_reasoning_then_a_message(self):
+        r = client().responses.create(model=THINKING_MODEL, input="Name three colours.", temperature=0,
+                                      max_output_tokens=300)
+        self.assertEqual(r.status, "completed")
+        self.assertEqual([o.type for o in r.output], ["reasoning", "message"])
+        self.assertTrue(r.output_text.strip())
+
+
+ALL_MODELS = ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"]
+
+
+class EveryModelConstrained(unittest.TestCase):
+    """Structured output and forced calls on every model with its defaults: reasoning
+    on A, B and (when it opens a block) D ends early enough for the answer."""
+
+    def check(self, model, name, run):
+        with self.subTest(model=model, check=name):
+            run()
+
+    def test_formats_and_forced_calls_on_every_model(self):
+        ask = StructuredOutput.ASK
+        for model in ALL_MODELS:
+            def schema():
+                r = client().chat.completions.create(
+                    model=model, messages=ask, temperature=0, max_tokens=200,
+                    response_format={"type": "json_schema", "json_schema": {"name": "product", "schema": PRODUCT}})
+                self.assertEqual(r.choices[0].finish_reason, "stop")
+                jsonschema.validate(json.loads(r.choices[0].message.content), PRODUCT)
+
+            def any_object():
+                r = client().chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=200,
+                                                     response_format={"type": "json_object"})
+                self.assertIsInstance(json.loads(r.choices[0].message.content), dict)
+
+            def required():
+                r = client().chat.completions.create(model=model, messages=ASK_WEATHER, tools=TOOLS,
+                                                     tool_choice="required", temperature=0, max_tokens=120)
+                calls = r.choices[0].message.tool_calls
+                self.assertTrue(calls)
+                for call in calls:
+                    jsonschema.validate(json.loads(call.function.arguments), ARGS[call.function.name])
+
+            def named():
+                r = client().chat.completions.create(
+                    model=model, messages=ASK_WEATHER, tools=TOOLS, temperature=1, seed=3, max_tokens=120,
+                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+                self.assertEqual([c.function.name for c in r.choices[0].message.tool_calls], ["get_time"])
+
+            def text_format():
+                r = client().responses.create(
+                    model=model, input="Describe a product.", temperature=0, max_output_tokens=200,
+                    text={"format": {"type": "json_schema", "name": "product", "schema": PRODUCT}})
+                self.assertEqual(r.status, "completed")
+                jsonschema.validate(json.loads(r.output_text), PRODUCT)
+
+            for name, run in [("json_schema", schema), ("json_object", any_object), ("required", required),
+                              ("named", named), ("text.format", text_format)]:
+                self.check(model, name, run)
 
 
 # SPEC.md's prices in micro-dollars per million tokens: input, cache read, output.

@@ -54,7 +54,7 @@ pub fn requested<'a>(f: &mut Fields<'a>, kwargs: Option<&Map<String, Value>>) ->
     Ok(named.and_then(|(_, v)| u32::try_from(v).ok()))
 }
 
-/// What the worker is told about the output's reasoning; None when nothing ends it.
+/// What the worker is told about the output's reasoning; None when it cannot reason.
 /// A constrained output whose shortest valid answer cannot fit `max_tokens` is refused,
 /// naming `max_param`.
 pub fn for_worker(
@@ -85,7 +85,9 @@ pub fn for_worker(
                 ),
             )
         })?;
-    let (Some((close, close_tokens)), Some(budget)) = (close, budget) else { return Ok(None) };
+    // With no budget the block is still watched: an end picked inside it closes it.
+    let Some((close, close_tokens)) = close else { return Ok(None) };
+    let budget = budget.unwrap_or(u32::MAX);
     Ok(Some(pb::ThinkingBudget {
         inside: prepared.thinking == Thinking::Open,
         open: markers.open().unwrap_or_default().into(),
