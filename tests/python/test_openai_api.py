@@ -135,6 +135,35 @@ class Chat(unittest.TestCase):
         self.assertEqual(r.choices[0].finish_reason, "stop")
         self.assertEqual(r.choices[0].message.content, full[: full.index(stop)])
 
+    def test_each_sampling_parameter_reaches_the_engine(self):
+        # Each setting is checked by an effect only the engine can have: filters that
+        # leave one token make a hot sampler greedy, penalties change a greedy answer.
+        ask = [{"role": "user", "content": "Write the word apple many times."}]
+
+        def texts(n=1, **kw):
+            extra = kw.pop("extra", None)
+            r = client().chat.completions.create(model=MODEL, messages=ask, max_tokens=16, n=n, extra_body=extra, **kw)
+            return [c.message.content for c in r.choices]
+
+        greedy = texts(temperature=0)[0]
+        self.assertEqual(texts(temperature=0)[0], greedy)
+        hot = dict(temperature=1.5, seed=11)
+        self.assertNotEqual(texts(**hot)[0], greedy, "temperature")
+        self.assertEqual(texts(**hot)[0], texts(**hot)[0], "seed")
+        self.assertNotEqual(texts(temperature=1.5, seed=12)[0], texts(**hot)[0], "seed")
+        self.assertEqual(texts(**hot, top_p=0.01)[0], greedy, "top_p")
+        self.assertEqual(texts(**hot, extra={"top_k": 1})[0], greedy, "top_k")
+        self.assertEqual(texts(**hot, extra={"min_p": 1.0})[0], greedy, "min_p")
+        self.assertNotEqual(texts(temperature=0, frequency_penalty=2)[0], greedy, "frequency_penalty")
+        self.assertNotEqual(texts(temperature=0, presence_penalty=2)[0], greedy, "presence_penalty")
+        self.assertNotEqual(texts(temperature=0, extra={"repetition_penalty": 2.0})[0], greedy, "repetition_penalty")
+        self.assertGreater(len(set(texts(n=4, temperature=1))), 1, "n samples independently")
+        r = client().chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0, logprobs=True,
+                                             logit_bias={"17": 100})
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        self.assertEqual(len(tokens), 4)
+        self.assertEqual(len(set(tokens)), 1, f"logit_bias makes token 17 every token: {tokens}")
+
     def test_seed_reproduces_a_sampled_completion(self):
         ask = lambda seed: client().chat.completions.create(
             model=MODEL, messages=HELLO, temperature=1.0, seed=seed, max_tokens=16).choices[0].message.content
@@ -189,11 +218,20 @@ class Responses(unittest.TestCase):
         self.assertEqual(r.usage.total_tokens, r.usage.input_tokens + r.usage.output_tokens)
 
     def test_message_list_with_instructions(self):
+        ask = [{"role": "user", "content": "What colour is the sky?"}]
+        plain = client().responses.create(model=MODEL, temperature=0, max_output_tokens=8, input=ask)
         r = client().responses.create(
-            model=MODEL, instructions="Answer in one word.", temperature=0, max_output_tokens=8,
-            input=[{"role": "user", "content": "What colour is the sky?"}])
+            model=MODEL, instructions="Answer in one word.", temperature=0, max_output_tokens=8, input=ask)
         self.assertEqual(r.instructions, "Answer in one word.")
         self.assertTrue(r.output_text)
+        # The instructions reach the prompt as its system message: the same prompt as a
+        # chat request with that system message, token for token.
+        chat = client().chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=8,
+            messages=[{"role": "system", "content": "Answer in one word."}] + ask)
+        self.assertGreater(r.usage.input_tokens, plain.usage.input_tokens + 4)
+        self.assertEqual(r.usage.input_tokens, chat.usage.prompt_tokens)
+        self.assertEqual(r.output_text, chat.choices[0].message.content)
 
     def test_streamed_events_through_the_helper(self):
         # A question the model answers in a few tokens, so the response completes (the
@@ -778,14 +816,30 @@ class Subscriptions(unittest.TestCase):
         plan = cli("plans", "start", "--user", user["email"], "--plan", "basic")
         self.assertEqual((plan["paid_micros"], plan["included_micros"]), (10_000_000, 20_000_000))
 
-        client(key).chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=8)
-        rec = usage_records(user["org_id"])[0]
+        def in_effect():
+            for m in cli("supply", "show")["models"]:
+                if m["model"] == MODEL:
+                    return m["multiplier_bp"], m["updated_at_us"]
+            return None
+
+        # The request pays the multiplier `supply show` reports for its model: read
+        # before and after it, and taken when no new state was recorded in between.
+        spent = 0
+        for _ in range(5):
+            before = in_effect()
+            client(key).chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=8)
+            rec = usage_records(user["org_id"])[0]
+            spent += rec["cost_micros"]
+            if before is not None and in_effect() == before:
+                break
+        else:
+            self.fail("the supply state changed during every attempt")
         self.assertEqual(rec["funding"], "subscription")
-        self.assertIn(rec["multiplier_bp"], (10_000, 7_500, 5_000, 2_500))
+        self.assertEqual(rec["multiplier_bp"], before[0], "the multiplier in effect")
         standard = expected_cost(MODEL, rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"])
         self.assertEqual(rec["cost_micros"], (standard * rec["multiplier_bp"] + 5_000) // 10_000)
         now = cli("plans", "show", "--user", user["email"])
-        self.assertEqual((now["spent_micros"], now["held_micros"], now["in_flight"]), (rec["cost_micros"], 0, 0))
+        self.assertEqual((now["spent_micros"], now["held_micros"], now["in_flight"]), (spent, 0, 0))
         self.assertIsNotNone(now["window_5h"]["start"], "the first request started the windows")
         self.assertEqual(balance(user["org_id"]), 0, "credit untouched")
 
