@@ -119,6 +119,7 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> 
             close_tokens: t.close_tokens,
             budget: t.budget as usize,
         }),
+        prompt_logprobs: r.prompt_logprobs,
     })
 }
 
@@ -142,6 +143,16 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         Some(FinishReason::Length) => pb::FinishReason::Length,
         Some(FinishReason::Abort) => pb::FinishReason::Abort,
     };
+    let prompt_logprobs = o
+        .prompt_logprobs
+        .into_iter()
+        .map(|p| pb::PromptToken {
+            token_id: p.token,
+            logprob: p.logprob,
+            rank: p.rank,
+            top_logprobs: p.top.into_iter().map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob }).collect(),
+        })
+        .collect();
     pb::GenerateResponse {
         index: o.index as u32,
         tokens,
@@ -149,6 +160,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         finish_reason: finish as i32,
         prompt_tokens: o.prompt_tokens as u32,
         cached_prompt_tokens: o.cached_prompt_tokens as u32,
+        prompt_logprobs,
     }
 }
 

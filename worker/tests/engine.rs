@@ -298,3 +298,62 @@ fn n_completions_share_the_prompt_blocks() {
     assert_ne!(by_index[&0].0, by_index[&1].0);
     assert_eq!(e.scheduler().pool().num_free(), EngineConfig::default().num_blocks);
 }
+
+/// Steps until `id` has its first output; returns it.
+fn first_output(e: &mut EngineCore<CpuBackend>, id: u64) -> Output {
+    loop {
+        if let Some(o) = e.step().unwrap().into_iter().find(|o| o.id == id) {
+            return o;
+        }
+    }
+}
+
+#[test]
+fn prompt_log_probabilities_are_the_models_and_the_prefix_cache_does_not_change_them() {
+    use tessera_proto::block_hash::BLOCK_TOKENS;
+    use tessera_worker::model::SeqInput;
+    // Chunks of 16 tokens: the prompt is scored across several steps.
+    let mut e = engine(EngineConfig { max_num_batched_tokens: 16, ..EngineConfig::default() });
+    let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of \
+                Constantinople. Its laws, roads, languages and cities still shape Europe, and historians still argue \
+                about why the western half fell while the eastern half lasted another thousand years.";
+    let prompt = e.tokenizer().encode(text).unwrap();
+    assert!(prompt.len() > 2 * BLOCK_TOKENS, "{} tokens", prompt.len());
+    let score = |e: &mut EngineCore<CpuBackend>, id: u64| {
+        let r = Request { prompt_logprobs: Some(3), ..Request::greedy(id, prompt.clone(), 0) };
+        e.add_request(r).unwrap();
+        let o = first_output(e, id);
+        assert_eq!((o.token.clone(), o.finish, o.last), (None, Some(FinishReason::Length), true), "max_tokens 0");
+        o
+    };
+    let uncached = score(&mut e, 1);
+    assert_eq!(uncached.prompt_logprobs.len(), prompt.len() - 1, "every token after the first");
+    // The prompt's blocks are now in the prefix cache; a plain request uses them...
+    e.add_request(Request::greedy(2, prompt.clone(), 1)).unwrap();
+    assert!(first_output(&mut e, 2).cached_prompt_tokens >= 2 * BLOCK_TOKENS);
+    // ...and a scoring one does not: cached blocks keep no logits, so it computes all.
+    let cached = score(&mut e, 3);
+    assert_eq!(cached.cached_prompt_tokens, 0);
+    assert_eq!(cached.prompt_logprobs, uncached.prompt_logprobs);
+
+    // The model's own logits for the whole prompt in one forward.
+    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let vocab = loaded.model.config.vocab_size;
+    let blocks = prompt.len().div_ceil(BLOCK_TOKENS);
+    let mut kv = loaded.model.new_kv_cache(blocks, BLOCK_TOKENS).unwrap();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let seq = SeqInput { tokens: &prompt, cached: 0, block_table: &table, logits: true };
+    let rows = loaded.model.forward_scoring(&[seq], &mut kv, &[true]).unwrap();
+    assert_eq!(rows.len(), prompt.len() * vocab);
+    for (i, p) in uncached.prompt_logprobs.iter().enumerate() {
+        let row = &rows[i * vocab..(i + 1) * vocab];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_sum = row.iter().map(|x| (x - max).exp()).sum::<f32>().ln() + max;
+        assert_eq!(p.token, prompt[i + 1]);
+        assert!((p.logprob - (row[p.token as usize] - log_sum)).abs() < 1e-3, "position {}", i + 1);
+        assert_eq!(p.rank, 1 + row.iter().filter(|&&x| x > row[p.token as usize]).count() as u32);
+        assert_eq!(p.top.len(), 3);
+        assert!(p.top.windows(2).all(|w| w[0].1 >= w[1].1), "most likely first");
+        assert_eq!(p.top[0].0 == p.token, p.rank == 1);
+    }
+}

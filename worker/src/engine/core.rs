@@ -6,8 +6,8 @@
 use super::detokenizer::Detokenizer;
 use super::executor::Executor;
 use super::grammar::Constraint;
-use super::sampler::{Sampled, SamplerState, SamplingParams, sample_batch};
-use super::scheduler::{Scheduler, SchedulerConfig};
+use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, sample_batch, score_rows};
+use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
 use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
@@ -75,6 +75,9 @@ pub struct Request {
     pub grammar: Option<Constraint>,
     /// Reasoning is watched and ended when its budget is spent.
     pub thinking: Option<ThinkingBudget>,
+    /// Score the prompt's tokens too, with this many top alternatives each (0..=20).
+    /// `max_tokens` may then be 0: the prompt is scored and nothing generated.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Request {
@@ -90,6 +93,7 @@ impl Request {
             n: 1,
             grammar: None,
             thinking: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -131,6 +135,9 @@ pub struct Output {
     pub prompt_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_prompt_tokens: usize,
+    /// The prompt's tokens after its first, scored: on the request's first output, when
+    /// it asked for them.
+    pub prompt_logprobs: Vec<PromptScore>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -160,6 +167,10 @@ struct RequestState {
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
     thinking: Option<Thinking>,
+    /// Alternatives per scored prompt token, for the completion that scores the prompt.
+    prompt_logprobs: Option<u32>,
+    /// Scores by prompt position (position 0 has none), filled chunk by chunk.
+    prompt_scores: Vec<Option<PromptScore>>,
 }
 
 /// Counters since start.
@@ -326,10 +337,14 @@ impl<B: Backend> EngineCore<B> {
                     stop_token_ids: req.stop_token_ids.clone(),
                     ignore_eos: req.ignore_eos,
                     thinking: req.thinking.clone().map(Thinking::new),
+                    // The first completion scores the prompt; the others find it cached.
+                    prompt_logprobs: req.prompt_logprobs.filter(|_| index == 0),
+                    prompt_scores: Vec::new(),
                 },
             );
             let after = members.first().copied();
-            self.scheduler.add(Sequence { after, ..Sequence::new(seq_id, req.prompt.clone()) });
+            let score_prompt = index == 0 && req.prompt_logprobs.is_some();
+            self.scheduler.add(Sequence { after, score_prompt, ..Sequence::new(seq_id, req.prompt.clone()) });
             members.push(seq_id);
         }
         self.families.insert(req.id, members);
@@ -349,8 +364,11 @@ impl<B: Backend> EngineCore<B> {
         if req.n == 0 || req.n > MAX_N {
             return bad(format!("n is {}; it must be between 1 and {MAX_N}", req.n));
         }
-        if req.max_tokens == 0 {
-            return bad("max_tokens must be at least 1".into());
+        if req.max_tokens == 0 && req.prompt_logprobs.is_none() {
+            return bad("max_tokens must be at least 1 (or 0 with prompt log-probabilities)".into());
+        }
+        if let Some(k) = req.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!("prompt_logprobs is {k}; at most {MAX_TOP_LOGPROBS}"));
         }
         // Each of the `n` completions must fit on its own, no more: they share the
         // prompt's blocks, and under pressure they run one after another.
@@ -419,6 +437,7 @@ impl<B: Backend> EngineCore<B> {
                     finish: Some(FinishReason::Abort),
                     prompt_tokens: seq.prompt_len,
                     cached_prompt_tokens: seq.num_cached_prompt,
+                    prompt_logprobs: Vec::new(),
                 })
             })
             .collect()
@@ -452,14 +471,27 @@ impl<B: Backend> EngineCore<B> {
             }
             r.sampler.rule = rule;
         }
-        // When no sampled row follows a grammar (or is forced) the device may pick the
-        // tokens itself.
-        let device_rows: Option<Vec<PickRow>> = step
+        // Chunks of a prompt being scored return the logits of every row.
+        let scoring: Vec<bool> = step
             .scheduled
             .iter()
-            .filter(|s| s.sample)
-            .map(|s| self.requests.get_mut(&s.id).and_then(|r| r.sampler.device_row()))
+            .map(|s| {
+                let scores = self.requests.get(&s.id).is_some_and(|r| r.prompt_logprobs.is_some());
+                scores && self.scheduler.get(s.id).is_some_and(|q| s.start < q.prompt_len)
+            })
             .collect();
+        let scoring_any = scoring.contains(&true);
+        // When no sampled row follows a grammar (or is forced) the device may pick the
+        // tokens itself.
+        let device_rows: Option<Vec<PickRow>> = if scoring_any {
+            None
+        } else {
+            step.scheduled
+                .iter()
+                .filter(|s| s.sample)
+                .map(|s| self.requests.get_mut(&s.id).and_then(|r| r.sampler.device_row()))
+                .collect()
+        };
         let forwarded = {
             let inputs: Vec<SeqInput<'_>> = step
                 .scheduled
@@ -476,8 +508,13 @@ impl<B: Backend> EngineCore<B> {
                 .collect();
             match &device_rows {
                 Some(rows) => self.exec.forward_picking(&inputs, rows)?,
+                None if scoring_any => Forwarded::Logits(self.exec.forward_scoring(&inputs, &scoring)?),
                 None => Forwarded::Logits(self.exec.forward(&inputs)?),
             }
+        };
+        let forwarded = match forwarded {
+            Forwarded::Logits(all) if scoring_any => Forwarded::Logits(self.score_prompts(&step, &scoring, all)),
+            other => other,
         };
         for s in &step.scheduled {
             let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
@@ -529,6 +566,35 @@ impl<B: Backend> EngineCore<B> {
         Ok(outputs)
     }
 
+    /// Scores the prompt tokens of the chunks `scoring` marks from their rows of `all`
+    /// (each chunk's row `j` predicts its token `j + 1`), keeping them by position, and
+    /// returns the sampled rows alone, as a forward without scoring would.
+    fn score_prompts(&mut self, step: &Step, scoring: &[bool], all: Vec<f32>) -> Vec<f32> {
+        let vocab = self.exec.config().vocab_size;
+        let mut sampled = Vec::new();
+        let mut row = 0;
+        for (s, &scored) in step.scheduled.iter().zip(scoring) {
+            let rows = if scored { s.len } else { usize::from(s.sample) };
+            if scored && let (Some(r), Some(seq)) = (self.requests.get_mut(&s.id), self.scheduler.get(s.id)) {
+                // Rows whose next token is still in the prompt.
+                let m = s.len.min(seq.prompt_len.saturating_sub(s.start + 1));
+                let next = &seq.tokens[s.start + 1..s.start + 1 + m];
+                let k = r.prompt_logprobs.unwrap_or(0);
+                let scores = score_rows(&all[row * vocab..(row + m) * vocab], vocab, next, k);
+                r.prompt_scores.resize(seq.prompt_len, None);
+                for (j, score) in scores.into_iter().enumerate() {
+                    r.prompt_scores[s.start + 1 + j] = Some(score);
+                }
+            }
+            if s.sample {
+                let last = row + rows - 1;
+                sampled.extend_from_slice(&all[last * vocab..(last + 1) * vocab]);
+            }
+            row += rows;
+        }
+        sampled
+    }
+
     /// Takes an ended sequence out of its request's family; true if it was the last.
     fn leave_family(&mut self, request: SeqId, seq_id: SeqId) -> bool {
         let members = self.families.get_mut(&request).expect("live requests have a family");
@@ -557,6 +623,7 @@ impl<B: Backend> EngineCore<B> {
                     finish: Some(FinishReason::Length),
                     prompt_tokens: seq.prompt_len,
                     cached_prompt_tokens: seq.num_cached_prompt,
+                    prompt_logprobs: Vec::new(),
                 })
             })
             .collect()
@@ -564,6 +631,26 @@ impl<B: Backend> EngineCore<B> {
 
     /// Appends a sampled token to its sequence and decides whether it ends there.
     fn advance(&mut self, seq_id: SeqId, state: &mut RequestState, s: Sampled) -> Result<Output, EngineError> {
+        // The prompt is complete: its scores go out with this first output, once.
+        let prompt_logprobs = match state.prompt_logprobs.take() {
+            Some(_) => std::mem::take(&mut state.prompt_scores).into_iter().skip(1).flatten().collect(),
+            None => Vec::new(),
+        };
+        if state.max_tokens == 0 {
+            // Only the prompt was to be scored.
+            let seq = self.scheduler.get(seq_id).expect("sampled sequences exist");
+            return Ok(Output {
+                id: state.request,
+                index: state.index,
+                last: false,
+                token: None,
+                text: String::new(),
+                finish: Some(FinishReason::Length),
+                prompt_tokens: seq.prompt_len,
+                cached_prompt_tokens: seq.num_cached_prompt,
+                prompt_logprobs,
+            });
+        }
         let token = s.token;
         if state.sampler.redirected()
             && let Some(t) = &mut state.thinking
@@ -598,6 +685,16 @@ impl<B: Backend> EngineCore<B> {
             text.push_str(&state.detok.finish());
         }
         let (id, index) = (state.request, state.index);
-        Ok(Output { id, index, last: false, token: Some(s), text, finish, prompt_tokens, cached_prompt_tokens })
+        Ok(Output {
+            id,
+            index,
+            last: false,
+            token: Some(s),
+            text,
+            finish,
+            prompt_tokens,
+            cached_prompt_tokens,
+            prompt_logprobs,
+        })
     }
 }

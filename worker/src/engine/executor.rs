@@ -42,7 +42,15 @@ impl<B: Backend> Executor<B> {
     pub fn forward(&mut self, seqs: &[SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
         match self {
             Executor::Single { model, kv } => model.forward(seqs, kv),
-            Executor::Parallel(tp) => tp.forward(seqs),
+            Executor::Parallel(tp) => tp.forward(seqs, &[]),
+        }
+    }
+
+    /// `forward` with every row of the sequences `all_rows` marks (`Model::forward_scoring`).
+    pub fn forward_scoring(&mut self, seqs: &[SeqInput<'_>], all_rows: &[bool]) -> Result<Vec<f32>, ModelError> {
+        match self {
+            Executor::Single { model, kv } => model.forward_scoring(seqs, kv, all_rows),
+            Executor::Parallel(tp) => tp.forward(seqs, all_rows),
         }
     }
 
@@ -51,7 +59,7 @@ impl<B: Backend> Executor<B> {
     pub fn forward_picking(&mut self, seqs: &[SeqInput<'_>], rows: &[PickRow]) -> Result<Forwarded, ModelError> {
         match self {
             Executor::Single { model, kv } => model.forward_picking(seqs, kv, rows),
-            Executor::Parallel(tp) => Ok(Forwarded::Logits(tp.forward(seqs)?)),
+            Executor::Parallel(tp) => Ok(Forwarded::Logits(tp.forward(seqs, &[])?)),
         }
     }
 }
@@ -72,6 +80,7 @@ struct OwnedSeq {
     cached: usize,
     block_table: Vec<u32>,
     logits: bool,
+    all_rows: bool,
 }
 
 struct Rank {
@@ -112,14 +121,16 @@ impl TensorParallel {
         Ok(tp)
     }
 
-    fn forward(&mut self, seqs: &[SeqInput<'_>]) -> Result<Vec<f32>, ModelError> {
+    fn forward(&mut self, seqs: &[SeqInput<'_>], all_rows: &[bool]) -> Result<Vec<f32>, ModelError> {
         let batch: Arc<Vec<OwnedSeq>> = Arc::new(
             seqs.iter()
-                .map(|s| OwnedSeq {
+                .enumerate()
+                .map(|(i, s)| OwnedSeq {
                     tokens: s.tokens.to_vec(),
                     cached: s.cached,
                     block_table: s.block_table.to_vec(),
                     logits: s.logits,
+                    all_rows: all_rows.get(i).copied().unwrap_or(false),
                 })
                 .collect(),
         );
@@ -179,7 +190,12 @@ fn rank_loop<B: Backend>(
             .iter()
             .map(|s| SeqInput { tokens: &s.tokens, cached: s.cached, block_table: &s.block_table, logits: s.logits })
             .collect();
-        let out = model.forward(&seqs, &mut kv);
+        let all_rows: Vec<bool> = batch.iter().map(|s| s.all_rows).collect();
+        let out = if all_rows.contains(&true) {
+            model.forward_scoring(&seqs, &mut kv, &all_rows)
+        } else {
+            model.forward(&seqs, &mut kv)
+        };
         if out.is_err() {
             // The other ranks may be waiting for this one in an all-reduce.
             model.abort_group();

@@ -202,6 +202,30 @@ pub struct Sampled {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// One prompt token scored by the model: its log-probability after the tokens before
+/// it, its rank in the vocabulary (1: the most likely), the `k` most likely tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptScore {
+    pub token: u32,
+    pub logprob: f32,
+    pub rank: u32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Scores `next[i]` under row `i` of `rows` (`[next.len(), vocab]`), in parallel.
+pub fn score_rows(rows: &[f32], vocab: usize, next: &[u32], k: u32) -> Vec<PromptScore> {
+    rows.par_chunks(vocab)
+        .zip(next.par_iter())
+        .map(|(row, &token)| {
+            let lp = log_softmax(row);
+            let logprob = lp[token as usize];
+            let rank = 1 + lp.iter().filter(|&&x| x > logprob).count() as u32;
+            let top = top_k_indices(&lp, k as usize).into_iter().map(|i| (i as u32, lp[i])).collect();
+            PromptScore { token, logprob, rank, top }
+        })
+        .collect()
+}
+
 /// Samples one token per row of `logits` (`[states.len(), vocab]`), in parallel.
 pub fn sample_batch(logits: &mut [f32], vocab: usize, states: &mut [&mut SamplerState]) -> Vec<Sampled> {
     assert_eq!(logits.len(), states.len() * vocab, "one row of logits per sequence");

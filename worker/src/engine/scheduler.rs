@@ -165,7 +165,9 @@ impl Scheduler {
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
             // Reuse cached full blocks, but always leave at least one token to run: its
             // logits give the next token.
-            let usable = (seq.tokens.len() - 1) / BLOCK_TOKENS;
+            // A prompt being scored is computed whole, every time it is admitted.
+            let usable =
+                if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
             update_hashes(&self.hasher, seq);
             let hits = self.pool.take_cached_prefix(&seq.block_hashes[..usable.min(seq.block_hashes.len())]);
             let n = (seq.tokens.len() - hits.len() * BLOCK_TOKENS).min(*budget);

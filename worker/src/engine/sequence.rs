@@ -23,6 +23,9 @@ pub struct Sequence {
     /// Admit only once this sequence has computed its prompt (or is gone): the
     /// siblings of an `n` > 1 request then find the prompt's blocks in the cache.
     pub after: Option<SeqId>,
+    /// Its prompt is scored (prompt log-probabilities): the prefix cache cannot serve
+    /// it, since a cached block's logits are not kept.
+    pub score_prompt: bool,
 }
 
 impl Sequence {
@@ -37,6 +40,7 @@ impl Sequence {
             block_hashes: Vec::new(),
             num_cached_blocks: 0,
             after: None,
+            score_prompt: false,
         }
     }
 

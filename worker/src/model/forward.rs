@@ -128,6 +128,22 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// `forward`, and for each sequence `all_rows` marks (a prompt being scored) the
+    /// logits of every one of its tokens, in order, where the others give their last.
+    pub fn forward_scoring(
+        &self,
+        seqs: &[SeqInput<'_>],
+        kv: &mut KvCache<B>,
+        all_rows: &[bool],
+    ) -> Result<Vec<f32>, ModelError> {
+        let flat = self.flatten(seqs, kv.block_size, all_rows)?;
+        let inputs = self.upload(&flat)?;
+        match self.run(&inputs, seqs.len(), flat.max_blocks, kv)? {
+            Some(logits) => Ok(self.backend.download(&logits)?),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// `forward` for a batch whose sampled rows can all be picked on a device, `rows`
     /// holding one entry per sequence that asks for logits: the backend picks the tokens on its
     /// device when it can, and only the picks leave it.
@@ -171,7 +187,7 @@ impl<B: Backend> Model<B> {
         seqs: &[SeqInput<'_>],
         kv: &mut KvCache<B>,
     ) -> Result<Option<B::Buffer>, ModelError> {
-        let flat = self.flatten(seqs, kv.block_size)?;
+        let flat = self.flatten(seqs, kv.block_size, &[])?;
         let inputs = self.upload(&flat)?;
         self.run(&inputs, seqs.len(), flat.max_blocks, kv)
     }
@@ -262,7 +278,9 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    pub(super) fn flatten(&self, seqs: &[SeqInput<'_>], bs: usize) -> Result<Flat, ModelError> {
+    /// The batch's index arrays; logits rows are each sequence's last token, or all its
+    /// tokens where `all_rows` says so.
+    pub(super) fn flatten(&self, seqs: &[SeqInput<'_>], bs: usize, all_rows: &[bool]) -> Result<Flat, ModelError> {
         let max_blocks = seqs.iter().map(|s| (s.cached + s.tokens.len()).div_ceil(bs)).max().unwrap_or(0);
         let mut f = Flat {
             token_ids: Vec::new(),
@@ -305,8 +323,11 @@ impl<B: Backend> Model<B> {
             f.context_lens.push(context as u32);
             f.block_tables.extend_from_slice(&s.block_table[..blocks]);
             f.block_tables.resize((i + 1) * max_blocks, 0);
-            if s.logits {
-                f.logit_rows.push(f.token_ids.len() as u32 - 1);
+            let end = f.token_ids.len() as u32;
+            if all_rows.get(i).copied().unwrap_or(false) {
+                f.logit_rows.extend(end - s.tokens.len() as u32..end);
+            } else if s.logits {
+                f.logit_rows.push(end - 1);
             }
         }
         Ok(f)

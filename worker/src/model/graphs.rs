@@ -103,7 +103,7 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::Input(format!("sequence {i}: block {b} outside a cache of {num_blocks}")));
             }
         }
-        let flat = self.flatten(seqs, bs)?;
+        let flat = self.flatten(seqs, bs, &[])?;
         let padded = pad(&flat, seqs.len(), g.batch, graphs.max_blocks, bs, graphs.scratch_block, 1);
         let b = self.backend();
         let d = &mut g.inputs;
