@@ -7,13 +7,14 @@ mod attention;
 mod elementwise;
 mod matmul;
 mod quant_rows;
+mod repack;
 mod simd;
 mod tiles;
 mod weight;
 
 pub use quant_rows::QuantRows;
 #[cfg(test)]
-pub(crate) use quant_rows::tests::random_blocks as quant_rows_test_blocks;
+pub(crate) use quant_rows::tests::{FORMATS as QUANT_ROWS_FORMATS, random_blocks as quant_rows_test_blocks};
 pub use weight::CpuWeight;
 
 use crate::error::expect_len;

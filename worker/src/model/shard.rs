@@ -8,7 +8,7 @@
 use super::ModelError;
 use super::config::ModelConfig;
 use std::ops::Range;
-use tessera_kernels::quant;
+use tessera_kernels::quant::{self, GgmlType};
 use tessera_kernels::{HostWeight, WeightData};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,29 +79,31 @@ pub(super) fn columns(w: HostWeight, cols: Range<usize>) -> HostWeight {
     HostWeight { rows, cols: cols.len(), data: WeightData::F32(out) }
 }
 
-/// The row-wise concatenation of matrices of one width; in f32 unless all share one
-/// block format.
-pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
+/// The row-wise concatenation of matrices of one width: in their block format when
+/// they share one, as Q8_0 when each converts to it exactly (a file's Q5_0 Q and K
+/// beside its Q8_0 V), else in f32.
+pub(super) fn stack(mut parts: Vec<HostWeight>) -> HostWeight {
+    if parts.len() == 1 {
+        return parts.pop().expect("one part");
+    }
     let cols = parts[0].cols;
     let rows = parts.iter().map(|p| p.rows).sum();
-    let one_format = match &parts[0].data {
-        WeightData::Blocks { ty, .. } => {
-            parts.iter().all(|p| matches!(&p.data, WeightData::Blocks { ty: t, .. } if t == ty)).then_some(*ty)
+    let blocks: Option<Vec<(GgmlType, &[u8])>> = parts
+        .iter()
+        .map(|p| match &p.data {
+            WeightData::Blocks { ty, bytes } => Some((*ty, bytes.as_slice())),
+            WeightData::F32(_) => None,
+        })
+        .collect();
+    let block_data = blocks.and_then(|blocks| {
+        if blocks.windows(2).all(|w| w[0].0 == w[1].0) {
+            return Some(WeightData::Blocks { ty: blocks[0].0, bytes: blocks.iter().flat_map(|b| b.1).copied().collect() });
         }
-        WeightData::F32(_) => None,
-    };
-    let data = match one_format {
-        Some(ty) => WeightData::Blocks {
-            ty,
-            bytes: parts
-                .into_iter()
-                .flat_map(|p| match p.data {
-                    WeightData::Blocks { bytes, .. } => bytes,
-                    WeightData::F32(_) => unreachable!("all parts are blocks"),
-                })
-                .collect(),
-        },
-        None => WeightData::F32(
+        let wide = blocks.iter().map(|&(ty, bytes)| quant::widen_to_q8_0(ty, bytes)).collect::<Option<Vec<_>>>()?;
+        Some(WeightData::Blocks { ty: GgmlType::Q8_0, bytes: wide.concat() })
+    });
+    let data = block_data.unwrap_or_else(|| {
+        WeightData::F32(
             parts
                 .into_iter()
                 .flat_map(|p| match p.data {
@@ -109,8 +111,8 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
                     WeightData::Blocks { ty, bytes } => quant::dequantize(ty, &bytes),
                 })
                 .collect(),
-        ),
-    };
+        )
+    });
     HostWeight { rows, cols, data }
 }
 
@@ -139,6 +141,31 @@ mod tests {
         let both = stack(vec![rows(w.clone(), 0..1), rows(w, 3..4)]);
         assert_eq!(both.rows, 2);
         assert_eq!(f32s(&both), [&v[..c], &v[3 * c..]].concat());
+    }
+
+    /// Two rows of 32 in `ty`: scale 0.5, the bytes after it counting up.
+    fn block_rows(ty: GgmlType) -> HostWeight {
+        let mut bytes = Vec::new();
+        for r in 0..2u8 {
+            bytes.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+            bytes.extend((0..ty.block_bytes() as u8 - 2).map(|i| i.wrapping_mul(37).wrapping_add(r)));
+        }
+        HostWeight { rows: 2, cols: 32, data: WeightData::Blocks { ty, bytes } }
+    }
+
+    #[test]
+    fn stacking_keeps_blocks_widening_to_q8_0_where_exact() {
+        let (q5, q8, q41) = (block_rows(GgmlType::Q5_0), block_rows(GgmlType::Q8_0), block_rows(GgmlType::Q4_1));
+        let want = [f32s(&q5), f32s(&q8), f32s(&q5)].concat();
+        let mixed = stack(vec![q5.clone(), q8.clone(), q5.clone()]);
+        assert!(matches!(mixed.data, WeightData::Blocks { ty: GgmlType::Q8_0, .. }));
+        assert_eq!((mixed.rows, f32s(&mixed)), (6, want));
+        let same = stack(vec![q5.clone(), q5.clone()]);
+        assert!(matches!(same.data, WeightData::Blocks { ty: GgmlType::Q5_0, .. }));
+        // Q4_1's offset has no Q8_0 form: f32.
+        let f32_only = stack(vec![q41.clone(), q8.clone()]);
+        assert!(matches!(f32_only.data, WeightData::F32(_)));
+        assert_eq!(f32s(&f32_only), [f32s(&q41), f32s(&q8)].concat());
     }
 
     #[test]
