@@ -3,7 +3,6 @@
 //! accumulation over `k` terms of O(1) values drifts by roughly `k · 2⁻²⁴` relative.
 
 use crate::cpu::{CpuBackend, CpuWeight};
-use crate::quant::GgmlType;
 use crate::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -67,6 +67,14 @@ impl Backend for CpuBackend {
                     None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
                 })
             }
+            WeightData::Stacked(parts) => {
+                let parts = parts.into_iter().map(|p| self.upload_weight(p)).collect::<Result<Vec<_>>>()?;
+                if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+                    return Err(KernelError::shape("upload_weight", format!("a part of {} columns in {cols}", p.cols)));
+                }
+                expect_len("upload_weight", "stacked rows", parts.iter().map(|p| p.rows).sum(), rows)?;
+                Ok(CpuWeight::stacked(parts, rows, cols))
+            }
         }
     }
 
