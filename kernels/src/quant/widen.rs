@@ -10,7 +10,9 @@ use super::{GgmlType, q5_0_values};
 pub fn widen_to_q8_0(ty: GgmlType, bytes: &[u8]) -> Option<Vec<u8>> {
     let values: fn(&[u8]) -> [i8; 32] = match ty {
         GgmlType::Q8_0 => return Some(bytes.to_vec()),
-        GgmlType::Q4_0 => |b| std::array::from_fn(|j| (if j < 16 { b[2 + j] & 0xF } else { b[2 + j - 16] >> 4 }) as i8 - 8),
+        GgmlType::Q4_0 => {
+            |b| std::array::from_fn(|j| (if j < 16 { b[2 + j] & 0xF } else { b[2 + j - 16] >> 4 }) as i8 - 8)
+        }
         GgmlType::Q5_0 => q5_0_values,
         _ => return None,
     };

@@ -112,7 +112,11 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
     let cols = parts[0].cols;
     let rows = parts.iter().map(|p| p.rows).sum();
     if parts.iter().all(|p| matches!(p.data, WeightData::F32(_))) {
-        return HostWeight { rows, cols, data: WeightData::F32(parts.into_iter().flat_map(HostWeight::into_f32).collect()) };
+        return HostWeight {
+            rows,
+            cols,
+            data: WeightData::F32(parts.into_iter().flat_map(HostWeight::into_f32).collect()),
+        };
     }
     let blocks: Option<Vec<(GgmlType, &[u8])>> = parts
         .iter()
@@ -123,7 +127,10 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
         .collect();
     let block_data = blocks.and_then(|blocks| {
         if blocks.windows(2).all(|w| w[0].0 == w[1].0) {
-            return Some(WeightData::Blocks { ty: blocks[0].0, bytes: blocks.iter().flat_map(|b| b.1).copied().collect() });
+            return Some(WeightData::Blocks {
+                ty: blocks[0].0,
+                bytes: blocks.iter().flat_map(|b| b.1).copied().collect(),
+            });
         }
         let wide = blocks.iter().map(|&(ty, bytes)| quant::widen_to_q8_0(ty, bytes)).collect::<Option<Vec<_>>>()?;
         Some(WeightData::Blocks { ty: GgmlType::Q8_0, bytes: wide.concat() })
@@ -177,7 +184,8 @@ mod tests {
         // Q4_1's offset has no Q8_0 form: each part kept as it is.
         let kept = stack(vec![q41.clone(), q8.clone(), q5.clone()]);
         let WeightData::Stacked(parts) = &kept.data else { panic!("{:?}", kept.data) };
-        let types: Vec<_> = parts.iter().map(|p| matches!(p.data, WeightData::Blocks { ty, .. } if ty == GgmlType::Q4_1)).collect();
+        let types: Vec<_> =
+            parts.iter().map(|p| matches!(p.data, WeightData::Blocks { ty, .. } if ty == GgmlType::Q4_1)).collect();
         assert_eq!(types, [true, false, false]);
         assert_eq!((kept.rows, f32s(&kept)), (6, [f32s(&q41), f32s(&q8), f32s(&q5)].concat()));
         // Rows and columns of a stack cut through its parts.
