@@ -22,6 +22,8 @@ use tessera_proto::chat_template::ChatTemplate;
 use tessera_worker::generate::{argmax, greedy};
 use tessera_worker::load::{LoadedModel, load_model};
 use tessera_worker::loader::gguf::GgufFile;
+use tessera_worker::model::shard::Shard;
+use tessera_worker::model::{ModelConfig, weights};
 use tessera_worker::model_cache;
 use tessera_worker::tokenizer::ModelTokenizer;
 
@@ -105,6 +107,25 @@ fn check_against_llama_cpp(loaded: &LoadedModel<CpuBackend>, prefix: &str, f32_b
     eprintln!("worst max |Δlogit|: {worst_f32:.2e} against F32, {worst_q:.3} against Q4_K_M");
 }
 
+/// Every matrix of the file stays quantised on the CPU: no f32 copy of a quantised
+/// weight, whatever mix of formats a fused matrix's parts come in.
+fn check_matrices_stay_quantised(path: &Path) {
+    let file = GgufFile::open(path).unwrap();
+    let config = ModelConfig::from_gguf(&file).unwrap();
+    let w = weights::load(&CpuBackend, &config, &file, Shard::WHOLE).unwrap();
+    assert!(w.embed.is_quantized() && w.lm_head.as_ref().is_some_and(|h| h.is_quantized()));
+    for (l, layer) in w.layers.iter().enumerate() {
+        for (name, m) in [("qkv", &layer.qkv), ("o", &layer.o), ("gate_up", &layer.gate_up), ("down", &layer.down)] {
+            assert!(m.is_quantized(), "layer {l} {name}");
+        }
+    }
+}
+
+#[test]
+fn every_matrix_stays_quantised() {
+    check_matrices_stay_quantised(&common::qwen05_path());
+}
+
 #[test]
 fn tokenizer_matches_llama_cpp_and_round_trips() {
     let tok = check_tokenizer(&common::qwen05_path(), "qwen");
@@ -142,6 +163,7 @@ fn matches_llama_cpp_logits_and_greedy_tokens() {
 fn qwen15_matches_llama_cpp_logits_and_greedy_tokens() {
     let path = model_cache::ensure(&model_cache::QWEN25_CODER_15B_INSTRUCT).unwrap_or_else(|e| panic!("{e}"));
     check_tokenizer(&path, "qwen15");
+    check_matrices_stay_quantised(&path);
     let loaded = load_model(CpuBackend, &path).unwrap_or_else(|e| panic!("{e}"));
     check_against_llama_cpp(&loaded, "qwen15", QWEN15_F32_LOGIT_BOUND, QWEN15_Q4_K_M_LOGIT_BOUND);
 }

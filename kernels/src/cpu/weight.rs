@@ -40,6 +40,15 @@ impl CpuWeight {
         Self { rows, cols, storage: Storage::Stacked(parts) }
     }
 
+    /// Whether every row is kept in a quantised format (none in f32).
+    pub fn is_quantized(&self) -> bool {
+        match &self.storage {
+            Storage::F32(_) => false,
+            Storage::Quantized(_) => true,
+            Storage::Stacked(parts) => parts.iter().all(CpuWeight::is_quantized),
+        }
+    }
+
     /// Rows `first..first + n` as f32: borrowed when stored so, dequantised into
     /// `scratch` when not.
     pub fn rows_f32<'a>(&'a self, first: usize, n: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
@@ -122,6 +131,7 @@ mod tests {
             part(&mut rng, GgmlType::Q6K, 9),
         ];
         let stack = CpuWeight::stacked(parts.clone(), 21, cols);
+        assert!(!stack.is_quantized() && parts[0].is_quantized());
         for tokens in [1, 2, 5] {
             let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             // Rows 3..19 cross both boundaries.
