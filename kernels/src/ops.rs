@@ -52,6 +52,20 @@ pub enum WeightData {
     F32(Vec<f32>),
     /// Rows of whole ggml blocks, row after row.
     Blocks { ty: GgmlType, bytes: Vec<u8> },
+    /// Groups of rows in order, each in its own format: a fused matrix whose parts the
+    /// file stores in formats with no common exact form (Q4_K Q and K beside a Q6_K V).
+    Stacked(Vec<HostWeight>),
+}
+
+impl HostWeight {
+    /// The matrix as row-major f32, blocks decoded.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self.data {
+            WeightData::F32(v) => v,
+            WeightData::Blocks { ty, bytes } => crate::quant::dequantize(ty, &bytes),
+            WeightData::Stacked(parts) => parts.into_iter().flat_map(HostWeight::into_f32).collect(),
+        }
+    }
 }
 
 /// A flattened batch of sequences for paged attention (varlen layout).

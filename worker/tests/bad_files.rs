@@ -134,7 +134,7 @@ fn wrong_magic_and_version() {
 #[test]
 fn unknown_and_unsupported_tensor_types_name_the_tensor() {
     let s = Scratch::new("types");
-    for (ty, shown) in [(99u32, "unknown (id 99)"), (6, "Q5_0")] {
+    for (ty, shown) in [(99u32, "unknown (id 99)"), (7, "Q5_1")] {
         let bytes = tiny_llama(|_, t| {
             t[1].ty = ty;
         });

@@ -10,7 +10,7 @@ fn every_type_matches_the_gguf_python_decoder() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
     let quant = GgufFile::open(&data.join("dequant.gguf")).unwrap();
     let expected = GgufFile::open(&data.join("dequant_expected.gguf")).unwrap();
-    let names = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16"];
+    let names = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16"];
     assert_eq!(quant.tensors.len(), names.len());
     for name in names {
         let got = quant.load(name).unwrap();

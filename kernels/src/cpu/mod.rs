@@ -7,13 +7,14 @@ mod attention;
 mod elementwise;
 mod matmul;
 mod quant_rows;
+mod repack;
 mod simd;
 mod tiles;
 mod weight;
 
 pub use quant_rows::QuantRows;
 #[cfg(test)]
-pub(crate) use quant_rows::tests::random_blocks as quant_rows_test_blocks;
+pub(crate) use quant_rows::tests::{FORMATS as QUANT_ROWS_FORMATS, random_blocks as quant_rows_test_blocks};
 pub use weight::CpuWeight;
 
 use crate::error::expect_len;
@@ -65,6 +66,14 @@ impl Backend for CpuBackend {
                     Some(q) => CpuWeight::quantized(q, rows, cols),
                     None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
                 })
+            }
+            WeightData::Stacked(parts) => {
+                let parts = parts.into_iter().map(|p| self.upload_weight(p)).collect::<Result<Vec<_>>>()?;
+                if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+                    return Err(KernelError::shape("upload_weight", format!("a part of {} columns in {cols}", p.cols)));
+                }
+                expect_len("upload_weight", "stacked rows", parts.iter().map(|p| p.rows).sum(), rows)?;
+                Ok(CpuWeight::stacked(parts, rows, cols))
             }
         }
     }

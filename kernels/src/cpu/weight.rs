@@ -9,7 +9,7 @@ use super::tiles::dot_tile;
 const FUSED_MAX_TOKENS: usize = 2;
 
 /// A row-major `[rows, cols]` matrix: quantised rows where the file had them in a
-/// format `QuantRows` reads, f32 otherwise.
+/// format `QuantRows` reads, f32 otherwise, or groups of rows each kept its own way.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
     pub rows: usize,
@@ -21,6 +21,8 @@ pub struct CpuWeight {
 enum Storage {
     F32(Vec<f32>),
     Quantized(QuantRows),
+    /// Parts of `cols` columns whose rows follow one another.
+    Stacked(Vec<CpuWeight>),
 }
 
 impl CpuWeight {
@@ -32,16 +34,42 @@ impl CpuWeight {
         Self { rows, cols, storage: Storage::Quantized(rows_of) }
     }
 
+    /// `parts` one above the other; each has `cols` columns and their rows add up to `rows`.
+    pub fn stacked(parts: Vec<CpuWeight>, rows: usize, cols: usize) -> Self {
+        debug_assert!(parts.iter().all(|p| p.cols == cols) && parts.iter().map(|p| p.rows).sum::<usize>() == rows);
+        Self { rows, cols, storage: Storage::Stacked(parts) }
+    }
+
+    /// Whether every row is kept in a quantised format (none in f32).
+    pub fn is_quantized(&self) -> bool {
+        match &self.storage {
+            Storage::F32(_) => false,
+            Storage::Quantized(_) => true,
+            Storage::Stacked(parts) => parts.iter().all(CpuWeight::is_quantized),
+        }
+    }
+
     /// Rows `first..first + n` as f32: borrowed when stored so, dequantised into
     /// `scratch` when not.
     pub fn rows_f32<'a>(&'a self, first: usize, n: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
         let range = first * self.cols..(first + n) * self.cols;
+        if let Storage::F32(data) = &self.storage {
+            return &data[range];
+        }
+        scratch.resize(range.len(), 0.0);
+        self.write_rows_f32(first, scratch);
+        scratch
+    }
+
+    /// Rows `first..first + out.len() / cols` as f32 into `out`.
+    fn write_rows_f32(&self, first: usize, out: &mut [f32]) {
         match &self.storage {
-            Storage::F32(data) => &data[range],
-            Storage::Quantized(q) => {
-                scratch.resize(range.len(), 0.0);
-                q.dequantize_rows(first, scratch);
-                scratch
+            Storage::F32(data) => out.copy_from_slice(&data[first * self.cols..first * self.cols + out.len()]),
+            Storage::Quantized(q) => q.dequantize_rows(first, out),
+            Storage::Stacked(parts) => {
+                for (part, local, at) in overlapping(parts, first, out.len() / self.cols.max(1)) {
+                    part.write_rows_f32(local.start, &mut out[at * self.cols..(at + local.len()) * self.cols]);
+                }
             }
         }
     }
@@ -53,7 +81,76 @@ impl CpuWeight {
         let tokens = x.len() / self.cols;
         match &self.storage {
             Storage::Quantized(q) if tokens <= FUSED_MAX_TOKENS => q.dot_rows(first, n, x, out, stride),
+            // Each row is computed by its own part, as it would be alone.
+            Storage::Stacked(parts) => {
+                for (part, local, at) in overlapping(parts, first, n) {
+                    part.dot_rows(local.start, local.len(), x, &mut out[at * stride..], stride, scratch);
+                }
+            }
             _ => dot_tile(self.rows_f32(first, n, scratch), x, self.cols, out, stride),
         }
+    }
+}
+
+/// The parts that rows `first..first + n` of a stack fall in: each part, the rows of it
+/// that are asked for, and where they start among the `n`.
+fn overlapping(
+    parts: &[CpuWeight],
+    first: usize,
+    n: usize,
+) -> impl Iterator<Item = (&CpuWeight, std::ops::Range<usize>, usize)> {
+    let end = first + n;
+    let mut start = 0;
+    parts.iter().filter_map(move |p| {
+        let (lo, hi) = (start.max(first), (start + p.rows).min(end));
+        let part_start = start;
+        start += p.rows;
+        (lo < hi).then(|| (p, lo - part_start..hi - part_start, lo - first))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::quant_rows_test_blocks;
+    use crate::quant::GgmlType;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn a_stack_gives_each_row_the_bits_of_its_own_part() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let cols = 256;
+        let part = |rng: &mut StdRng, ty: GgmlType, rows: usize| {
+            let bytes = quant_rows_test_blocks(rng, ty, rows * cols);
+            CpuWeight::quantized(QuantRows::from_blocks(ty, &bytes, cols).unwrap(), rows, cols)
+        };
+        let parts = vec![
+            part(&mut rng, GgmlType::Q4K, 7),
+            CpuWeight::f32((0..5 * cols).map(|_| rng.random_range(-1.0..1.0)).collect(), 5, cols),
+            part(&mut rng, GgmlType::Q6K, 9),
+        ];
+        let stack = CpuWeight::stacked(parts.clone(), 21, cols);
+        assert!(!stack.is_quantized() && parts[0].is_quantized());
+        for tokens in [1, 2, 5] {
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            // Rows 3..19 cross both boundaries.
+            let (first, n) = (3, 16);
+            let mut got = vec![0.0f32; n * tokens];
+            stack.dot_rows(first, n, &x, &mut got, tokens, &mut Vec::new());
+            let mut want = Vec::new();
+            for (p, local) in [(0, 3..7), (1, 0..5), (2, 0..7)] {
+                let mut o = vec![0.0f32; local.len() * tokens];
+                parts[p].dot_rows(local.start, local.len(), &x, &mut o, tokens, &mut Vec::new());
+                want.extend(o);
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{tokens} inputs");
+        }
+        let mut scratch = Vec::new();
+        let rows: Vec<f32> = stack.rows_f32(6, 2, &mut scratch).to_vec();
+        let mut s = Vec::new();
+        assert_eq!(&rows[..cols], parts[0].rows_f32(6, 1, &mut s));
+        assert_eq!(&rows[cols..], parts[1].rows_f32(0, 1, &mut s));
     }
 }

@@ -461,6 +461,7 @@ impl Backend for CudaBackend {
                 expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
                 quant::dequantize(ty, &bytes)
             }
+            data @ WeightData::Stacked(_) => HostWeight { rows, cols, data }.into_f32(),
         };
         expect_len("upload_weight", "weight", data.len(), rows * cols)?;
         let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();

@@ -17,6 +17,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8]) -> Vec<f32> {
         GgmlType::BF16 => out.extend(blocks.map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
         GgmlType::Q4_0 => blocks.for_each(|b| q4_0(b, &mut out)),
         GgmlType::Q4_1 => blocks.for_each(|b| q4_1(b, &mut out)),
+        GgmlType::Q5_0 => blocks.for_each(|b| q5_0(b, &mut out)),
         GgmlType::Q8_0 => blocks.for_each(|b| q8_0(b, &mut out)),
         GgmlType::Q4K => blocks.for_each(|b| q4_k(b, &mut out)),
         GgmlType::Q5K => blocks.for_each(|b| q5_k(b, &mut out)),
@@ -45,6 +46,24 @@ fn q4_1(b: &[u8], out: &mut Vec<f32>) {
     out.extend(qs.iter().map(|q| (q >> 4) as f32 * d + m));
 }
 
+/// d: f16, 4 bytes of fifth bits (bit j for element j), 16 bytes of low nibbles laid
+/// out as Q4_0's: x = (q − 16)·d.
+fn q5_0(b: &[u8], out: &mut Vec<f32>) {
+    let d = f16_at(b, 0);
+    out.extend(q5_0_values(b).iter().map(|&q| q as f32 * d));
+}
+
+/// A Q5_0 block's 32 values q − 16, in −16..16.
+pub(crate) fn q5_0_values(b: &[u8]) -> [i8; 32] {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..22];
+    std::array::from_fn(|j| {
+        let low = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+        let high = ((qh >> j) & 1) as u8;
+        (low | (high << 4)) as i8 - 16
+    })
+}
+
 /// d: f16, then 32 signed bytes.
 fn q8_0(b: &[u8], out: &mut Vec<f32>) {
     let d = f16_at(b, 0);
@@ -52,7 +71,7 @@ fn q8_0(b: &[u8], out: &mut Vec<f32>) {
 }
 
 /// The 6-bit scale and min of sub-block `j` (of 8), packed into 12 bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -93,19 +112,21 @@ fn q5_k(b: &[u8], out: &mut Vec<f32>) {
 }
 
 /// Super-block of 256: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit
-/// scales (one per 16 elements), d (f16). Elements are offset by -32.
+/// scales (one per 16 elements), d (f16). Element e is d·scale[e/16]·(q − 32).
 fn q6_k(b: &[u8], out: &mut Vec<f32>) {
     let d = f16_at(b, 208);
-    let start = out.len();
-    out.resize(start + 256, 0.0);
-    let y = &mut out[start..];
+    let q = q6_k_values(b);
+    out.extend(q.iter().enumerate().map(|(e, &q)| d * (b[192 + e / 16] as i8 as f32) * q as f32));
+}
+
+/// A Q6_K super-block's 256 values q − 32, in element order.
+pub(crate) fn q6_k_values(b: &[u8]) -> [i8; 256] {
+    let mut y = [0i8; 256];
     for half in 0..2 {
         let ql = &b[64 * half..64 * half + 64];
         let qh = &b[128 + 32 * half..128 + 32 * half + 32];
-        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
         let y = &mut y[128 * half..128 * half + 128];
         for l in 0..32 {
-            let is = l / 16;
             let q = [
                 (ql[l] & 0xF) | ((qh[l] & 3) << 4),
                 (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
@@ -113,10 +134,11 @@ fn q6_k(b: &[u8], out: &mut Vec<f32>) {
                 (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
             ];
             for (k, q) in q.iter().enumerate() {
-                y[l + 32 * k] = d * (sc[is + 2 * k] as i8 as f32) * (*q as i32 - 32) as f32;
+                y[l + 32 * k] = *q as i8 - 32;
             }
         }
     }
+    y
 }
 
 #[cfg(test)]
@@ -147,6 +169,17 @@ mod tests {
         b[4] = 0x3A; // element 0: 10 → 1.5; element 16: 3 → -0.25
         let x = dequantize(GgmlType::Q4_1, &b);
         assert_eq!((x[0], x[16], x[1]), (1.5, -0.25, -1.0));
+    }
+
+    #[test]
+    fn q5_0_by_hand() {
+        let mut b = vec![0u8; 22];
+        b[0..2].copy_from_slice(&f16_bytes(0.5));
+        b[2..6].copy_from_slice(&(1u32 | 1 << 17).to_le_bytes()); // fifth bit of elements 0 and 17
+        b[6] = 0x3F; // element 0: 15 + 16 = 31 → 15 → 7.5; element 16: 3 → -13 → -6.5
+        b[7] = 0x20; // element 1: 0 → -16 → -8; element 17: 2 + 16 = 18 → 2 → 1
+        let x = dequantize(GgmlType::Q5_0, &b);
+        assert_eq!((x[0], x[16], x[1], x[17]), (7.5, -6.5, -8.0, 1.0));
     }
 
     #[test]

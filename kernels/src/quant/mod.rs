@@ -1,9 +1,11 @@
 //! ggml's block formats: their ids in GGUF files, their layouts, and decoding them.
 
 mod dequant;
+mod widen;
 
 pub use dequant::dequantize;
-pub(crate) use dequant::f16_at;
+pub(crate) use dequant::{f16_at, q5_0_values, q6_k_values, scale_min_k4};
+pub use widen::widen_to_q8_0;
 
 /// The element types we can read. Other ids in a file are reported by number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -12,6 +14,7 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
     Q4K,
     Q5K,
@@ -26,6 +29,7 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
             8 => Self::Q8_0,
             12 => Self::Q4K,
             13 => Self::Q5K,
@@ -41,6 +45,7 @@ impl GgmlType {
             Self::F16 => 1,
             Self::Q4_0 => 2,
             Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
             Self::Q8_0 => 8,
             Self::Q4K => 12,
             Self::Q5K => 13,
@@ -53,7 +58,7 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q8_0 => 32,
             Self::Q4K | Self::Q5K | Self::Q6K => 256,
         }
     }
@@ -65,6 +70,7 @@ impl GgmlType {
             Self::F16 | Self::BF16 => 2,
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
             Self::Q8_0 => 34,
             Self::Q4K => 144,
             Self::Q5K => 176,

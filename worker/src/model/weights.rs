@@ -64,29 +64,23 @@ impl Reader<'_> {
         Ok(self.source.load(&self.checked_name(t)?)?.data)
     }
 
-    /// Row-wise concatenation of several `[_, cols]` vectors or matrices, in f32.
-    fn concat(&self, parts: &[Tensor]) -> Result<Vec<f32>, LoadError> {
-        let mut out = Vec::new();
-        for &p in parts {
-            out.extend(self.read(p)?);
-        }
-        Ok(out)
-    }
-
     /// The row-wise concatenation of `parts` as one `[rows, cols]` matrix: their raw
-    /// blocks when the file stores all of them in one block format (the backend then
-    /// chooses how to hold them), else f32. Rows are whole blocks, so block rows
+    /// blocks where the file stores them so (the backend then chooses how to hold
+    /// them), stacked as `shard::stack` does. Rows are whole blocks, so block rows
     /// concatenate like f32 rows.
     fn matrix(&self, parts: &[Tensor], rows: usize, cols: usize) -> Result<HostWeight, LoadError> {
-        let names = parts.iter().map(|&p| self.checked_name(p)).collect::<Result<Vec<_>, _>>()?;
-        let blocks: Vec<_> = names.iter().filter_map(|n| self.source.blocks(n)).collect();
-        let one_format = blocks.len() == names.len() && blocks.windows(2).all(|w| w[0].0 == w[1].0);
-        let data = if one_format {
-            WeightData::Blocks { ty: blocks[0].0, bytes: blocks.iter().flat_map(|(_, b)| b.iter().copied()).collect() }
-        } else {
-            WeightData::F32(self.concat(parts)?)
-        };
-        Ok(HostWeight { rows, cols, data })
+        let mut weights = Vec::with_capacity(parts.len());
+        for &p in parts {
+            let name = self.checked_name(p)?;
+            let data = match self.source.blocks(&name) {
+                Some((ty, bytes)) => WeightData::Blocks { ty, bytes: bytes.to_vec() },
+                None => WeightData::F32(self.source.load(&name)?.data),
+            };
+            weights.push(HostWeight { rows: self.config.tensor_shape(p)[0], cols, data });
+        }
+        let w = shard::stack(weights);
+        debug_assert_eq!(w.rows, rows);
+        Ok(w)
     }
 }
 

@@ -18,6 +18,12 @@ pub fn smollm2_path() -> PathBuf {
     model_cache::ensure(&model_cache::SMOLLM2_135M_INSTRUCT).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Qwen2.5-Coder-0.5B-Instruct (Q4_K_M), fetched the same way.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn qwen05_path() -> PathBuf {
+    model_cache::ensure(&model_cache::QWEN25_CODER_05B_INSTRUCT).unwrap_or_else(|e| panic!("{e}"))
+}
+
 #[allow(dead_code)] // each test binary uses its own subset of these helpers
 pub fn smollm2() -> &'static LoadedModel<CpuBackend> {
     static MODEL: OnceLock<LoadedModel<CpuBackend>> = OnceLock::new();
