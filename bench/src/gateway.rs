@@ -47,7 +47,9 @@ pub fn run(args: Args) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let max_tokens = args.max_tokens;
     let levels = runtime.block_on(async move {
-        let client = WorkerClient::connect(format!("http://{worker}")).await?;
+        let client = WorkerClient::connect(format!("http://{worker}"))
+            .await?
+            .max_decoding_message_size(tessera_proto::MAX_MESSAGE_BYTES);
         let card = client.clone().get_model_card(pb::ModelCardRequest {}).await?.into_inner();
         let tokenizer =
             tokenizers::Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).map_err(anyhow::Error::msg)?;

@@ -141,6 +141,19 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
             out.insert(passed.into(), v.clone());
         }
     }
+    // Templates written for Hugging Face render a call's arguments with `tojson`, which
+    // expects an object: arguments sent as JSON text (as OpenAI's API has them) are
+    // handed over parsed, as vLLM does, or a model sees its own call as an escaped string.
+    if let Some(Value::Array(calls)) = out.get_mut("tool_calls") {
+        for call in calls {
+            let args = &mut call["function"]["arguments"];
+            if let Some(parsed) =
+                args.as_str().and_then(|t| serde_json::from_str::<Value>(t).ok()).filter(Value::is_object)
+            {
+                *args = parsed;
+            }
+        }
+    }
     // Earlier reasoning, under either name clients send it back with; templates decide
     // whether to show it again.
     if role == "assistant"

@@ -51,6 +51,7 @@ pub fn prepare(
         markers: reasoning.markers,
         start: thinking.start(reasoning.bare_close, grammar.is_some()),
         tools: callable.map(|_| tool_format),
+        bare_calls: grammar.is_none(),
     };
     let shortest = shortest.filter(|_| grammar.is_some());
     Ok(Prepared { prompt, grammar, reading, thinking, shortest })

@@ -112,14 +112,21 @@ pub struct Reading {
     pub start: Start,
     /// The tool-call format, when the request lets the model call tools.
     pub tools: Option<ToolFormat>,
+    /// An answer that is only call objects, without their markers, is read as calls:
+    /// small Hermes-format models (Qwen2.5-Coder 0.5B) often drop the tags. Only for
+    /// free output: a grammar writes the markers itself.
+    pub bare_calls: bool,
 }
 
 impl Reading {
     /// Everything is content (legacy completions).
-    pub const PLAIN: Reading = Reading { markers: Markers::Plain, start: Start::Content, tools: None };
+    pub const PLAIN: Reading =
+        Reading { markers: Markers::Plain, start: Start::Content, tools: None, bare_calls: false };
 
     pub fn parser(self) -> OutputParser {
-        OutputParser::new(self.markers, self.start, self.tools)
+        let mut p = OutputParser::new(self.markers, self.start, self.tools);
+        p.bare_calls = self.bare_calls && self.tools.is_some();
+        p
     }
 }
 
@@ -161,6 +168,8 @@ enum State {
     Reasoning,
     Undecided,
     ToolCall,
+    /// The answer opened with `{` and may be bare call objects: held to the end.
+    MaybeCalls,
 }
 
 #[derive(Debug, Clone)]
@@ -175,6 +184,10 @@ pub struct OutputParser {
     /// Tokens that were chain-of-thought, and those of an undecided start.
     reasoning_tokens: u32,
     undecided_tokens: u32,
+    /// Read an answer of bare call objects as calls (`Reading::bare_calls`).
+    bare_calls: bool,
+    /// The answer has begun (text other than whitespace, or a call).
+    answered: bool,
 }
 
 impl OutputParser {
@@ -194,6 +207,8 @@ impl OutputParser {
             body: String::new(),
             reasoning_tokens: 0,
             undecided_tokens: 0,
+            bare_calls: false,
+            answered: false,
         }
     }
 
@@ -203,7 +218,7 @@ impl OutputParser {
         match self.state {
             State::Reasoning => self.reasoning_tokens += tokens,
             State::Undecided => self.undecided_tokens += tokens,
-            State::Content | State::ToolCall => {}
+            State::Content | State::ToolCall | State::MaybeCalls => {}
         }
         self.held.push_str(text);
         let mut out = Vec::new();
@@ -223,6 +238,18 @@ impl OutputParser {
             self.held = std::mem::take(&mut self.body);
             self.state = State::Content;
             self.scan(&mut out, true);
+        }
+        if self.state == State::MaybeCalls {
+            let body = std::mem::take(&mut self.body);
+            match self.tools.and_then(|f| bare_calls(f, &body)) {
+                Some(calls) => out.extend(calls),
+                None => emit(&mut out, Piece::Content(body)),
+            }
+        }
+        if self.state == State::Content && !self.body.is_empty() {
+            // Whitespace held back at the start of an answer that never began.
+            let body = std::mem::take(&mut self.body);
+            emit(&mut out, Piece::Content(body));
         }
         if self.state == State::ToolCall {
             match self.tools {
@@ -258,6 +285,7 @@ impl OutputParser {
             }
             State::Reasoning | State::Undecided => m.extend(self.markers.close().map(|c| (c, State::Content))),
             State::ToolCall => m.extend(self.tools.and_then(|t| t.close()).map(|c| (c, State::Content))),
+            State::MaybeCalls => {}
         }
         m
     }
@@ -284,6 +312,9 @@ impl OutputParser {
             self.held.drain(..at + marker.len());
             self.release(out, text);
             self.leave(out);
+            if next == State::ToolCall {
+                self.answer_begins(out);
+            }
             self.state = next;
         }
     }
@@ -291,10 +322,31 @@ impl OutputParser {
     /// Text that belongs to the current state.
     fn release(&mut self, out: &mut Vec<Piece>, text: String) {
         match self.state {
+            State::Content if self.bare_calls && !self.answered => {
+                // Until the answer begins, whitespace is held: a `{` first may open calls.
+                self.body.push_str(&text);
+                let start = self.body.trim_start();
+                if start.starts_with('{') || start.starts_with(FENCE) {
+                    self.answered = true;
+                    self.state = State::MaybeCalls;
+                } else if !FENCE.starts_with(start) {
+                    self.answer_begins(out);
+                }
+            }
             State::Content => emit(out, Piece::Content(text)),
             State::Reasoning => emit(out, Piece::Reasoning(text)),
-            State::Undecided | State::ToolCall => self.body.push_str(&text),
+            State::Undecided | State::ToolCall | State::MaybeCalls => self.body.push_str(&text),
         }
+    }
+
+    /// The answer has begun otherwise than with a `{`: held whitespace goes out.
+    fn answer_begins(&mut self, out: &mut Vec<Piece>) {
+        if !self.answered && self.state == State::Content {
+            self.answered = true;
+            let body = std::mem::take(&mut self.body);
+            emit(out, Piece::Content(body));
+        }
+        self.answered = true;
     }
 
     /// The current state's closing marker has been read.
@@ -314,9 +366,33 @@ impl OutputParser {
                     }
                 }
             }
-            State::Content | State::Reasoning => {}
+            State::Content | State::Reasoning | State::MaybeCalls => {}
         }
     }
+}
+
+/// How a JSON code block opens.
+const FENCE: &str = "```json";
+
+/// An answer made only of call objects (`{"name": …, "arguments": {…}}`, whitespace
+/// between them; a list of them for Mistral's format), or None.
+fn bare_calls(format: ToolFormat, body: &str) -> Option<Vec<Piece>> {
+    // Or in a JSON code block, as Qwen2.5-Coder 1.5B writes them.
+    let body = body.trim();
+    let body = body.strip_prefix(FENCE).and_then(|b| b.strip_suffix("```")).unwrap_or(body);
+    let values: Vec<Value> =
+        serde_json::Deserializer::from_str(body).into_iter::<Value>().collect::<Result<_, _>>().ok()?;
+    let mut calls = Vec::new();
+    for v in &values {
+        match (format, v) {
+            (_, Value::Object(o)) if o.get("arguments").is_some_and(Value::is_object) => calls.push(call(v)?),
+            (ToolFormat::Mistral, Value::Array(list)) => {
+                calls.extend(list.iter().map(call).collect::<Option<Vec<_>>>()?)
+            }
+            _ => return None,
+        }
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 fn emit(out: &mut Vec<Piece>, piece: Piece) {
@@ -352,6 +428,48 @@ mod tests {
 
     fn call(name: &str, args: &str) -> (String, String) {
         (name.to_string(), args.to_string())
+    }
+
+    #[test]
+    fn bare_call_objects_are_calls_when_the_reading_allows_them() {
+        let read = |chunks: &[&str], bare: bool| {
+            let reading = Reading {
+                markers: Markers::Plain,
+                start: Start::Content,
+                tools: Some(ToolFormat::Hermes),
+                bare_calls: bare,
+            };
+            let mut p = reading.parser();
+            let mut split = Split::default();
+            let mut streamed_before_end = String::new();
+            for c in chunks {
+                let pieces = p.push(c, 1);
+                for piece in &pieces {
+                    if let Piece::Content(t) = piece {
+                        streamed_before_end.push_str(t);
+                    }
+                }
+                split.add(pieces);
+            }
+            split.add(p.finish());
+            (split.content, split.calls, streamed_before_end)
+        };
+        let one = ["\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}"];
+        let (content, calls, _) = read(&one, true);
+        assert_eq!((content.as_str(), calls), ("", vec![call("get_weather", "{\"city\":\"Paris\"}")]));
+        let two = ["{\"name\": \"a\", \"arguments\": {}}\n{\"name\": \"b\", \"arguments\": {\"x\": 1}}"];
+        assert_eq!(read(&two, true).1, vec![call("a", "{}"), call("b", "{\"x\":1}")]);
+        // Off, or JSON that is not calls, or text first: content, as it came.
+        assert_eq!(read(&one, false).0, one.concat());
+        let fenced = ["``", "`json\n{\"name\": \"a\", \"arguments\": {}}\n```"];
+        assert_eq!(read(&fenced, true).1, vec![call("a", "{}")], "in a JSON code block");
+        let code = ["``", "`python\nprint(1)\n```"];
+        assert_eq!(read(&code, true), (code.concat(), vec![], code.concat()), "other code streams as it comes");
+        let data = ["{\"name\": \"Paris\", \"population\": 2}"];
+        assert_eq!(read(&data, true), (data.concat(), vec![], String::new()));
+        let (content, calls, streamed) = read(&["  Sure: ", "{\"name\": \"a\", \"arguments\": {}}"], true);
+        assert_eq!((content.as_str(), calls.len()), ("  Sure: {\"name\": \"a\", \"arguments\": {}}", 0));
+        assert_eq!(streamed, content, "an answer that begins with text streams as it comes");
     }
 
     struct Case {

@@ -199,7 +199,8 @@ pub async fn replicas(cmd: ReplicasCommand) -> Result<()> {
 /// within two seconds.
 async fn load_of(addr: &str) -> Option<(usize, pb::LoadReport)> {
     let ask = async {
-        let mut client = WorkerClient::connect(format!("http://{addr}")).await.ok()?;
+        let client = WorkerClient::connect(format!("http://{addr}")).await.ok()?;
+        let mut client = client.max_decoding_message_size(tessera_proto::MAX_MESSAGE_BYTES);
         let mut stream = client.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.ok()?.into_inner();
         let snapshot = stream.message().await.ok().flatten().filter(|r| r.snapshot)?;
         let report = stream.message().await.ok().flatten()?;

@@ -47,7 +47,7 @@ impl Replica {
             .connect()
             .await
             .map_err(|e| connect(e.to_string()))?;
-        let mut client = WorkerClient::new(channel);
+        let mut client = WorkerClient::new(channel).max_decoding_message_size(tessera_proto::MAX_MESSAGE_BYTES);
         let card =
             client.get_model_card(pb::ModelCardRequest {}).await.map_err(|e| connect(e.to_string()))?.into_inner();
         let tokenizer = Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).map_err(|e| card_err(e.to_string()))?;
