@@ -46,6 +46,13 @@ def client(key=API_KEY):
     return openai.OpenAI(base_url=BASE_URL, api_key=key, max_retries=0, _strict_response_validation=True)
 
 
+def loose_client():
+    """For echoed prompts with log-probabilities: the API (and vLLM) give the first prompt
+    token a null log-probability, which the SDK's `List[float]` type cannot hold, so its
+    strict validation would refuse a correct reply."""
+    return openai.OpenAI(base_url=BASE_URL, api_key=API_KEY, max_retries=0)
+
+
 def cli(*args):
     """Runs the operator command line against the server's database, returns its JSON."""
     cmd = [os.environ["TESSERA_BIN"], *args, "--data-dir", os.environ["TESSERA_DATA_DIR"], "--json"]
@@ -194,6 +201,66 @@ class Completions(unittest.TestCase):
         for top, logprob in zip(l.top_logprobs, l.token_logprobs):
             self.assertLessEqual(len(top), 3)
             self.assertAlmostEqual(max(top.values()), logprob, places=4)
+
+    def test_echo_with_logprobs_scores_the_prompt(self):
+        prompt = "The capital of France is Paris. The capital of Italy is"
+        r = loose_client().completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=3,
+                                        temperature=0)
+        l, n_prompt = r.choices[0].logprobs, r.usage.prompt_tokens
+        self.assertEqual(len(l.tokens), n_prompt + r.usage.completion_tokens)
+        self.assertEqual("".join(l.tokens), r.choices[0].text)
+        self.assertTrue(r.choices[0].text.startswith(prompt))
+        self.assertEqual((l.token_logprobs[0], l.top_logprobs[0], l.text_offset[0]), (None, None, 0))
+        for i in range(1, len(l.tokens)):
+            self.assertEqual(l.text_offset[i], l.text_offset[i - 1] + len(l.tokens[i - 1]))
+            self.assertLessEqual(l.token_logprobs[i], 0)
+            self.assertIn(l.tokens[i], l.top_logprobs[i])
+            self.assertLessEqual(len(l.top_logprobs[i]), 3)
+        paris = l.tokens.index(" Paris")
+        self.assertGreater(l.token_logprobs[paris], -4, "the model expects Paris there")
+        # Only the prompt, scored: max_tokens 0.
+        only = loose_client().completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+        self.assertEqual(only.choices[0].text, prompt)
+        self.assertEqual(only.usage.completion_tokens, 0)
+        self.assertEqual(only.choices[0].logprobs.token_logprobs, l.token_logprobs[:n_prompt])
+        # Streamed: the echo chunk carries the prompt's log-probabilities.
+        chunks = list(loose_client().completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=3,
+                                                  temperature=0, stream=True))
+        streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        self.assertEqual(streamed, l.tokens)
+
+    def test_vllm_prompt_logprobs_are_the_models_own(self):
+        prompt = "1, 2, 3, 4, 5,"
+        r = client().completions.create(model=MODEL, prompt=prompt, max_tokens=0, extra_body={"prompt_logprobs": 0})
+        scores = r.choices[0].model_extra["prompt_logprobs"]
+        self.assertEqual(len(scores), r.usage.prompt_tokens)
+        self.assertIsNone(scores[0])
+        # With no alternatives asked, each position holds its own token alone.
+        self.assertTrue(all(len(s) == 1 for s in scores[1:]), scores)
+        ids = [int(next(iter(s))) for s in scores[1:]]
+        wide = client().completions.create(model=MODEL, prompt=prompt, max_tokens=0, extra_body={"prompt_logprobs": 2})
+        for own, s in zip(ids, wide.choices[0].model_extra["prompt_logprobs"][1:]):
+            self.assertIn(str(own), s)
+            self.assertTrue(2 <= len(s) <= 3 and any(e["rank"] == 1 for e in s.values()), s)
+        # A prompt token's score is the log-probability the model gives it when it is
+        # generated after the same tokens (forced there by logit_bias: log-probabilities
+        # are the model's own, before any bias).
+        texts = loose_client().completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                            logprobs=0).choices[0].logprobs.tokens
+        k = 5
+        forced = client().completions.create(model=MODEL, prompt="".join(texts[:k]), max_tokens=1, logprobs=0,
+                                             temperature=0, logit_bias={str(ids[k - 1]): 100})
+        self.assertEqual(forced.usage.prompt_tokens, k)
+        self.assertEqual(forced.choices[0].logprobs.tokens[0], texts[k])
+        self.assertAlmostEqual(forced.choices[0].logprobs.token_logprobs[0], scores[k][str(ids[k - 1])]["logprob"],
+                               places=3)
+        chat = client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1,
+                                                extra_body={"prompt_logprobs": 2})
+        self.assertEqual(len(chat.model_extra["prompt_logprobs"]), chat.usage.prompt_tokens)
+        chunks = list(client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, stream=True,
+                                                       extra_body={"prompt_logprobs": 2}))
+        streamed = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+        self.assertEqual(streamed, [chat.model_extra["prompt_logprobs"]], "once, in a chunk of its own")
 
     def test_default_max_tokens_is_16_and_streams_end_with_usage(self):
         r = client().completions.create(model=MODEL, prompt="Once upon a time", temperature=0)

@@ -31,6 +31,13 @@ struct ChatRequest {
     logprobs: bool,
 }
 
+impl ChatRequest {
+    /// vLLM's `prompt_logprobs` was asked for.
+    fn scores_prompt(&self) -> bool {
+        self.generation.prompt_logprobs.is_some()
+    }
+}
+
 pub async fn handle(
     State(app): State<App>,
     Authed(key): Authed,
@@ -58,6 +65,7 @@ pub async fn handle(
         }));
     }
     let (choices, usage) = generate::gather(out, request.generation.n, request.reading).await?;
+    let scores = choices.first().map(|c| c.prompt_scores.clone()).unwrap_or_default();
     let first = choices.first().map(|c| finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool));
     meter.finish(first.unwrap_or("stop"), usage.reasoning_tokens);
     meter.settle().await;
@@ -73,7 +81,7 @@ pub async fn handle(
             })
         })
         .collect();
-    Ok(Json(json!({
+    let mut reply = json!({
         "id": meta.id,
         "object": "chat.completion",
         "created": meta.created,
@@ -82,8 +90,11 @@ pub async fn handle(
         "usage": usage_json(&usage),
         "system_fingerprint": null,
         "service_tier": "default",
-    }))
-    .into_response())
+    });
+    if request.scores_prompt() {
+        reply["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores);
+    }
+    Ok(Json(reply).into_response())
 }
 
 fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
@@ -95,6 +106,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     let n = params::n(&mut f)?;
     let stop = params::stop(&mut f)?;
     sampling.logprobs = params::chat_logprobs(&mut f)?;
+    let prompt_logprobs = params::prompt_logprobs(&mut f)?;
     let logprobs = sampling.logprobs.is_some();
     let max_tokens = f.integer("max_tokens", Some(1), None)?;
     let max_completion_tokens = f.integer("max_completion_tokens", Some(1), None)?;
@@ -158,6 +170,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
             grammar: prepared.grammar,
             prompt_param: "messages",
             thinking,
+            prompt_logprobs,
         },
         reading: prepared.reading,
         named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),
@@ -251,6 +264,12 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, 
             }
         };
         usage.record(&r);
+        if request.scores_prompt() && !r.prompt_logprobs.is_empty() {
+            // The prompt's scores arrive once, before its first token: a chunk of their own.
+            let mut c = meta.chunk(json!([]), usage_key);
+            c["prompt_logprobs"] = logprobs::vllm_prompt(&meta.model.replica, &r.prompt_logprobs);
+            tx.data(&c).await?;
+        }
         let index = r.index as usize;
         let (Some(parser), Some(called)) = (parsers.get_mut(index), calls.get_mut(index)) else {
             tx.data(&ApiError::Internal(format!("worker sent completion index {index}")).body()).await?;

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use std::sync::Arc;
+use tessera_proto::worker as pb;
 
 /// Completions one request may ask for (prompts × n), as chat's `n` allows.
 const MAX_SEQUENCES: usize = 128;
@@ -32,6 +33,8 @@ struct CompletionRequest {
     template: Generation,
     echo: bool,
     logprobs: Option<u32>,
+    /// vLLM's `prompt_logprobs`: the prompt's scores in its own shape.
+    prompt_logprobs: Option<u32>,
     stream: bool,
     include_usage: bool,
 }
@@ -60,7 +63,8 @@ pub async fn handle(
     let mut outputs = Vec::new();
     for (slot, p) in request.prompts.iter().enumerate() {
         let g = Generation { prompt: p.tokens.clone(), ..request.template.clone() };
-        if g.max_tokens == 0 {
+        // Nothing to generate, and no prompt to score: nothing to ask a worker.
+        if g.max_tokens == 0 && g.prompt_logprobs.is_none() {
             outputs.push(None);
             continue;
         }
@@ -88,17 +92,33 @@ pub async fn handle(
         };
         for (i, c) in gathered.into_iter().enumerate() {
             let prefix = if request.echo { prompt.text.as_str() } else { "" };
-            let mut offset = prefix.chars().count();
+            let mut offset = 0;
+            let echoed = match (request.echo, request.logprobs) {
+                (true, Some(_)) => {
+                    Some(logprobs::legacy_prompt(&model.replica, &prompt.tokens, &c.prompt_scores, &mut offset))
+                }
+                _ => {
+                    offset = prefix.chars().count();
+                    None
+                }
+            };
             let lp = match request.logprobs {
-                Some(_) => logprobs::legacy(&model.replica, &c.tokens, &mut offset),
+                Some(_) => {
+                    let generated = logprobs::legacy(&model.replica, &c.tokens, &mut offset);
+                    echoed.map_or(generated.clone(), |e| logprobs::join_legacy(e, generated))
+                }
                 None => Value::Null,
             };
-            choices.push(json!({
+            let mut choice = json!({
                 "index": p * n as usize + i,
                 "text": format!("{prefix}{}", c.text),
                 "logprobs": lp,
                 "finish_reason": c.finish_reason,
-            }));
+            });
+            if request.prompt_logprobs.is_some() {
+                choice["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &c.prompt_scores);
+            }
+            choices.push(choice);
         }
     }
     let mut reply = base;
@@ -119,13 +139,10 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     let stop = params::stop(&mut f)?;
     let echo = f.bool("echo", false)?;
     let logprobs = params::legacy_logprobs(&mut f)?;
-    if echo && logprobs.is_some() {
-        return Err(ApiError::Combination {
-            param: "logprobs".into(),
-            message: "Setting 'echo' and 'logprobs' at the same time is not supported yet: the workers do not score prompt tokens.".into(),
-        });
-    }
+    let prompt_logprobs = params::prompt_logprobs(&mut f)?;
     sampling.logprobs = logprobs;
+    // Echoed with log-probabilities, the prompt is scored by the worker too.
+    let scored = [logprobs.filter(|_| echo), prompt_logprobs].into_iter().flatten().max();
     let max_tokens = f.integer("max_tokens", Some(0), None)?.unwrap_or(16);
     if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::Unsupported {
@@ -159,9 +176,11 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
             grammar: None,
             prompt_param: "prompt",
             thinking: None,
+            prompt_logprobs: scored,
         },
         echo,
         logprobs,
+        prompt_logprobs,
         stream,
         include_usage,
     })
@@ -225,14 +244,20 @@ async fn stream(
         c
     };
     let mut offsets = vec![0usize; request.prompts.len() * n];
-    if request.echo {
+    // An echo with log-probabilities waits for the prompt's scores, which come with a
+    // completion's first delta; a plain echo goes out at once.
+    let echo_scored = request.echo && request.logprobs.is_some();
+    let mut echoed = vec![!request.echo; request.prompts.len() * n];
+    if request.echo && !echo_scored {
         for (p, prompt) in request.prompts.iter().enumerate() {
             for i in 0..n {
                 offsets[p * n + i] = prompt.text.chars().count();
                 tx.data(&chunk(p * n + i, &prompt.text, Value::Null, None)).await?;
+                echoed[p * n + i] = true;
             }
         }
     }
+    let mut scores: Vec<Vec<pb::PromptToken>> = vec![Vec::new(); request.prompts.len()];
     let mut usage =
         Usage { prompt_tokens: request.prompts.iter().map(|p| p.tokens.len() as u32).sum(), ..Default::default() };
     let mut streams = Vec::new();
@@ -273,6 +298,24 @@ async fn stream(
         };
         let finish = generate::finish_reason(r.finish_reason);
         last_finish = finish.unwrap_or(last_finish);
+        if !r.prompt_logprobs.is_empty() {
+            // One completion of the prompt scored it; each of its choices shows it.
+            scores[p] = r.prompt_logprobs.clone();
+        }
+        if !echoed[index] {
+            echoed[index] = true;
+            let prompt = &request.prompts[p];
+            let lp = logprobs::legacy_prompt(&model.replica, &prompt.tokens, &scores[p], offset);
+            let mut c = chunk(index, &prompt.text, lp, None);
+            if request.prompt_logprobs.is_some() {
+                c["choices"][0]["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores[p]);
+            }
+            tx.data(&c).await?;
+        } else if request.prompt_logprobs.is_some() && !r.prompt_logprobs.is_empty() {
+            let mut c = chunk(index, "", Value::Null, None);
+            c["choices"][0]["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores[p]);
+            tx.data(&c).await?;
+        }
         if !r.text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !r.tokens.is_empty()) {
             let lp = match request.logprobs {
                 Some(_) => logprobs::legacy(&model.replica, &r.tokens, offset),

@@ -25,6 +25,8 @@ pub struct Generation {
     pub prompt_param: &'static str,
     /// When the worker ends the output's reasoning.
     pub thinking: Option<pb::ThinkingBudget>,
+    /// Score the prompt's tokens, with this many alternatives each.
+    pub prompt_logprobs: Option<u32>,
 }
 
 pub struct Output {
@@ -83,6 +85,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         n: g.n,
         grammar,
         thinking: g.thinking,
+        prompt_logprobs: g.prompt_logprobs,
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids);
@@ -197,6 +200,8 @@ pub struct Gathered {
     pub split: Split,
     pub tokens: Vec<pb::GeneratedToken>,
     pub finish_reason: &'static str,
+    /// The prompt's tokens after the first, scored, when the generation asked.
+    pub prompt_scores: Vec<pb::PromptToken>,
 }
 
 impl Gathered {
@@ -238,6 +243,9 @@ pub async fn gather(mut out: Output, n: u32, reading: Reading) -> Result<(Vec<Ga
         let (Some(c), Some(parser)) = (choices.get_mut(i), parsers.get_mut(i)) else {
             return Err(ApiError::Internal(format!("worker sent completion index {}", r.index)));
         };
+        if !r.prompt_logprobs.is_empty() {
+            c.prompt_scores = r.prompt_logprobs;
+        }
         c.text.push_str(&r.text);
         c.split.add(parser.push(&r.text, r.tokens.len() as u32));
         c.tokens.extend(r.tokens);
@@ -248,6 +256,12 @@ pub async fn gather(mut out: Output, n: u32, reading: Reading) -> Result<(Vec<Ga
     for (c, parser) in choices.iter_mut().zip(&mut parsers) {
         c.split.add(parser.finish());
         usage.reasoning_tokens += parser.reasoning_tokens();
+    }
+    // One completion scored the prompt; every choice shows it.
+    if let Some(scores) = choices.iter().map(|c| c.prompt_scores.clone()).find(|s| !s.is_empty()) {
+        for c in &mut choices {
+            c.prompt_scores = scores.clone();
+        }
     }
     Ok((choices, usage))
 }

@@ -3,7 +3,7 @@
 
 use crate::router::Replica;
 use serde_json::{Map, Value, json};
-use tessera_proto::worker::GeneratedToken;
+use tessera_proto::worker::{GeneratedToken, PromptToken};
 
 /// Chat: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}`.
 pub fn chat(replica: &Replica, tokens: &[GeneratedToken]) -> Value {
@@ -38,6 +38,62 @@ pub fn legacy(replica: &Replica, tokens: &[GeneratedToken], offset: &mut usize) 
         *offset += text.chars().count();
     }
     out
+}
+
+/// Legacy completions' four arrays for an echoed prompt (`echo` with `logprobs`): its
+/// tokens from offset 0, the first with a null log-probability and no alternatives,
+/// as OpenAI's API shows them. `scores` are the worker's, for every token after the
+/// first; `offset` ends past the prompt.
+pub fn legacy_prompt(replica: &Replica, prompt: &[u32], scores: &[PromptToken], offset: &mut usize) -> Value {
+    let mut out = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    for (i, &id) in prompt.iter().enumerate() {
+        let text = replica.token_text(id);
+        let score = i.checked_sub(1).and_then(|j| scores.get(j));
+        let (logprob, top) = match score {
+            Some(s) => {
+                let mut top = Map::new();
+                for a in &s.top_logprobs {
+                    top.insert(replica.token_text(a.token_id), json!(a.logprob));
+                }
+                top.entry(text.clone()).or_insert(json!(s.logprob));
+                (json!(s.logprob), Value::Object(top))
+            }
+            None => (Value::Null, Value::Null),
+        };
+        push(&mut out, "tokens", json!(text));
+        push(&mut out, "token_logprobs", logprob);
+        push(&mut out, "top_logprobs", top);
+        push(&mut out, "text_offset", json!(*offset));
+        *offset += text.chars().count();
+    }
+    out
+}
+
+/// The generated tokens' arrays appended to the prompt's.
+pub fn join_legacy(mut prompt: Value, generated: Value) -> Value {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(a), Some(b)) = (prompt[key].as_array_mut(), generated[key].as_array()) {
+            a.extend(b.iter().cloned());
+        }
+    }
+    prompt
+}
+
+/// vLLM's `prompt_logprobs`: null for the first token, then for each token an object
+/// keyed by token id holding it and its top alternatives, each with its log-probability,
+/// its rank (1: the most likely) and its text.
+pub fn vllm_prompt(replica: &Replica, scores: &[PromptToken]) -> Value {
+    let entry = |logprob: f32, rank: u32, id: u32| json!({"logprob": logprob, "rank": rank, "decoded_token": replica.token_text(id)});
+    let mut list = vec![Value::Null];
+    for s in scores {
+        let mut at = Map::new();
+        for (r, a) in s.top_logprobs.iter().enumerate() {
+            at.insert(a.token_id.to_string(), entry(a.logprob, r as u32 + 1, a.token_id));
+        }
+        at.insert(s.token_id.to_string(), entry(s.logprob, s.rank, s.token_id));
+        list.push(Value::Object(at));
+    }
+    Value::Array(list)
 }
 
 fn push(obj: &mut Value, key: &str, v: Value) {

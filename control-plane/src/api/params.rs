@@ -147,6 +147,11 @@ pub fn legacy_logprobs<'a>(f: &mut Fields<'a>) -> Result<Option<u32>, ApiError> 
     Ok(f.integer("logprobs", Some(0), Some(5))?.map(|k| k as u32))
 }
 
+/// vLLM's `prompt_logprobs`: score the prompt's tokens, with this many alternatives.
+pub fn prompt_logprobs<'a>(f: &mut Fields<'a>) -> Result<Option<u32>, ApiError> {
+    Ok(f.integer("prompt_logprobs", Some(0), Some(20))?.map(|k| k as u32))
+}
+
 /// `n`: completions per prompt.
 pub fn n<'a>(f: &mut Fields<'a>) -> Result<u32, ApiError> {
     Ok(f.integer("n", Some(1), Some(128))?.unwrap_or(1) as u32)

@@ -148,6 +148,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             grammar: prepared.grammar,
             prompt_param: "input",
             thinking,
+            prompt_logprobs: None,
         },
         reading: prepared.reading,
         instructions,
