@@ -1,7 +1,9 @@
 //! Constrained decoding's cost: the same greedy requests with and without a JSON
 //! schema, in the same run (each twice, alternating, so drift on a shared machine
 //! falls on both), and the time to compute one step's token mask over the whole
-//! vocabulary, replayed along the constrained outputs.
+//! vocabulary, replayed along the constrained outputs — and along outputs that reason
+//! first under a thinking budget whose forced close the grammar consumes (reasoning up
+//! to `</think>`, then the schema), to show the budget adds nothing to a mask.
 
 use crate::round;
 use anyhow::Result;
@@ -10,7 +12,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Request};
-use tessera_worker::engine::grammar::{GrammarSource, GrammarSpec};
+use tessera_worker::engine::grammar::{Constraint, GrammarSource, GrammarSpec};
+use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::{load, model_cache};
 
 #[derive(clap::Args)]
@@ -83,19 +86,42 @@ pub fn run(args: Args) -> Result<()> {
         outputs = o;
     }
     // One step's mask, along each constrained output.
-    let mut mask_us = Vec::new();
-    let mut logits = vec![0.0f32; vocab];
-    for tokens in &outputs {
-        let c = grammars.matcher(&spec).map_err(anyhow::Error::msg)?;
-        for &t in tokens {
-            let start = Instant::now();
-            c.mask(&mut logits);
-            mask_us.push(start.elapsed().as_secs_f64() * 1e6);
-            c.accept(t);
+    let mask_us = replay(&outputs, || grammars.matcher(&spec).map_err(anyhow::Error::msg), vocab)?;
+    let pct = |p: f64| mask_us.get(((mask_us.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    // The same schema after a reasoning block that a budget of 16 tokens closes.
+    let lark = format!(
+        "start: thought body\nthought[lazy]: /(?s:.*)<\\/think>/\nbody: GAP? json\njson: %json {}\nGAP: /[ \\t\\n]{{1,4}}/\n",
+        schema()
+    );
+    let thinking = GrammarSpec::Lark(lark);
+    let close = engine.tokenizer().encode("\n</think>\n\n").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let budget = ThinkingBudget {
+        inside: true,
+        open: "<think>".into(),
+        close: "</think>".into(),
+        close_tokens: close,
+        budget: 16,
+    };
+    let mut reasoned = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut prompt = p.clone();
+        prompt.extend(engine.tokenizer().encode("<think>\n").map_err(|e| anyhow::anyhow!("{e}"))?);
+        let r = Request {
+            grammar: Some(grammars.matcher(&thinking).map_err(anyhow::Error::msg)?),
+            thinking: Some(budget.clone()),
+            ..Request::greedy(next_id + i as u64, prompt, args.output_tokens)
+        };
+        engine.add_request(r)?;
+    }
+    let mut by_id: HashMap<u64, Vec<u32>> = HashMap::new();
+    while engine.has_work() {
+        for o in engine.step()? {
+            by_id.entry(o.id).or_default().extend(o.token.map(|t| t.token));
         }
     }
-    mask_us.sort_by(f64::total_cmp);
-    let pct = |p: f64| mask_us.get(((mask_us.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    reasoned.extend(by_id.into_values());
+    let budget_us = replay(&reasoned, || grammars.matcher(&thinking).map_err(anyhow::Error::msg), vocab)?;
+    let bpct = |p: f64| budget_us.get(((budget_us.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
     let (free_tps, constrained_tps) = (free.0 as f64 / free.1, constrained.0 as f64 / constrained.1);
     println!(
         "{}",
@@ -104,7 +130,26 @@ pub fn run(args: Args) -> Result<()> {
             "vocab": vocab, "unconstrained_tokens_per_s": round(free_tps), "constrained_tokens_per_s": round(constrained_tps),
             "ratio": round(constrained_tps / free_tps), "mask_steps": mask_us.len(),
             "mask_us_p50": round(pct(0.5)), "mask_us_p99": round(pct(0.99)),
+            "budget_close_mask_steps": budget_us.len(), "budget_close_mask_us_p50": round(bpct(0.5)),
+            "budget_close_mask_us_p99": round(bpct(0.99)),
         })
     );
     Ok(())
+}
+
+/// One step's mask time (µs) at every position of each output, sorted.
+fn replay(outputs: &[Vec<u32>], matcher: impl Fn() -> Result<Constraint>, vocab: usize) -> Result<Vec<f64>> {
+    let mut us = Vec::new();
+    let mut logits = vec![0.0f32; vocab];
+    for tokens in outputs {
+        let c = matcher()?;
+        for &t in tokens {
+            let start = Instant::now();
+            c.mask(&mut logits);
+            us.push(start.elapsed().as_secs_f64() * 1e6);
+            c.accept(t);
+        }
+    }
+    us.sort_by(f64::total_cmp);
+    Ok(us)
 }
