@@ -6,6 +6,7 @@
 pub mod block_hash;
 pub mod chat_template;
 pub mod cluster;
+pub mod text;
 
 /// Largest gRPC message a client of the worker accepts: a ModelCard carries the whole
 /// Hugging Face tokenizer (4.8 MB for Qwen2's 151k-token vocabulary), over tonic's

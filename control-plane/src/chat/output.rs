@@ -11,6 +11,7 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+use tessera_proto::text::partial_suffix;
 
 /// The reasoning markers of a model family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -399,14 +400,6 @@ fn emit(out: &mut Vec<Piece>, piece: Piece) {
     if !matches!(&piece, Piece::Content(t) | Piece::Reasoning(t) if t.is_empty()) {
         out.push(piece);
     }
-}
-
-/// The length of the longest end of `text` that is a proper start of `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 
 use super::sampler::StepRule;
 use std::collections::VecDeque;
+use tessera_proto::text::partial_suffix;
 
 /// How a request's reasoning is watched and ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,14 +144,6 @@ impl Thinking {
             }
         }
     }
-}
-
-/// The length of the longest end of `text` that is a proper start of `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
