@@ -21,6 +21,7 @@ use tessera_kernels::cuda::CudaBackend;
 use tessera_kernels::pick::{Draw, PickRow};
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
+use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
 use tessera_worker::model::{KvCache, Model, SeqInput};
 use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
@@ -179,6 +180,49 @@ fn cpu_engine_on_the_tiny_byte_model_batches_like_solo_runs_and_reuses_prefixes(
     let dir = write_model(&wide(), &mut rng(), &root);
     batching_invariance(|| CpuBackend, &dir);
     prefix_cache(|| CpuBackend, &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// A spent thinking budget forces its close on any backend (the step that forces is
+/// sampled on the host), and a request beside it in the batch gets its solo tokens.
+fn thinking_budget<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
+    let mut e = engine(backend(), dir, 512);
+    let thinking = e.tokenizer().encode("Think about the number 7:").unwrap();
+    let other = e.tokenizer().encode("Fact about the number 9:").unwrap();
+    let close = e.tokenizer().encode("\n</think>\n\n").unwrap();
+    e.add_request(Request::greedy(1, other.clone(), 16)).unwrap();
+    let solo = run_all(&mut e).remove(&1).unwrap().0;
+    let budget = ThinkingBudget {
+        inside: true,
+        open: "<think>".into(),
+        close: "</think>".into(),
+        close_tokens: close.clone(),
+        budget: 5,
+    };
+    // Past its end of sequence too: a random model's end would become the close early.
+    let r = Request { thinking: Some(budget), ignore_eos: true, ..Request::greedy(2, thinking, 16) };
+    e.add_request(r).unwrap();
+    e.add_request(Request::greedy(3, other, 16)).unwrap();
+    let done = run_all(&mut e);
+    assert_eq!(&done[&2].0[5..5 + close.len()], close.as_slice(), "the close right after 5 tokens");
+    assert_eq!(done[&3].0, solo, "the request beside it is unchanged");
+}
+
+#[test]
+fn gpu_thinking_budget_forces_its_close_like_the_cpu() {
+    let Some(g) = gpu() else { return };
+    drop(g);
+    let root = temp_root("thinking");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    thinking_budget(|| CudaBackend::new(0).unwrap(), &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
+    let root = temp_root("thinking-cpu");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    thinking_budget(|| CpuBackend, &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 

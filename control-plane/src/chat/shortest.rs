@@ -6,7 +6,9 @@
 //! `const`, lengths, item counts, bounds, `anyOf`/`oneOf`/`allOf`, local `$ref`s), not
 //! a solver: for a keyword it does not model (a `pattern`, a `format`) it takes the
 //! plain value of the type, which may be shorter than any valid one by a few
-//! characters. That errs towards the request being served.
+//! characters. That errs towards the request being served. A schema it cannot read (an
+//! unknown type, text that is not JSON) has no estimate: the worker's compiler then says
+//! what is wrong with it.
 
 use super::output::ToolFormat;
 use super::tools::{ToolChoice, Tools};
@@ -17,25 +19,28 @@ use tessera_proto::worker::{self as pb, grammar::Kind};
 const MAX_DEPTH: usize = 16;
 
 /// The smallest JSON text valid under `schema` (compact, as the grammar allows).
-pub fn instance(schema: &Value) -> String {
-    smallest(schema, schema, 0).to_string()
+pub fn instance(schema: &Value) -> Option<String> {
+    Some(smallest(schema, schema, 0)?.to_string())
 }
 
 /// The shortest answer the output's grammar admits: one call when tools are forced,
 /// else the format's smallest instance (or a call, if tools may be called and a call
-/// is shorter). None when nothing constrains the output.
+/// is shorter). None when nothing constrains the output, or a schema has no estimate.
 pub fn answer(tools: Option<&Tools>, format: Option<&pb::Grammar>, tool_format: ToolFormat) -> Option<String> {
     let callable = tools.filter(|t| t.callable());
-    let call = callable.map(|t| shortest_call(t, tool_format));
+    let call = match callable {
+        Some(t) => Some(shortest_call(t, tool_format)?),
+        None => None,
+    };
     let forced = callable.is_some_and(|t| matches!(t.choice, ToolChoice::Required | ToolChoice::Named(_)));
     if forced {
         return call;
     }
     let json = match format?.kind.as_ref()? {
-        Kind::JsonSchema(text) => instance(&serde_json::from_str(text).unwrap_or(Value::Bool(true))),
+        Kind::JsonSchema(text) => instance(&serde_json::from_str(text).ok()?)?,
         Kind::JsonObject(_) => "{}".into(),
         // A grammar of the caller's own: no estimate.
-        Kind::Lark(_) => String::new(),
+        Kind::Lark(_) => return None,
     };
     Some(match call {
         Some(c) if c.len() < json.len() => c,
@@ -45,46 +50,44 @@ pub fn answer(tools: Option<&Tools>, format: Option<&pb::Grammar>, tool_format: 
 
 /// One call of the offered function whose smallest call is shortest, in the family's
 /// format.
-fn shortest_call(tools: &Tools, format: ToolFormat) -> String {
-    let body = tools
+fn shortest_call(tools: &Tools, format: ToolFormat) -> Option<String> {
+    let calls = tools
         .list
         .iter()
         .filter(|t| match &tools.choice {
             ToolChoice::Named(n) => &t.name == n,
             _ => true,
         })
-        .map(|t| json!({"name": t.name, "arguments": smallest(&t.parameters, &t.parameters, 0)}).to_string())
-        .min_by_key(String::len)
-        .unwrap_or_default();
-    match format.close() {
+        .map(|t| Some(json!({"name": t.name, "arguments": smallest(&t.parameters, &t.parameters, 0)?}).to_string()))
+        .collect::<Option<Vec<String>>>()?;
+    let body = calls.into_iter().min_by_key(String::len).unwrap_or_default();
+    Some(match format.close() {
         Some(close) => format!("{}\n{body}\n{close}", format.open()),
         None => format!("{}[{body}]", format.open()),
-    }
+    })
 }
 
-fn smallest(schema: &Value, root: &Value, depth: usize) -> Value {
+fn smallest(schema: &Value, root: &Value, depth: usize) -> Option<Value> {
     let Some(s) = schema.as_object() else {
         // `true` (anything) and `false` (nothing): the shortest JSON value.
-        return json!(0);
+        return Some(json!(0));
     };
     if depth > MAX_DEPTH {
-        return Value::Null;
+        return Some(Value::Null);
     }
     if let Some(target) = s.get("$ref").and_then(Value::as_str) {
-        return match resolve(root, target) {
-            Some(t) => smallest(t, root, depth + 1),
-            None => Value::Null,
-        };
+        return smallest(resolve(root, target)?, root, depth + 1);
     }
     if let Some(c) = s.get("const") {
-        return c.clone();
+        return Some(c.clone());
     }
     if let Some(Value::Array(options)) = s.get("enum") {
-        return shortest_of(options.iter().cloned());
+        return Some(shortest_of(options.iter().cloned()));
     }
     for key in ["anyOf", "oneOf"] {
         if let Some(Value::Array(branches)) = s.get(key) {
-            return shortest_of(branches.iter().map(|b| smallest(b, root, depth + 1)));
+            let each = branches.iter().map(|b| smallest(b, root, depth + 1)).collect::<Option<Vec<_>>>()?;
+            return Some(shortest_of(each.into_iter()));
         }
     }
     if let Some(Value::Array(parts)) = s.get("allOf") {
@@ -102,29 +105,32 @@ fn smallest(schema: &Value, root: &Value, depth: usize) -> Value {
         _ if s.contains_key("items") || s.contains_key("prefixItems") => vec!["array"],
         _ => vec!["null"],
     };
-    shortest_of(types.into_iter().map(|t| of_type(t, s, root, depth)))
+    let each = types.into_iter().map(|t| of_type(t, s, root, depth)).collect::<Option<Vec<_>>>()?;
+    Some(shortest_of(each.into_iter()))
 }
 
-fn of_type(t: &str, s: &Map<String, Value>, root: &Value, depth: usize) -> Value {
+/// The smallest value of JSON type `t`; None for a type JSON Schema does not have.
+fn of_type(t: &str, s: &Map<String, Value>, root: &Value, depth: usize) -> Option<Value> {
     let number = |k: &str| s.get(k).and_then(Value::as_f64);
     let count = |k: &str| s.get(k).and_then(Value::as_u64).unwrap_or(0) as usize;
-    match t {
+    Some(match t {
         "object" => {
             let props = s.get("properties").and_then(Value::as_object);
             let required = s.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str);
             let object: Map<String, Value> = required
                 .map(|name| {
                     let sub = props.and_then(|p| p.get(name)).unwrap_or(&Value::Bool(true));
-                    (name.to_string(), smallest(sub, root, depth + 1))
+                    Some((name.to_string(), smallest(sub, root, depth + 1)?))
                 })
-                .collect();
+                .collect::<Option<_>>()?;
             Value::Object(object)
         }
         "array" => {
             let prefix = s.get("prefixItems").and_then(Value::as_array).cloned().unwrap_or_default();
             let items = s.get("items").cloned().unwrap_or(Value::Bool(true));
-            let list =
-                (0..count("minItems")).map(|i| smallest(prefix.get(i).unwrap_or(&items), root, depth + 1)).collect();
+            let list = (0..count("minItems"))
+                .map(|i| smallest(prefix.get(i).unwrap_or(&items), root, depth + 1))
+                .collect::<Option<_>>()?;
             Value::Array(list)
         }
         "string" => Value::String("a".repeat(count("minLength"))),
@@ -139,8 +145,9 @@ fn of_type(t: &str, s: &Map<String, Value>, root: &Value, depth: usize) -> Value
             json!(n as i64)
         }
         "boolean" => json!(true),
-        _ => Value::Null,
-    }
+        "null" => Value::Null,
+        _ => return None,
+    })
 }
 
 /// The value whose JSON text is shortest.
@@ -209,8 +216,11 @@ mod tests {
             (json!({"$ref": "#"}), "null"),
         ];
         for (schema, want) in cases {
-            assert_eq!(instance(&schema), want, "{schema}");
+            assert_eq!(instance(&schema).as_deref(), Some(want), "{schema}");
         }
+        // A schema it cannot read has no estimate (the grammar compiler reports it).
+        assert_eq!(instance(&json!({"type": "frobnicate"})), None);
+        assert_eq!(instance(&json!({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/missing"}]})), None);
     }
 
     fn tools(choice: ToolChoice) -> Tools {
