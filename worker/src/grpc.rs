@@ -123,6 +123,11 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> 
     })
 }
 
+/// A token's most likely alternatives, as the wire has them.
+fn alternatives(top: Vec<(u32, f32)>) -> Vec<pb::TokenLogprob> {
+    top.into_iter().map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob }).collect()
+}
+
 fn to_proto(o: Output) -> pb::GenerateResponse {
     let tokens = o
         .token
@@ -130,11 +135,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         .map(|t| pb::GeneratedToken {
             token_id: t.token,
             logprob: t.logprob,
-            top_logprobs: t
-                .top_logprobs
-                .into_iter()
-                .map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob })
-                .collect(),
+            top_logprobs: alternatives(t.top_logprobs),
         })
         .collect();
     let finish = match o.finish {
@@ -150,7 +151,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
             token_id: p.token,
             logprob: p.logprob,
             rank: p.rank,
-            top_logprobs: p.top.into_iter().map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob }).collect(),
+            top_logprobs: alternatives(p.top),
         })
         .collect();
     pb::GenerateResponse {

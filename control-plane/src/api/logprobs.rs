@@ -3,7 +3,7 @@
 
 use crate::router::Replica;
 use serde_json::{Map, Value, json};
-use tessera_proto::worker::{GeneratedToken, PromptToken};
+use tessera_proto::worker::{GeneratedToken, PromptToken, TokenLogprob};
 
 /// Chat: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}`.
 pub fn chat(replica: &Replica, tokens: &[GeneratedToken]) -> Value {
@@ -25,15 +25,10 @@ pub fn legacy(replica: &Replica, tokens: &[GeneratedToken], offset: &mut usize) 
     let mut out = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
     for t in tokens {
         let text = replica.token_text(t.token_id);
-        let mut top = Map::new();
-        for a in &t.top_logprobs {
-            top.insert(replica.token_text(a.token_id), json!(a.logprob));
-        }
-        // The sampled token is listed even when it is not among the top alternatives.
-        top.entry(text.clone()).or_insert(json!(t.logprob.unwrap_or(0.0)));
+        let logprob = t.logprob.unwrap_or(0.0);
         push(&mut out, "tokens", json!(text));
-        push(&mut out, "token_logprobs", json!(t.logprob.unwrap_or(0.0)));
-        push(&mut out, "top_logprobs", Value::Object(top));
+        push(&mut out, "token_logprobs", json!(logprob));
+        push(&mut out, "top_logprobs", top_by_text(replica, &t.top_logprobs, &text, logprob));
         push(&mut out, "text_offset", json!(*offset));
         *offset += text.chars().count();
     }
@@ -50,14 +45,7 @@ pub fn legacy_prompt(replica: &Replica, prompt: &[u32], scores: &[PromptToken], 
         let text = replica.token_text(id);
         let score = i.checked_sub(1).and_then(|j| scores.get(j));
         let (logprob, top) = match score {
-            Some(s) => {
-                let mut top = Map::new();
-                for a in &s.top_logprobs {
-                    top.insert(replica.token_text(a.token_id), json!(a.logprob));
-                }
-                top.entry(text.clone()).or_insert(json!(s.logprob));
-                (json!(s.logprob), Value::Object(top))
-            }
+            Some(s) => (json!(s.logprob), top_by_text(replica, &s.top_logprobs, &text, s.logprob)),
             None => (Value::Null, Value::Null),
         };
         push(&mut out, "tokens", json!(text));
@@ -94,6 +82,17 @@ pub fn vllm_prompt(replica: &Replica, scores: &[PromptToken]) -> Value {
         list.push(Value::Object(at));
     }
     Value::Array(list)
+}
+
+/// Legacy `top_logprobs` entry: the alternatives by text, the token itself listed even
+/// when it is not among them.
+fn top_by_text(replica: &Replica, top: &[TokenLogprob], text: &str, logprob: f32) -> Value {
+    let mut by_text = Map::new();
+    for a in top {
+        by_text.insert(replica.token_text(a.token_id), json!(a.logprob));
+    }
+    by_text.entry(text.to_string()).or_insert(json!(logprob));
+    Value::Object(by_text)
 }
 
 fn push(obj: &mut Value, key: &str, v: Value) {
