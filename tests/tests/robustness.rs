@@ -26,7 +26,9 @@ try:
 except openai.BadRequestError as e:
     out["oversized"] = {"status": e.status_code, "code": e.code, "param": e.param, "message": e.message}
 out["oversized_secs"] = time.monotonic() - began
-r = c.chat.completions.create(model="vendor-c/model-c", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+# Greedy, and a question whose answer is longer than four tokens: a sampled reply to "Hi" may end sooner.
+r = c.chat.completions.create(model="vendor-c/model-c", max_tokens=4, temperature=0,
+                              messages=[{"role": "user", "content": "Count from one to twenty in words."}])
 out["next"] = {"finish_reason": r.choices[0].finish_reason, "completion_tokens": r.usage.completion_tokens}
 # No max_tokens: the default is what the context leaves.
 r = c.chat.completions.create(model="vendor-c/model-c", messages=long, temperature=0)
