@@ -67,7 +67,13 @@ fn usage(request_id: String, org: &str) -> UsageRecord {
 async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
     let store = Store::open(url).await?;
     let org = store.create_org("bench").await?;
-    let new = NewKey { org_id: &org.id, name: "bench", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let new = NewKey {
+        org_id: &org.id,
+        name: "bench",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
     let (_, secret) = store.create_key(new).await?;
     let ledger = store.ledger();
     ledger.grant(&org.id, 1 << 50, "benchmark").await?;

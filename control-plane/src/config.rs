@@ -171,6 +171,39 @@ pub struct ApiArgs {
     /// `thinking_budget` (a request's own budget comes first); absent: no limit.
     #[arg(long, env = "TESSERA_THINKING_BUDGET")]
     pub thinking_budget: Option<u32>,
+    #[command(flatten)]
+    pub console: ConsoleArgs,
+}
+
+/// The web console's settings (README: The console).
+#[derive(Args, Clone, Debug)]
+pub struct ConsoleArgs {
+    /// The console's address as browsers reach it, which e-mails link to (default: the
+    /// listen address over http).
+    #[arg(long, env = "TESSERA_CONSOLE_URL")]
+    pub console_url: Option<String>,
+    /// Sends e-mail (invites) through this server: smtp://[user:password@]host[:port].
+    /// Without it, messages are written to <data-dir>/outbox/ as .eml files.
+    #[arg(long, env = "TESSERA_SMTP_URL")]
+    pub smtp_url: Option<String>,
+    #[arg(long, env = "TESSERA_SMTP_FROM", default_value = "Tessera <noreply@localhost>")]
+    pub smtp_from: String,
+    /// How long an invite's link works.
+    #[arg(long, env = "TESSERA_INVITE_TTL_DAYS", default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=90))]
+    pub invite_ttl_days: u32,
+    /// A console session ends after this long without a request.
+    #[arg(long, env = "TESSERA_SESSION_IDLE_MINUTES", default_value_t = 120, value_parser = clap::value_parser!(u32).range(1..))]
+    pub session_idle_minutes: u32,
+    /// A console session ends this long after sign-in, however active.
+    #[arg(long, env = "TESSERA_SESSION_MAX_HOURS", default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..))]
+    pub session_max_hours: u32,
+}
+
+impl ConsoleArgs {
+    /// The console URL e-mails and printed links use.
+    pub fn url(&self, listen: &str) -> String {
+        self.console_url.clone().unwrap_or_else(|| format!("http://{listen}")).trim_end_matches('/').to_string()
+    }
 }
 
 #[derive(Subcommand)]
@@ -301,6 +334,20 @@ pub enum UsersCommand {
     /// their plan).
     Create {
         email: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sets a user's console password: read from standard input with
+    /// --password-stdin, else a one-time link (valid 24 hours) is printed for them.
+    SetPassword {
+        email: String,
+        #[arg(long)]
+        password_stdin: bool,
+        /// Where the link points (the console's address).
+        #[arg(long, env = "TESSERA_CONSOLE_URL", default_value = "http://127.0.0.1:8080")]
+        console_url: String,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

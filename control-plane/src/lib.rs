@@ -9,6 +9,7 @@ pub mod catalog;
 pub mod chat;
 pub mod cluster;
 pub mod config;
+pub mod console;
 pub mod limits;
 pub mod metrics;
 pub mod ops;

@@ -51,7 +51,7 @@ pub async fn orgs(cmd: OrgsCommand) -> Result<()> {
 pub async fn keys(cmd: KeysCommand) -> Result<()> {
     match cmd {
         KeysCommand::Create { org, name, billing_mode, fallback_to_credits, store, json } => {
-            let new = NewKey { org_id: &org, name: &name, billing_mode, fallback_to_credits };
+            let new = NewKey { org_id: &org, name: &name, billing_mode, fallback_to_credits, created_by: None };
             let (key, secret) = open(&store).await?.create_key(new).await?;
             let mut value = json!(key);
             value["secret"] = json!(secret);
@@ -153,6 +153,26 @@ pub async fn users(cmd: UsersCommand) -> Result<()> {
             let user = open(&store).await?.create_user(&email).await?;
             let human = format!("created user {} ({}); personal organization {}", user.id, user.email, user.org_id);
             print(json, json!(user), human);
+        }
+        UsersCommand::SetPassword { email, password_stdin, console_url, store, json } => {
+            let store = open(&store).await?;
+            let user = store.find_user(&email).await?;
+            if password_stdin {
+                let mut password = String::new();
+                std::io::stdin().read_line(&mut password)?;
+                let password = password.trim_end_matches(['\r', '\n']);
+                if let Some(problem) = crate::console::password::problem(password, &user.email) {
+                    anyhow::bail!("{problem}");
+                }
+                store.set_password(&user.id, &crate::console::password::hash(password)).await?;
+                print(json, json!({"user": user.id, "password_set": true}), format!("password set for {}", user.email));
+            } else {
+                let purpose = crate::accounts::LinkPurpose::Password { user_id: user.id.clone() };
+                let token = store.create_link(&purpose, 86_400).await?;
+                let link = format!("{}/setup?token={token}", console_url.trim_end_matches('/'));
+                let human = format!("{} can set a password once, within 24 hours, at:\n{link}", user.email);
+                print(json, json!({"user": user.id, "link": link}), human);
+            }
         }
     }
     Ok(())

@@ -25,6 +25,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
     bootstrap(&store, data_dir, config.dev_credit_usd).await?;
+    owner_link(&store, data_dir, &config.api.console.url(&config.api.listen)).await?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
     let binary = workers::worker_binary(config.worker_bin.as_deref());
@@ -46,7 +47,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         pools.insert(weights.clone(), pool.expect("at least one replica"));
     }
     let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
-    serve_api(store, Arc::new(models), None, &config.api).await?;
+    serve_api(store, Arc::new(models), None, &config.api, data_dir).await?;
     drop(local);
     Ok(())
 }
@@ -59,6 +60,7 @@ pub async fn serve_api(
     models: Arc<Models>,
     cluster: Option<crate::cluster::ClusterView>,
     config: &ApiArgs,
+    data_dir: &Path,
 ) -> Result<Arc<AppState>> {
     // Metrics recorded from here on reach GET /metrics.
     if !config.no_metrics {
@@ -97,7 +99,10 @@ pub async fn serve_api(
             stopping.notify_one();
         }
     };
-    let server = axum::serve(listener, api::router(app.clone())).with_graceful_shutdown(signal);
+    let console = console_state(&app.store, config, data_dir, addr)?;
+    let routes = api::router(app.clone()).merge(crate::console::router(console));
+    let server = axum::serve(listener, routes.into_make_service_with_connect_info::<std::net::SocketAddr>())
+        .with_graceful_shutdown(signal);
     tokio::select! {
         r = server => r?,
         _ = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
@@ -123,8 +128,13 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
     if micros > 0 {
         store.ledger().grant(&org.id, micros, "development credit on first start").await?;
     }
-    let new =
-        NewKey { org_id: &org.id, name: "bootstrap", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let new = NewKey {
+        org_id: &org.id,
+        name: "bootstrap",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
     let (key, secret) = store.create_key(new).await?;
     let path = data_dir.join("bootstrap.key");
     // A stale file from an earlier database would keep its old mode: start afresh.
@@ -137,6 +147,56 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
     writeln!(file, "{secret}")?;
     println!("Created organization {} and API key {} ({}); saved to {}:", org.id, key.id, key.name, path.display());
     println!("{secret}");
+    Ok(())
+}
+
+/// The console's state from the command line: its URL (the address listened on unless
+/// --console-url says otherwise), mail, lifetimes.
+fn console_state(
+    store: &Store,
+    config: &ApiArgs,
+    data_dir: &Path,
+    addr: std::net::SocketAddr,
+) -> Result<crate::console::State> {
+    let c = &config.console;
+    let mail = crate::console::mail::Mailer::new(c.smtp_url.as_deref(), &c.smtp_from, data_dir.join("outbox"))?;
+    if c.smtp_url.is_none() {
+        eprintln!("no --smtp-url: console e-mails are written to {}", data_dir.join("outbox").display());
+    }
+    let config = crate::console::ConsoleConfig {
+        console_url: c.url(&addr.to_string()),
+        invite_ttl: i64::from(c.invite_ttl_days) * 86_400,
+        lifetimes: crate::accounts::Lifetimes {
+            idle: i64::from(c.session_idle_minutes) * 60,
+            absolute: i64::from(c.session_max_hours) * 3600,
+        },
+        throttle: Default::default(),
+    };
+    eprintln!("console at {}/", config.console_url);
+    Ok(Arc::new(crate::console::Console { store: store.clone(), mail, config }))
+}
+
+/// While the bootstrap organization has no owner, each start prints a fresh one-time
+/// link (valid 24 hours; earlier ones stop working) that makes its first owner, and
+/// writes it to `<data-dir>/owner-link` (mode 0600).
+async fn owner_link(store: &Store, data_dir: &Path, console_url: &str) -> Result<()> {
+    let Ok(org) = store.find_org("default").await else { return Ok(()) };
+    if store.owner_count(&org.id).await? > 0 {
+        return Ok(());
+    }
+    let purpose = crate::accounts::LinkPurpose::Owner { org_id: org.id.clone() };
+    let token = store.create_link(&purpose, 86_400).await?;
+    let link = format!("{console_url}/setup?token={token}");
+    let path = data_dir.join("owner-link");
+    let _ = std::fs::remove_file(&path);
+    let mut file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)
+    }
+    .with_context(|| format!("writing {}", path.display()))?;
+    writeln!(file, "{link}")?;
+    println!("Open this link once to create the first owner of organization {} (saved to {}):", org.id, path.display());
+    println!("{link}");
     Ok(())
 }
 

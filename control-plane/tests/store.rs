@@ -20,8 +20,13 @@ async fn suite(store: Store) {
     assert!(matches!(store.create_org("  ").await, Err(StoreError::Invalid(_))));
 
     // Subscription billing is for personal accounts only.
-    let sub =
-        |org_id| NewKey { org_id, name: "ci", billing_mode: BillingMode::Subscription, fallback_to_credits: true };
+    let sub = |org_id| NewKey {
+        org_id,
+        name: "ci",
+        billing_mode: BillingMode::Subscription,
+        fallback_to_credits: true,
+        created_by: None,
+    };
     assert!(matches!(store.create_key(sub("acme")).await, Err(StoreError::Invalid(_))));
     let ada = store.create_user("ada@example.com").await.unwrap();
     assert_eq!(store.find_user("ada@example.com").await.unwrap(), ada);
@@ -31,11 +36,22 @@ async fn suite(store: Store) {
     assert!(matches!(store.find_user("bob@example.com").await, Err(StoreError::NoUser(_))));
     let (personal, _) = store.create_key(sub(&ada.org_id)).await.unwrap();
     assert_eq!((personal.billing_mode, personal.fallback_to_credits), (BillingMode::Subscription, true));
-    let credits_with_fallback =
-        NewKey { org_id: "acme", name: "x", billing_mode: BillingMode::Credits, fallback_to_credits: true };
+    let credits_with_fallback = NewKey {
+        org_id: "acme",
+        name: "x",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: true,
+        created_by: None,
+    };
     assert!(matches!(store.create_key(credits_with_fallback).await, Err(StoreError::Invalid(_))));
 
-    let new = NewKey { org_id: "acme", name: "ci", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let new = NewKey {
+        org_id: "acme",
+        name: "ci",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
     let (key, secret) = store.create_key(new).await.unwrap();
     assert!(keys::well_formed(&secret));
     assert_eq!((key.org_id.as_str(), key.billing_mode), (acme.id.as_str(), BillingMode::Credits));
@@ -45,6 +61,7 @@ async fn suite(store: Store) {
             name: "x",
             billing_mode: BillingMode::Credits,
             fallback_to_credits: false,
+            created_by: None,
         })
         .await
         .unwrap();
@@ -91,7 +108,13 @@ async fn the_store_on_postgresql() {
 /// through one is refused by the other on its very next lookup (no cache to go stale).
 async fn revocation_reaches_every_process(a: Store, b: Store) {
     a.create_org("shared").await.unwrap();
-    let new = NewKey { org_id: "shared", name: "k", billing_mode: BillingMode::Credits, fallback_to_credits: false };
+    let new = NewKey {
+        org_id: "shared",
+        name: "k",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
     let (key, secret) = a.create_key(new).await.unwrap();
     assert!(b.authenticate(&secret).await.unwrap().is_some());
     assert!(a.revoke_key(&key.id).await.unwrap());

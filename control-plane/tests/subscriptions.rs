@@ -67,6 +67,7 @@ impl Fixture {
             name: "personal",
             billing_mode: BillingMode::Subscription,
             fallback_to_credits: fallback,
+            created_by: None,
         };
         self.store.create_key(new).await.unwrap().0
     }

@@ -33,6 +33,18 @@ pub fn well_formed(secret: &str) -> bool {
     checksum(body) == check
 }
 
+/// What lists show of a key: the prefix and four characters of its 238 random bits,
+/// enough to tell keys apart and nothing to guess the rest with.
+pub fn prefix(secret: &str) -> &str {
+    secret.get(..PREFIX.len() + 4).unwrap_or(secret)
+}
+
+/// A fresh random token of 256 bits (43 base62 characters) for sessions, invites and
+/// one-time links; only its `hash` is stored.
+pub fn token() -> String {
+    base62(43)
+}
+
 /// The stored form of a secret.
 pub fn hash(secret: &str) -> String {
     hex(&Sha256::digest(secret.as_bytes()))

@@ -82,6 +82,12 @@ pub struct ApiKey {
     pub fallback_to_credits: bool,
     pub created_at: i64,
     pub revoked_at: Option<i64>,
+    /// The secret's first characters (not enough to use it); None for keys made
+    /// before the console.
+    pub prefix: Option<String>,
+    /// The user who made it in the console; None: the operator's CLI.
+    pub created_by: Option<String>,
+    pub last_used_at: Option<i64>,
 }
 
 /// What to create a key with.
@@ -91,17 +97,19 @@ pub struct NewKey<'a> {
     pub name: &'a str,
     pub billing_mode: BillingMode,
     pub fallback_to_credits: bool,
+    /// The console user making it (None: the CLI).
+    pub created_by: Option<&'a str>,
 }
 
 #[derive(Clone)]
 pub struct Store {
-    pool: AnyPool,
+    pub(super) pool: AnyPool,
 }
 
 /// The columns `key_from_row` reads; a macro so queries stay static strings.
 macro_rules! key_columns {
     () => {
-        "id, org_id, name, billing_mode, fallback_to_credits, created_at, revoked_at"
+        "id, org_id, name, billing_mode, fallback_to_credits, created_at, revoked_at, prefix, created_by, last_used_at"
     };
 }
 
@@ -232,9 +240,19 @@ impl Store {
 
     /// Creates a user and their personal organization (named after the address).
     pub async fn create_user(&self, email: &str) -> Result<User, StoreError> {
-        let email = email.trim();
-        let well_formed = email.split_once('@').is_some_and(|(name, host)| !name.is_empty() && host.contains('.'));
-        if !well_formed || email.chars().any(char::is_whitespace) {
+        self.create_user_with_password(email, None).await
+    }
+
+    /// Creates a user (with an argon2id PHC string, or none yet) and their personal
+    /// organization, which they own. Addresses are kept in lower case.
+    pub async fn create_user_with_password(
+        &self,
+        email: &str,
+        password_hash: Option<&str>,
+    ) -> Result<User, StoreError> {
+        let email = normalize_email(email);
+        let email = email.as_str();
+        if !well_formed_email(email) {
             return Err(StoreError::Invalid(format!("{email:?} is not an e-mail address")));
         }
         let taken = sqlx::query("SELECT id FROM users WHERE email = $1").bind(email).fetch_optional(&self.pool).await?;
@@ -251,10 +269,17 @@ impl Store {
             .bind(org.created_at)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("INSERT INTO users (id, email, org_id, created_at) VALUES ($1, $2, $3, $4)")
+        sqlx::query("INSERT INTO users (id, email, org_id, created_at, password_hash) VALUES ($1, $2, $3, $4, $5)")
             .bind(&user.id)
             .bind(&user.email)
             .bind(&user.org_id)
+            .bind(user.created_at)
+            .bind(password_hash)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, 'owner', $3)")
+            .bind(&user.org_id)
+            .bind(&user.id)
             .bind(user.created_at)
             .execute(&mut *tx)
             .await?;
@@ -266,7 +291,7 @@ impl Store {
     pub async fn find_user(&self, id_or_email: &str) -> Result<User, StoreError> {
         let row = sqlx::query("SELECT id, email, org_id, created_at FROM users WHERE id = $1 OR email = $2")
             .bind(id_or_email)
-            .bind(id_or_email)
+            .bind(normalize_email(id_or_email))
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| StoreError::NoUser(id_or_email.to_string()))?;
@@ -301,15 +326,18 @@ impl Store {
         let key = ApiKey {
             id: keys::random_id("key_"),
             org_id: org.id,
-            name: new.name.to_string(),
+            name: new.name.trim().to_string(),
             billing_mode: new.billing_mode,
             fallback_to_credits: new.fallback_to_credits,
             created_at: now(),
             revoked_at: None,
+            prefix: Some(keys::prefix(&secret.secret).to_string()),
+            created_by: new.created_by.map(str::to_string),
+            last_used_at: None,
         };
         sqlx::query(
-            "INSERT INTO api_keys (id, org_id, name, secret_hash, billing_mode, fallback_to_credits, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO api_keys (id, org_id, name, secret_hash, billing_mode, fallback_to_credits, created_at, \
+             prefix, created_by) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(&key.id)
         .bind(&key.org_id)
@@ -318,6 +346,8 @@ impl Store {
         .bind(key.billing_mode.as_str())
         .bind(key.fallback_to_credits as i64)
         .bind(key.created_at)
+        .bind(&key.prefix)
+        .bind(&key.created_by)
         .execute(&self.pool)
         .await?;
         Ok((key, secret.secret))
@@ -368,8 +398,44 @@ impl Store {
         .bind(keys::hash(secret))
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(key_from_row).transpose()
+        let key = row.as_ref().map(key_from_row).transpose()?;
+        if let Some(key) = &key {
+            self.touch_key(key).await?;
+        }
+        Ok(key)
     }
+
+    /// Records that a key was used: at most one write a minute per key, so that the
+    /// API's hot path is not a write per request.
+    async fn touch_key(&self, key: &ApiKey) -> Result<(), StoreError> {
+        let now = now();
+        if key.last_used_at.is_some_and(|at| at > now - 60) {
+            return Ok(());
+        }
+        sqlx::query(
+            "UPDATE api_keys SET last_used_at = $1 WHERE id = $2 AND (last_used_at IS NULL OR last_used_at < $3)",
+        )
+        .bind(now)
+        .bind(&key.id)
+        .bind(now - 60)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}
+
+/// An address with a name, an `@` and a dotted host, no spaces, at most 254 characters.
+pub fn well_formed_email(email: &str) -> bool {
+    email.len() <= 254
+        && !email.chars().any(|c| c.is_whitespace() || c.is_control())
+        && email
+            .split_once('@')
+            .is_some_and(|(name, host)| !name.is_empty() && host.contains('.') && !host.contains('@'))
+}
+
+/// E-mail addresses are compared and kept in lower case.
+pub fn normalize_email(email: &str) -> String {
+    email.trim().to_lowercase()
 }
 
 fn key_from_row(r: &sqlx::any::AnyRow) -> Result<ApiKey, StoreError> {
@@ -381,9 +447,12 @@ fn key_from_row(r: &sqlx::any::AnyRow) -> Result<ApiKey, StoreError> {
         fallback_to_credits: r.try_get::<i64, _>("fallback_to_credits")? != 0,
         created_at: r.try_get("created_at")?,
         revoked_at: r.try_get("revoked_at")?,
+        prefix: r.try_get("prefix")?,
+        created_by: r.try_get("created_by")?,
+        last_used_at: r.try_get("last_used_at")?,
     })
 }
 
-fn now() -> i64 {
+pub fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }

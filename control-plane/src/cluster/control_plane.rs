@@ -45,7 +45,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| (m.id.clone(), m.name.clone()))));
     tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
     let view = ClusterView { table: table.subscribe(), leading: leading_rx };
-    crate::serve::serve_api(store, models, Some(view), &config.api).await?;
+    crate::serve::serve_api(store, models, Some(view), &config.api, &config.store.data_dir).await?;
     Ok(())
 }
 

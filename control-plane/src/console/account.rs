@@ -1,0 +1,71 @@
+//! The signed-in user's own account: changing the password, which ends every session
+//! (this browser gets a new one).
+
+use super::orgs::Flash;
+use super::page::{Frame, Result, render};
+use super::session::{self, Viewer};
+use super::{State, password};
+use askama::Template;
+use axum::Form;
+use axum::extract::{Query, State as Ctx};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use serde::Deserialize;
+
+#[derive(Template)]
+#[template(path = "account.html")]
+struct AccountPage {
+    frame: Frame,
+    email: String,
+    done: Option<String>,
+    error: Option<String>,
+}
+
+async fn show(console: &super::Console, viewer: &Viewer, status: StatusCode, flash: Flash) -> Result<Response> {
+    let page = AccountPage {
+        frame: Frame {
+            title: "Account".into(),
+            nav: Some(viewer.nav(console, None).await?),
+            csrf: viewer.csrf.clone(),
+        },
+        email: viewer.session.user.email.clone(),
+        done: flash.done.map(|_| "Password changed. Every other session has been signed out.".to_string()),
+        error: flash.error,
+    };
+    Ok(render(status, &page))
+}
+
+pub async fn page(Ctx(console): Ctx<State>, viewer: Viewer, Query(flash): Query<Flash>) -> Result<Response> {
+    show(&console, &viewer, StatusCode::OK, Flash { done: flash.done, error: None }).await
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct Change {
+    current: String,
+    password: String,
+    confirm: String,
+}
+
+pub async fn change_password(Ctx(console): Ctx<State>, viewer: Viewer, Form(f): Form<Change>) -> Result<Response> {
+    let refuse = |why: &str| Flash { done: None, error: Some(why.to_string()) };
+    let user = &viewer.session.user;
+    let phc = console.store.user_with_password(&user.email).await?.and_then(|(_, phc)| phc);
+    if !password::verify_off_thread(f.current.clone(), phc).await {
+        return show(&console, &viewer, StatusCode::BAD_REQUEST, refuse("The current password is wrong.")).await;
+    }
+    if let Some(problem) = password::problem(&f.password, &user.email) {
+        return show(&console, &viewer, StatusCode::BAD_REQUEST, refuse(&problem)).await;
+    }
+    if f.password != f.confirm {
+        return show(&console, &viewer, StatusCode::BAD_REQUEST, refuse("The two new passwords differ.")).await;
+    }
+    let hash = password::hash_off_thread(f.password).await;
+    console.store.set_password(&user.id, &hash).await?;
+    let token = console.store.start_session(&user.id).await?;
+    let mut response = Redirect::to("/account?done=1").into_response();
+    response
+        .headers_mut()
+        .append(header::SET_COOKIE, session::session_cookie(&token, console.config.lifetimes.absolute));
+    Ok(response)
+}

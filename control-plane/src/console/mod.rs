@@ -1,0 +1,81 @@
+//! The web console: server-rendered pages for accounts, organizations, members,
+//! invites and API keys, served by the API's own listener at `/`.
+//!
+//! A request's path: `guard` (every POST: same-origin headers and, with a session
+//! cookie, the anti-forgery token) → the page's handler, which takes a `Viewer` (the
+//! signed-in user; signed-out browsers are sent to sign in) and asks `authz::authorize`
+//! before touching an organization → a template → `headers` (CSP and friends).
+//! One module per page or flow; the templates sit beside them.
+
+pub mod account;
+pub mod assets;
+pub mod authz;
+pub mod confirm;
+pub mod invites;
+pub mod keys;
+pub mod mail;
+pub mod members;
+pub mod orgs;
+pub mod page;
+pub mod password;
+pub mod session;
+pub mod setup;
+pub mod signin;
+pub mod signup;
+pub mod throttle;
+
+use crate::accounts::{Lifetimes, Store};
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum::routing::{get, post};
+use std::sync::Arc;
+
+/// The console's settings (`ConsoleArgs` on the command line).
+#[derive(Debug, Clone)]
+pub struct ConsoleConfig {
+    /// What e-mails link to, without a trailing slash.
+    pub console_url: String,
+    /// How long an invite's code works, in seconds.
+    pub invite_ttl: i64,
+    pub lifetimes: Lifetimes,
+    pub throttle: throttle::Limits,
+}
+
+pub struct Console {
+    pub store: Store,
+    pub mail: mail::Mailer,
+    pub config: ConsoleConfig,
+}
+
+pub type State = Arc<Console>;
+
+/// Forms are small; anything larger is refused before it is read.
+const MAX_FORM_BYTES: usize = 64 << 10;
+
+pub fn router(console: State) -> Router {
+    Router::new()
+        .route("/", get(orgs::home))
+        .route("/sign-up", get(signup::form).post(signup::submit))
+        .route("/sign-in", get(signin::form).post(signin::submit))
+        .route("/sign-out", post(signin::sign_out))
+        .route("/account", get(account::page).post(account::change_password))
+        .route("/setup", get(setup::form).post(setup::submit))
+        .route("/accept-invite", get(invites::accept_page).post(invites::accept))
+        .route("/orgs", get(orgs::list).post(orgs::create))
+        .route("/o/{org}", get(orgs::dashboard))
+        .route("/o/{org}/settings", post(orgs::rename))
+        .route("/o/{org}/members", get(members::page))
+        .route("/o/{org}/members/{user}/role", post(members::set_role))
+        .route("/o/{org}/members/{user}/remove", get(members::confirm_remove).post(members::remove))
+        .route("/o/{org}/invites", post(invites::create))
+        .route("/o/{org}/invites/{id}/resend", post(invites::resend))
+        .route("/o/{org}/invites/{id}/cancel", post(invites::cancel))
+        .route("/o/{org}/keys", get(keys::page).post(keys::create))
+        .route("/o/{org}/keys/{id}/revoke", get(keys::confirm_revoke).post(keys::revoke))
+        .route("/assets/{file}", get(assets::serve))
+        .layer(middleware::from_fn(session::guard))
+        .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))
+        .layer(middleware::from_fn(page::headers))
+        .with_state(console)
+}

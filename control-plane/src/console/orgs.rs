@@ -1,0 +1,145 @@
+//! Organizations: the list a user belongs to (and switches between), creating one,
+//! its overview page and its settings.
+
+use super::State;
+use super::authz::{Action, Offers, authorize};
+use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
+use super::session::{MaybeViewer, Viewer};
+use crate::accounts::{Membership, StoreError};
+use askama::Template;
+use axum::Form;
+use axum::extract::{Path, Query, State as Ctx};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
+use serde::Deserialize;
+
+/// `/`: the personal organization of a signed-in user (or their first), else sign in.
+pub async fn home(Ctx(console): Ctx<State>, viewer: MaybeViewer) -> Result<Response> {
+    let Some(viewer) = viewer.0 else { return Ok(Redirect::to("/sign-in").into_response()) };
+    let orgs = console.store.memberships(viewer.user_id()).await?;
+    Ok(match orgs.first() {
+        Some(m) => Redirect::to(&format!("/o/{}", m.org.id)).into_response(),
+        None => Redirect::to("/orgs").into_response(),
+    })
+}
+
+#[derive(Template)]
+#[template(path = "orgs.html")]
+struct OrgsPage {
+    frame: Frame,
+    orgs: Vec<Membership>,
+    error: Option<String>,
+}
+
+pub async fn list(Ctx(console): Ctx<State>, viewer: Viewer) -> Result<Response> {
+    let nav = viewer.nav(&console, None).await?;
+    let orgs = nav.orgs.clone();
+    let frame = Frame { title: "Organizations".into(), nav: Some(nav), csrf: viewer.csrf.clone() };
+    Ok(render(StatusCode::OK, &OrgsPage { frame, orgs, error: None }))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct Named {
+    name: String,
+}
+
+/// Anyone signed in may create an organization; they become its owner.
+pub async fn create(Ctx(console): Ctx<State>, viewer: Viewer, Form(f): Form<Named>) -> Result<Response> {
+    match console.store.create_org_owned_by(&f.name, viewer.user_id()).await {
+        Ok(org) => Ok(Redirect::to(&format!("/o/{}", org.id)).into_response()),
+        Err(StoreError::Invalid(why)) => {
+            let nav = viewer.nav(&console, None).await?;
+            let orgs = nav.orgs.clone();
+            let frame = Frame { title: "Organizations".into(), nav: Some(nav), csrf: viewer.csrf.clone() };
+            Ok(render(StatusCode::BAD_REQUEST, &OrgsPage { frame, orgs, error: Some(why) }))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[derive(Template)]
+#[template(path = "dashboard.html")]
+struct Dashboard {
+    frame: Frame,
+    membership: Membership,
+    offers: Offers,
+    members: usize,
+    active_keys: usize,
+    balance: String,
+    created: String,
+    done: Option<String>,
+    error: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct Flash {
+    pub done: Option<String>,
+    pub error: Option<String>,
+}
+
+pub async fn dashboard(
+    Ctx(console): Ctx<State>,
+    viewer: Viewer,
+    Path(org): Path<String>,
+    Query(flash): Query<Flash>,
+) -> Result<Response> {
+    let membership = authorize(&console, &viewer, &org, Action::View).await?;
+    let members = console.store.members(&org).await?.len();
+    let active_keys = console.store.list_keys(&org).await?.iter().filter(|k| k.revoked_at.is_none()).count();
+    let micros = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
+    let page = Dashboard {
+        frame: Frame {
+            title: membership.org.name.clone(),
+            nav: Some(viewer.nav(&console, Some(&org)).await?),
+            csrf: viewer.csrf.clone(),
+        },
+        offers: Offers::for_role(membership.role),
+        created: when(membership.org.created_at),
+        membership,
+        members,
+        active_keys,
+        balance: usd(micros),
+        done: flash.done,
+        error: flash.error,
+    };
+    Ok(render(StatusCode::OK, &page))
+}
+
+pub async fn rename(
+    Ctx(console): Ctx<State>,
+    viewer: Viewer,
+    Path(org): Path<String>,
+    Form(f): Form<Named>,
+) -> Result<Response> {
+    authorize(&console, &viewer, &org, Action::ManageSettings).await?;
+    let (kind, message) = match console.store.rename_org(&org, &f.name).await {
+        Ok(()) => ("done", "Renamed.".to_string()),
+        Err(StoreError::Invalid(why)) => ("error", why),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(Redirect::to(&format!("/o/{org}?{kind}={}", urlencode(&message))).into_response())
+}
+
+/// Micro-dollars as `$12.345678` trimmed to cents where exact.
+pub fn usd(micros: i64) -> String {
+    let sign = if micros < 0 { "-" } else { "" };
+    let m = micros.unsigned_abs();
+    let (whole, frac) = (m / 1_000_000, m % 1_000_000);
+    if frac % 10_000 == 0 {
+        format!("{sign}${whole}.{:02}", frac / 10_000)
+    } else {
+        format!("{sign}${whole}.{:06}", frac).trim_end_matches('0').to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dollars_read_as_dollars() {
+        assert_eq!(super::usd(100_000_000), "$100.00");
+        assert_eq!(super::usd(1_234_500), "$1.2345");
+        assert_eq!(super::usd(-50_000), "-$0.05");
+    }
+}

@@ -1,0 +1,192 @@
+//! What every page shares: the frame around it (title, navigation, the anti-forgery
+//! token for its forms), the error pages, the security headers, and small formatting.
+
+use crate::accounts::{Membership, StoreError};
+use askama::Template;
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+
+/// The navigation of a signed-in page.
+pub struct Nav {
+    pub email: String,
+    pub orgs: Vec<Membership>,
+    /// The organization the page is about, if any.
+    pub current: Option<String>,
+}
+
+/// Around every page.
+pub struct Frame {
+    pub title: String,
+    pub nav: Option<Nav>,
+    /// The anti-forgery token the page's forms carry ("" without a session cookie).
+    pub csrf: String,
+}
+
+impl Frame {
+    pub fn signed_out(title: &str, csrf: String) -> Self {
+        Self { title: title.to_string(), nav: None, csrf }
+    }
+}
+
+/// Renders a template as an HTML response with `status`.
+pub fn render(status: StatusCode, template: &impl Template) -> Response {
+    match template.render() {
+        Ok(html) => (status, Html(html)).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "console template failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, Html("<h1>Something went wrong</h1>".to_string())).into_response()
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "error.html")]
+struct ErrorPage<'a> {
+    frame: Frame,
+    heading: &'a str,
+    detail: &'a str,
+}
+
+/// Why a console request did not get its page. Each maps once to a status and page.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsoleError {
+    /// Signed out (or the session ended): sign in, then come back to `next`.
+    #[error("sign in first")]
+    SignIn { next: String },
+    /// No such thing, or one the viewer may not know exists (another organization's).
+    #[error("not found")]
+    NotFound,
+    /// A member asking for what only owners may do.
+    #[error("forbidden")]
+    Forbidden,
+    /// A state change without a valid anti-forgery token or from another site.
+    #[error("forgery")]
+    Forgery,
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("too many attempts")]
+    Throttled { retry_after: i64 },
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl IntoResponse for ConsoleError {
+    fn into_response(self) -> Response {
+        let (status, heading, detail) = match &self {
+            Self::SignIn { next } => {
+                return Redirect::to(&format!("/sign-in?next={}", urlencode(next))).into_response();
+            }
+            Self::NotFound => (StatusCode::NOT_FOUND, "Not found", "There is nothing here, or it is not yours to see."),
+            Self::Forbidden => (
+                StatusCode::FORBIDDEN,
+                "Not allowed",
+                "Your role in this organization does not allow this. An owner can do it, or make you one.",
+            ),
+            Self::Forgery => (
+                StatusCode::FORBIDDEN,
+                "This form cannot be accepted",
+                "It came from another site or an old page. Go back, reload the page and try again.",
+            ),
+            Self::BadRequest(why) => (StatusCode::BAD_REQUEST, "That did not work", why.as_str()),
+            Self::Throttled { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "Too many attempts",
+                "Too many sign-in attempts failed. Wait a few minutes and try again.",
+            ),
+            Self::Store(_) | Self::Internal(_) => {
+                tracing::error!(error = %self, "console request failed");
+                (StatusCode::INTERNAL_SERVER_ERROR, "Something went wrong", "Please try again in a moment.")
+            }
+        };
+        let mut response =
+            render(status, &ErrorPage { frame: Frame::signed_out(heading, String::new()), heading, detail });
+        if let Self::Throttled { retry_after } = self {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after.max(1)));
+        }
+        response
+    }
+}
+
+pub type Result<T, E = ConsoleError> = std::result::Result<T, E>;
+
+/// The headers every console response carries: no script but our own files, no
+/// framing, no sniffing, no caching of signed-in pages. A page may set a stricter
+/// Referrer-Policy of its own (the invite page sends none).
+pub async fn headers(request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let h = response.headers_mut();
+    let set = |h: &mut axum::http::HeaderMap, name: header::HeaderName, value: &'static str| {
+        if !h.contains_key(&name) {
+            h.insert(name, HeaderValue::from_static(value));
+        }
+    };
+    set(
+        h,
+        header::CONTENT_SECURITY_POLICY,
+        "default-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
+    );
+    set(h, header::X_CONTENT_TYPE_OPTIONS, "nosniff");
+    set(h, header::REFERRER_POLICY, "same-origin");
+    set(h, header::X_FRAME_OPTIONS, "DENY");
+    set(h, header::HeaderName::from_static("cross-origin-opener-policy"), "same-origin");
+    set(h, header::CACHE_CONTROL, "no-store");
+    response
+}
+
+/// Where to go after signing in: a path on this site, never another site (`//host`,
+/// `/\host` and absolute URLs are dropped).
+pub fn safe_next(next: Option<&str>) -> String {
+    match next {
+        Some(n)
+            if n.starts_with('/')
+                && !n.starts_with("//")
+                && !n.starts_with("/\\")
+                && !n.chars().any(|c| c.is_control() || c == '\\') =>
+        {
+            n.to_string()
+        }
+        _ => "/".to_string(),
+    }
+}
+
+/// Percent-encodes a query value.
+pub fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A Unix time as `2026-11-24 09:40 UTC`.
+pub fn when(secs: i64) -> String {
+    let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = crate::calendar::civil_from_days(days);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", rest / 3600, rest % 3600 / 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_paths_on_this_site_are_followed_after_sign_in() {
+        assert_eq!(safe_next(Some("/o/org_1/keys?x=1")), "/o/org_1/keys?x=1");
+        for bad in ["https://evil.example/", "//evil.example/", "/\\evil.example", "evil", "", "/a\r\nSet-Cookie: x"] {
+            assert_eq!(safe_next(Some(bad)), "/", "{bad:?}");
+        }
+        assert_eq!(safe_next(None), "/");
+    }
+
+    #[test]
+    fn times_read_in_utc() {
+        assert_eq!(when(0), "1970-01-01 00:00 UTC");
+        assert_eq!(when(1_795_513_200), "2026-11-24 09:40 UTC");
+        assert_eq!(urlencode("/o/x?a=b c"), "/o/x%3Fa%3Db%20c");
+    }
+}
