@@ -132,10 +132,12 @@ mod tests {
         let text = std::fs::read_to_string(path).unwrap();
         assert!(text.contains("To: ada@example.com") && text.contains("Subject: Hello"), "{text}");
         assert!(text.contains("http://x/accept"), "{text}");
+        assert!(text.contains("Content-Type: text/plain"), "{text}");
     }
 
-    #[test]
-    fn smtp_urls_are_read_or_refused_clearly() {
+    /// (In a runtime: the SMTP pool starts a task.)
+    #[tokio::test]
+    async fn smtp_urls_are_read_or_refused_clearly() {
         let outbox = PathBuf::from("/nonexistent");
         let from = "Tessera <noreply@localhost>";
         assert!(matches!(Mailer::new(Some("smtp://127.0.0.1:2525"), from, outbox.clone()), Ok(Mailer::Smtp { .. })));
