@@ -105,16 +105,16 @@ pub async fn submit(Ctx(console): Ctx<State>, headers: HeaderMap, Form(f): Form<
     if !console.store.use_link(&f.token).await? {
         return Ok(page(&headers, f.token, None, email, None));
     }
-    let user = match purpose {
+    let (user, next) = match purpose {
         LinkPurpose::Owner { org_id } => {
             let user = console.store.create_user_with_password(&email, Some(&hash)).await?;
             console.store.add_owner(&org_id, &user.id).await?;
-            user
+            (user, format!("/o/{org_id}"))
         }
         LinkPurpose::Password { user_id } => {
             console.store.set_password(&user_id, &hash).await?;
-            console.store.find_user(&user_id).await?
+            (console.store.find_user(&user_id).await?, "/".to_string())
         }
     };
-    signin::begin(&console, &user, "", "/", false).await
+    signin::begin(&console, &user, "", &next, false).await
 }
