@@ -2,6 +2,7 @@
 
 mod api;
 mod billing;
+mod console;
 mod engine;
 mod forward;
 mod gateway;
@@ -29,6 +30,8 @@ enum Command {
     /// Admission and settlement cost per request on SQLite and PostgreSQL, and the
     /// requests one process admits per second with billing on and off.
     Billing(billing::Args),
+    /// The console: argon2id time, and page render times under 50 signed-in users.
+    Console(console::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
     /// Constrained decoding against free decoding, and the token mask's time per step.
@@ -65,6 +68,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
+        Command::Console(args) => console::run(args),
         Command::Billing(args) => billing::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Serve(args) => serve::run(args),

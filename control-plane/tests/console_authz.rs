@@ -351,7 +351,9 @@ async fn sessions_are_new_at_sign_in_and_end_on_the_server() {
     }
     let fresh = set.split(';').next().unwrap().split_once('=').unwrap().1.to_string();
     assert_ne!(fresh, world.token(Owner).unwrap(), "a new token at sign-in");
-    assert!(world.store.session(&fresh, Lifetimes { idle: 60, absolute: 60 }).await.unwrap().is_some());
+    let live = Lifetimes { idle: 60, absolute: 60 };
+    assert!(world.store.session(&fresh, live).await.unwrap().is_some());
+    assert!(world.store.session(world.token(Owner).unwrap(), live).await.unwrap().is_none(), "the old one ended");
 
     // Unknown address and wrong password: the same answer.
     let (a, body_a, _) = world.send(SignedOut, "POST", "/sign-in", "email=nobody%40acme.test&password=whatever1").await;

@@ -8,7 +8,7 @@
 //! refused, and the session cookie's flags.
 //!
 //! With TESSERA_SCREENSHOTS=<folder> it also saves a screenshot of each page there
-//! (`bench/console-screenshots.sh`, for README).
+//! (`scripts/console-screenshots.sh`, for README).
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{Value, json};

@@ -85,7 +85,17 @@ pub async fn submit(
             return Ok(render(StatusCode::UNAUTHORIZED, &page));
         }
     };
+    end_previous(&console, &headers).await?;
     begin(&console, &user, &f.invite_code, &f.next, known).await
+}
+
+/// Ends the session a browser brought to a sign-in or sign-up, so that signing in as
+/// someone else leaves nothing of the previous one alive on the server.
+pub async fn end_previous(console: &super::Console, headers: &HeaderMap) -> Result<()> {
+    if let Some(token) = session::cookie(headers, session::SESSION_COOKIE) {
+        console.store.end_session(token).await?;
+    }
+    Ok(())
 }
 
 /// Signs `user` in: a new session (never one the browser brought along), the device
@@ -114,9 +124,7 @@ pub async fn begin(
 
 /// Ends the session on the server and in the browser.
 pub async fn sign_out(Ctx(console): Ctx<State>, headers: HeaderMap) -> Result<Response> {
-    if let Some(token) = session::cookie(&headers, session::SESSION_COOKIE) {
-        console.store.end_session(token).await?;
-    }
+    end_previous(&console, &headers).await?;
     let mut response = Redirect::to("/sign-in").into_response();
     response.headers_mut().append(header::SET_COOKIE, session::clear_session_cookie());
     Ok(response)

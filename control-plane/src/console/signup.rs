@@ -77,5 +77,6 @@ pub async fn submit(Ctx(console): Ctx<State>, headers: HeaderMap, Form(f): Form<
         }
         Err(e) => return Err(e.into()),
     };
+    signin::end_previous(&console, &headers).await?;
     signin::begin(&console, &user, &f.invite_code, &safe_next(None), false).await
 }

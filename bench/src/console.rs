@@ -1,0 +1,136 @@
+//! The console's costs: argon2id hashing and verifying at the parameters it uses
+//! (m = 19 MiB, t = 2, p = 1; build with --release for the figure that matters), and
+//! page render times — session lookup, authorization, queries and template — with 50
+//! signed-in users asking for their organization's pages at once, against one user
+//! alone. In process, on a SQLite file as `tessera serve` keeps it: no network in
+//! the figure.
+
+use crate::{percentile, round};
+use anyhow::Result;
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Instant;
+use tessera_control_plane::accounts::{BillingMode, Lifetimes, NewKey, Role, Store};
+use tessera_control_plane::console::session::SESSION_COOKIE;
+use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer, password};
+use tower::ServiceExt;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Signed-in users asking at once.
+    #[arg(long, default_value_t = 50)]
+    users: usize,
+    /// Pages each user asks for.
+    #[arg(long, default_value_t = 40)]
+    pages: usize,
+    /// Hashes (and verifications) to time.
+    #[arg(long, default_value_t = 20)]
+    hashes: usize,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let mut hash_ms = Vec::new();
+    let mut verify_ms = Vec::new();
+    for i in 0..args.hashes {
+        let pw = format!("a passphrase for timing number {i}");
+        let began = Instant::now();
+        let phc = password::hash(&pw);
+        hash_ms.push(began.elapsed().as_secs_f64() * 1e3);
+        let began = Instant::now();
+        assert!(password::verify(&pw, Some(&phc)));
+        verify_ms.push(began.elapsed().as_secs_f64() * 1e3);
+    }
+    println!(
+        "{}",
+        json!({"bench": "console_argon2id", "m_kib": 19456, "t": 2, "p": 1, "release": !cfg!(debug_assertions),
+               "hash_p50_ms": round(percentile(&hash_ms, 0.5)), "verify_p50_ms": round(percentile(&verify_ms, 0.5)),
+               "verify_p99_ms": round(percentile(&verify_ms, 0.99))})
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(pages(args))
+}
+
+async fn pages(args: Args) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let store = Store::open(&format!("sqlite://{}", dir.path().join("bench.db").display())).await?;
+    let owner = store.create_user("owner@bench.test").await?;
+    let org = store.create_org_owned_by("Bench Org", &owner.id).await?;
+    for k in 0..20 {
+        let name = format!("key-{k}");
+        let new = NewKey {
+            org_id: &org.id,
+            name: &name,
+            billing_mode: BillingMode::Credits,
+            fallback_to_credits: false,
+            created_by: Some(&owner.id),
+        };
+        store.create_key(new).await?;
+    }
+    let mut tokens = Vec::new();
+    for u in 0..args.users {
+        let user = store.create_user(&format!("user{u}@bench.test")).await?;
+        let (_, code) = store.create_invite(&org.id, &user.email, Role::Member, &owner.id, 3600).await?;
+        store.accept_invite(&code, &user.id).await?;
+        tokens.push(store.start_session(&user.id).await?);
+    }
+    let console = Console {
+        store: store.clone(),
+        mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox"))?,
+        config: ConsoleConfig {
+            console_url: "http://bench.test".into(),
+            invite_ttl: 86_400,
+            lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
+            throttle: Default::default(),
+        },
+    };
+    let router = console::router(Arc::new(console));
+    let paths = [format!("/o/{}/keys", org.id), format!("/o/{}/members", org.id), format!("/o/{}", org.id)];
+
+    let page = |router: axum::Router, token: String, path: String| async move {
+        let request =
+            Request::get(&path).header(header::COOKIE, format!("{SESSION_COOKIE}={token}")).body(Body::empty())?;
+        let began = Instant::now();
+        let response = router.oneshot(request).await?;
+        let status = response.status();
+        axum::body::to_bytes(response.into_body(), 1 << 22).await?;
+        anyhow::ensure!(status == StatusCode::OK, "{path}: {status}");
+        anyhow::Ok(began.elapsed().as_secs_f64() * 1e3)
+    };
+    // Warm: templates, the connection pool, SQLite's page cache.
+    for p in &paths {
+        page(router.clone(), tokens[0].clone(), p.clone()).await?;
+    }
+    let mut alone = Vec::new();
+    for i in 0..args.pages {
+        alone.push(page(router.clone(), tokens[0].clone(), paths[i % paths.len()].clone()).await?);
+    }
+    let began = Instant::now();
+    let mut tasks = Vec::new();
+    for token in tokens.clone() {
+        let (router, paths, pages) = (router.clone(), paths.clone(), args.pages);
+        tasks.push(tokio::spawn(async move {
+            let mut ms = Vec::new();
+            for i in 0..pages {
+                ms.push(page(router.clone(), token.clone(), paths[i % paths.len()].clone()).await?);
+            }
+            anyhow::Ok(ms)
+        }));
+    }
+    let mut together = Vec::new();
+    for t in tasks {
+        together.extend(t.await??);
+    }
+    let secs = began.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        json!({"bench": "console_pages", "users": args.users, "pages": together.len(), "keys_listed": 20,
+               "members": args.users + 1, "alone_p50_ms": round(percentile(&alone, 0.5)),
+               "concurrent_p50_ms": round(percentile(&together, 0.5)),
+               "concurrent_p99_ms": round(percentile(&together, 0.99)),
+               "pages_per_s": round(together.len() as f64 / secs)})
+    );
+    Ok(())
+}
