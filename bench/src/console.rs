@@ -84,6 +84,7 @@ async fn pages(args: Args) -> Result<()> {
             invite_ttl: 86_400,
             lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
             throttle: Default::default(),
+            trust_forwarded_for: false,
         },
     };
     let router = console::router(Arc::new(console));

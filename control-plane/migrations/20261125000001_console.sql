@@ -76,3 +76,12 @@ CREATE TABLE known_devices (
     user_id TEXT NOT NULL REFERENCES users (id),
     created_at BIGINT NOT NULL
 );
+
+-- Facts about this installation: `bootstrap_org` is the organization made on first
+-- start, whose first owner the printed one-time link creates.
+CREATE TABLE settings (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+INSERT INTO settings (name, value)
+    SELECT 'bootstrap_org', id FROM orgs WHERE name = 'default' ORDER BY created_at, id LIMIT 1;

@@ -197,6 +197,10 @@ pub struct ConsoleArgs {
     /// A console session ends this long after sign-in, however active.
     #[arg(long, env = "TESSERA_SESSION_MAX_HOURS", default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..))]
     pub session_max_hours: u32,
+    /// The sign-in throttle reads the client's address from the last X-Forwarded-For
+    /// entry: set it only behind a reverse proxy that appends one.
+    #[arg(long, env = "TESSERA_TRUST_FORWARDED_FOR")]
+    pub trust_forwarded_for: bool,
 }
 
 impl ConsoleArgs {

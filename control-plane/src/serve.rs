@@ -25,7 +25,6 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
     bootstrap(&store, data_dir, config.dev_credit_usd).await?;
-    owner_link(&store, data_dir, &config.api.console.url(&config.api.listen)).await?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
     let binary = workers::worker_binary(config.worker_bin.as_deref());
@@ -100,6 +99,9 @@ pub async fn serve_api(
         }
     };
     let console = console_state(&app.store, config, data_dir, addr)?;
+    if app.cluster.is_none() {
+        owner_link(&app.store, data_dir, &console.config.console_url).await?;
+    }
     let routes = api::router(app.clone()).merge(crate::console::router(console));
     let server = axum::serve(listener, routes.into_make_service_with_connect_info::<std::net::SocketAddr>())
         .with_graceful_shutdown(signal);
@@ -124,6 +126,7 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
         return Ok(());
     }
     let org = store.create_org("default").await?;
+    store.set_setting("bootstrap_org", &org.id).await?;
     let micros = crate::billing::cost::usd_to_micros(dev_credit_usd)?;
     if micros > 0 {
         store.ledger().grant(&org.id, micros, "development credit on first start").await?;
@@ -171,6 +174,7 @@ fn console_state(
             absolute: i64::from(c.session_max_hours) * 3600,
         },
         throttle: Default::default(),
+        trust_forwarded_for: c.trust_forwarded_for,
     };
     eprintln!("console at {}/", config.console_url);
     Ok(Arc::new(crate::console::Console { store: store.clone(), mail, config }))
@@ -180,7 +184,8 @@ fn console_state(
 /// link (valid 24 hours; earlier ones stop working) that makes its first owner, and
 /// writes it to `<data-dir>/owner-link` (mode 0600).
 async fn owner_link(store: &Store, data_dir: &Path, console_url: &str) -> Result<()> {
-    let Ok(org) = store.find_org("default").await else { return Ok(()) };
+    let Some(org) = store.setting("bootstrap_org").await? else { return Ok(()) };
+    let org = store.find_org(&org).await?;
     if store.owner_count(&org.id).await? > 0 {
         return Ok(());
     }

@@ -39,6 +39,10 @@ struct World {
     member: String,
     key: String,
     invite: String,
+    /// Globex's key, invite and owner, which no Acme path may reach.
+    other_key: String,
+    other_invite: String,
+    outsider: String,
     tokens: [(Who, String); 3],
 }
 
@@ -51,7 +55,17 @@ impl World {
         let member = store.create_user_with_password("member@acme.test", Some(&hash)).await.unwrap();
         let outsider = store.create_user_with_password("someone@globex.test", Some(&hash)).await.unwrap();
         let org = store.create_org_owned_by("Acme Secret Projects", &owner.id).await.unwrap();
-        store.create_org_owned_by("Globex", &outsider.id).await.unwrap();
+        let globex = store.create_org_owned_by("Globex", &outsider.id).await.unwrap();
+        let (other_invite, _) =
+            store.create_invite(&globex.id, "x@globex.test", Role::Member, &outsider.id, 3600).await.unwrap();
+        let new = NewKey {
+            org_id: &globex.id,
+            name: "globex-key",
+            billing_mode: BillingMode::Credits,
+            fallback_to_credits: false,
+            created_by: Some(&outsider.id),
+        };
+        let (other_key, _) = store.create_key(new).await.unwrap();
         let (_, code) = store.create_invite(&org.id, "member@acme.test", Role::Member, &owner.id, 60).await.unwrap();
         store.accept_invite(&code, &member.id).await.unwrap();
         let (invite, _) =
@@ -77,6 +91,7 @@ impl World {
                 invite_ttl: 7 * 86_400,
                 lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
                 throttle: Default::default(),
+                trust_forwarded_for: false,
             },
         };
         Self {
@@ -88,6 +103,9 @@ impl World {
             member: member.id,
             key: key.id,
             invite: invite.id,
+            other_key: other_key.id,
+            other_invite: other_invite.id,
+            outsider: outsider.id,
             tokens,
         }
     }
@@ -103,6 +121,9 @@ impl World {
             .replace("{owner}", &self.owner)
             .replace("{key}", &self.key)
             .replace("{invite}", &self.invite)
+            .replace("{other_key}", &self.other_key)
+            .replace("{other_invite}", &self.other_invite)
+            .replace("{outsider}", &self.outsider)
     }
 
     /// A request as the browser of `who` sends it: its cookie, and for a POST the
@@ -175,6 +196,18 @@ const TABLE: &[(&str, &str, &str, [Expect; 4])] = &[
     ),
     ("GET", "/o/{org}/keys/{key}/revoke", "", [Status(200), Status(403), Status(404), To("/sign-in?next=/o/")]),
     ("POST", "/o/{org}/keys/{key}/revoke", "", [To("/o/"), Status(403), Status(404), To("/sign-in")]),
+    // Another organization's things named under this one's path: not found, and untouched.
+    ("GET", "/o/{org}/keys/{other_key}/revoke", "", [Status(404), Status(403), Status(404), To("/sign-in?next=/o/")]),
+    ("POST", "/o/{org}/keys/{other_key}/revoke", "", [Status(404), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{org}/invites/{other_invite}/cancel", "", [Status(404), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{org}/invites/{other_invite}/resend", "", [Status(404), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{org}/members/{outsider}/remove", "", [Status(404), Status(403), Status(404), To("/sign-in")]),
+    (
+        "POST",
+        "/o/{org}/members/{outsider}/role",
+        "role=member",
+        [Status(404), Status(403), Status(404), To("/sign-in")],
+    ),
     // A user's own pages.
     ("GET", "/", "", [To("/o/"), To("/o/"), To("/o/"), To("/sign-in")]),
     ("GET", "/orgs", "", [Status(200), Status(200), Status(200), To("/sign-in?next=/orgs")]),
@@ -243,7 +276,11 @@ async fn every_route_answers_each_role_as_the_table_says() {
                 let revoked = world.store.key(&world.key).await.unwrap().unwrap().revoked_at.is_some();
                 assert_eq!(revoked, *who == Owner, "{who:?} revoking");
             }
-            if *method == "POST" && template.ends_with("/role") {
+            let globex_key = world.store.key(&world.other_key).await.unwrap().unwrap();
+            assert!(globex_key.revoked_at.is_none(), "{method} {template} as {who:?} touched Globex's key");
+            let globex_invites = world.store.invites(&globex_key.org_id).await.unwrap();
+            assert!(globex_invites.iter().all(|i| i.cancelled_at.is_none() && i.expires_at == i.created_at + 3600));
+            if *method == "POST" && template.ends_with("{member}/role") {
                 let role = world.store.membership(&world.member, &world.org).await.unwrap().unwrap().role;
                 assert_eq!(role == Role::Owner, *who == Owner, "{who:?} promoting");
             }

@@ -237,13 +237,17 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?;
         if member.is_none() {
-            sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, $3, $4)")
-                .bind(&org.id)
-                .bind(user_id)
-                .bind(invite.role.as_str())
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
+            // Two invites for one address accepted at once: the second joins nothing new.
+            sqlx::query(
+                "INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (org_id, user_id) DO NOTHING",
+            )
+            .bind(&org.id)
+            .bind(user_id)
+            .bind(invite.role.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         Ok(Acceptance::Joined(org))

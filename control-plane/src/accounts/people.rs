@@ -196,6 +196,23 @@ impl Store {
             .try_get("n")?)
     }
 
+    /// A fact about this installation (`settings` table).
+    pub async fn setting(&self, name: &str) -> Result<Option<String>, StoreError> {
+        let row =
+            sqlx::query("SELECT value FROM settings WHERE name = $1").bind(name).fetch_optional(&self.pool).await?;
+        Ok(row.map(|r| r.try_get("value")).transpose()?)
+    }
+
+    pub async fn set_setting(&self, name: &str, value: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM settings WHERE name = $1").bind(name).execute(&self.pool).await?;
+        sqlx::query("INSERT INTO settings (name, value) VALUES ($1, $2)")
+            .bind(name)
+            .bind(value)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Makes `user_id` an owner of `org_id` (the bootstrap organization's first owner).
     pub async fn add_owner(&self, org_id: &str, user_id: &str) -> Result<(), StoreError> {
         sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, 'owner', $3)")

@@ -2,9 +2,9 @@
 //! (this browser gets a new one).
 
 use super::orgs::Flash;
-use super::page::{Frame, Result, render};
+use super::page::{ConsoleError, Frame, Result, render};
 use super::session::{self, Viewer};
-use super::{State, password};
+use super::{State, password, throttle};
 use askama::Template;
 use axum::Form;
 use axum::extract::{Query, State as Ctx};
@@ -50,6 +50,13 @@ pub struct Change {
 pub async fn change_password(Ctx(console): Ctx<State>, viewer: Viewer, Form(f): Form<Change>) -> Result<Response> {
     let refuse = |why: &str| Flash { done: None, error: Some(why.to_string()) };
     let user = &viewer.session.user;
+    // Each check of the current password costs a hash: a stolen session gets no
+    // unlimited guesses either.
+    if let Some(retry_after) =
+        throttle::check_address(&console.store, console.config.throttle, "password-change", &user.id).await?
+    {
+        return Err(ConsoleError::Throttled { retry_after });
+    }
     let phc = console.store.user_with_password(&user.email).await?.and_then(|(_, phc)| phc);
     if !password::verify_off_thread(f.current.clone(), phc).await {
         return show(&console, &viewer, StatusCode::BAD_REQUEST, refuse("The current password is wrong.")).await;

@@ -22,13 +22,17 @@ pub enum Action {
     ManageKeys,
     /// Rename the organization.
     ManageSettings,
+    /// Buy credits, start and change plans (the console's billing pages).
+    ManageBilling,
 }
 
 /// The rule itself.
 pub fn permits(role: Role, action: Action) -> bool {
     match action {
         Action::View => true,
-        Action::ManageMembers | Action::ManageKeys | Action::ManageSettings => role == Role::Owner,
+        Action::ManageMembers | Action::ManageKeys | Action::ManageSettings | Action::ManageBilling => {
+            role == Role::Owner
+        }
     }
 }
 
@@ -72,7 +76,9 @@ mod tests {
 
     #[test]
     fn owners_manage_and_members_view() {
-        for action in [Action::View, Action::ManageMembers, Action::ManageKeys, Action::ManageSettings] {
+        for action in
+            [Action::View, Action::ManageMembers, Action::ManageKeys, Action::ManageSettings, Action::ManageBilling]
+        {
             assert!(permits(Role::Owner, action), "{action:?}");
             assert_eq!(permits(Role::Member, action), action == Action::View, "{action:?}");
         }

@@ -37,9 +37,14 @@ impl Mailer {
     pub fn new(smtp_url: Option<&str>, from: &str, outbox: PathBuf) -> Result<Self, MailError> {
         let from: Mailbox = from.parse().map_err(|e| MailError::Config(format!("--smtp-from {from:?}: {e}")))?;
         let Some(url) = smtp_url else { return Ok(Self::Outbox { dir: outbox, from }) };
-        let rest = url
-            .strip_prefix("smtp://")
-            .ok_or_else(|| MailError::Config(format!("--smtp-url {url:?}: use smtp://[user:password@]host[:port]")))?;
+        // Errors name the URL without its user and password.
+        let shown = match url.split_once("://") {
+            Some((scheme, rest)) => format!("{scheme}://{}", rest.rsplit_once('@').map_or(rest, |(_, host)| host)),
+            None => url.rsplit_once('@').map_or(url, |(_, host)| host).to_string(),
+        };
+        let rest = url.strip_prefix("smtp://").ok_or_else(|| {
+            MailError::Config(format!("--smtp-url {shown:?}: use smtp://[user:password@]host[:port]"))
+        })?;
         let rest = rest.trim_end_matches('/');
         let (credentials, server) = match rest.rsplit_once('@') {
             Some((user_pass, server)) => {
@@ -55,7 +60,7 @@ impl Mailer {
             None => (server, 25),
         };
         if host.is_empty() {
-            return Err(MailError::Config(format!("--smtp-url {url:?} names no host")));
+            return Err(MailError::Config(format!("--smtp-url {shown:?} names no host")));
         }
         let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(host).port(port);
         if let Some(credentials) = credentials {
@@ -83,14 +88,23 @@ impl Mailer {
                 Ok(Delivery::Sent)
             }
             Self::Outbox { dir, .. } => {
-                tokio::fs::create_dir_all(dir).await?;
                 let name = format!(
                     "{}-{}.eml",
                     crate::accounts::store::now(),
                     crate::accounts::keys::random_id("").get(..12).unwrap_or("0")
                 );
                 let path = dir.join(name);
-                tokio::fs::write(&path, message.formatted()).await?;
+                // Messages carry live invite codes: readable by this user only.
+                let (dir, file, bytes) = (dir.clone(), path.clone(), message.formatted());
+                tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                    use std::io::Write;
+                    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+                    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+                    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file)?;
+                    f.write_all(&bytes)
+                })
+                .await
+                .map_err(std::io::Error::other)??;
                 tracing::info!(path = %path.display(), "no --smtp-url: wrote the e-mail to the outbox");
                 Ok(Delivery::Written(path))
             }
@@ -129,10 +143,12 @@ mod tests {
         else {
             panic!("written")
         };
-        let text = std::fs::read_to_string(path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("To: ada@example.com") && text.contains("Subject: Hello"), "{text}");
         assert!(text.contains("http://x/accept"), "{text}");
         assert!(text.contains("Content-Type: text/plain"), "{text}");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
     }
 
     /// (In a runtime: the SMTP pool starts a task.)
@@ -148,7 +164,9 @@ mod tests {
         for bad in ["smtps://mail.example", "mail.example", "smtp://:25", "smtp://h:port"] {
             assert!(matches!(Mailer::new(Some(bad), from, outbox.clone()), Err(MailError::Config(_))), "{bad}");
         }
-        assert!(matches!(Mailer::new(None, "not an address", outbox), Err(MailError::Config(_))));
+        assert!(matches!(Mailer::new(None, "not an address", outbox.clone()), Err(MailError::Config(_))));
+        let Err(e) = Mailer::new(Some("smtps://user:hunter2@mail.example"), from, outbox) else { panic!("refused") };
+        assert!(!e.to_string().contains("hunter2") && e.to_string().contains("mail.example"), "{e}");
         assert_eq!(percent_decode("a%40b%2"), "a@b%2");
     }
 }

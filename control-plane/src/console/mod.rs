@@ -40,6 +40,8 @@ pub struct ConsoleConfig {
     pub invite_ttl: i64,
     pub lifetimes: Lifetimes,
     pub throttle: throttle::Limits,
+    /// Read the client address from the last `X-Forwarded-For` entry (behind a proxy).
+    pub trust_forwarded_for: bool,
 }
 
 pub struct Console {

@@ -95,7 +95,7 @@ impl IntoResponse for ConsoleError {
             Self::Throttled { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "Too many attempts",
-                "Too many sign-in attempts failed. Wait a few minutes and try again.",
+                "Too many attempts from here. Wait a few minutes and try again.",
             ),
             Self::Store(_) | Self::Internal(_) => {
                 tracing::error!(error = %self, "console request failed");

@@ -60,14 +60,26 @@ pub fn verify(password: &str, phc: Option<&str>) -> bool {
     }
 }
 
-/// `hash` on the blocking pool.
-pub async fn hash_off_thread(password: String) -> String {
-    tokio::task::spawn_blocking(move || hash(&password)).await.expect("hashing does not panic")
+/// At most one hash per core at a time (each takes 19 MiB and a core for tens of
+/// milliseconds): a flood of sign-ins queues here instead of taking the memory and the
+/// blocking pool from the API served beside the console.
+static HASHING: LazyLock<tokio::sync::Semaphore> = LazyLock::new(|| {
+    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get))
+});
+
+async fn off_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    let _permit = HASHING.acquire().await.expect("the semaphore is never closed");
+    tokio::task::spawn_blocking(work).await.expect("argon2 does not panic")
 }
 
-/// `verify` on the blocking pool.
+/// `hash` on the blocking pool, one per core at a time.
+pub async fn hash_off_thread(password: String) -> String {
+    off_thread(move || hash(&password)).await
+}
+
+/// `verify` on the blocking pool, one per core at a time.
 pub async fn verify_off_thread(password: String, phc: Option<String>) -> bool {
-    tokio::task::spawn_blocking(move || verify(&password, phc.as_deref())).await.expect("verifying does not panic")
+    off_thread(move || verify(&password, phc.as_deref())).await
 }
 
 #[cfg(test)]

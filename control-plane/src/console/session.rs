@@ -159,20 +159,33 @@ impl FromRequestParts<State> for MaybeViewer {
     }
 }
 
-/// The client's address, for the sign-in throttle: the peer of the connection (put
-/// the console behind a proxy that is the only peer and this is the proxy: see README).
-pub fn client_address(parts: &Parts) -> String {
+/// The client's address, for the sign-in throttle: the peer of the connection, or,
+/// with `--trust-forwarded-for` (a reverse proxy in front that appends it), the last
+/// `X-Forwarded-For` entry, the one that proxy wrote.
+pub fn client_address(parts: &Parts, trust_forwarded_for: bool) -> String {
+    if trust_forwarded_for
+        && let Some(last) = parts
+            .headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .rfind(|a| !a.is_empty())
+    {
+        return last.to_string();
+    }
     parts.extensions.get::<ConnectInfo<SocketAddr>>().map_or_else(|| "unknown".into(), |c| c.0.ip().to_string())
 }
 
 /// The client address as an extractor.
 pub struct ClientAddress(pub String);
 
-impl<S: Sync> FromRequestParts<S> for ClientAddress {
+impl FromRequestParts<State> for ClientAddress {
     type Rejection = std::convert::Infallible;
 
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(client_address(parts)))
+    async fn from_request_parts(parts: &mut Parts, console: &State) -> Result<Self, Self::Rejection> {
+        Ok(Self(client_address(parts, console.config.trust_forwarded_for)))
     }
 }
 
@@ -213,6 +226,19 @@ mod tests {
         assert_ne!(csrf_token(&a), csrf_token(&b));
         assert!(!keys::hash(&a).contains(&csrf_token(&a)));
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+    }
+
+    #[test]
+    fn the_client_address_is_the_peer_unless_a_trusted_proxy_names_it() {
+        let request = axum::http::Request::builder()
+            .header("x-forwarded-for", "6.6.6.6, 10.0.0.1")
+            .header("x-forwarded-for", "203.0.113.7")
+            .body(())
+            .unwrap();
+        let (mut parts, ()) = request.into_parts();
+        parts.extensions.insert(ConnectInfo(SocketAddr::from(([127, 0, 0, 1], 5000))));
+        assert_eq!(client_address(&parts, false), "127.0.0.1", "a client's own header is not believed");
+        assert_eq!(client_address(&parts, true), "203.0.113.7", "the entry the proxy appended");
     }
 
     #[test]

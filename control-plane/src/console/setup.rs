@@ -107,7 +107,14 @@ pub async fn submit(Ctx(console): Ctx<State>, headers: HeaderMap, Form(f): Form<
     }
     let (user, next) = match purpose {
         LinkPurpose::Owner { org_id } => {
-            let user = console.store.create_user_with_password(&email, Some(&hash)).await?;
+            let user = match console.store.create_user_with_password(&email, Some(&hash)).await {
+                Ok(user) => user,
+                // Taken since the check above: the link is spent; a restart prints another.
+                Err(crate::accounts::StoreError::Invalid(why)) => {
+                    return Ok(page(&headers, f.token, None, email, Some(why)));
+                }
+                Err(e) => return Err(e.into()),
+            };
             console.store.add_owner(&org_id, &user.id).await?;
             (user, format!("/o/{org_id}"))
         }

@@ -1,9 +1,9 @@
 //! Signing up: an e-mail address and a password make an account with a personal
 //! organization it owns. With an invite code, the invite is applied at once.
 
-use super::page::{Frame, Result, render, safe_next};
-use super::session::{self, MaybeViewer};
-use super::{State, password, signin};
+use super::page::{ConsoleError, Frame, Result, render, safe_next};
+use super::session::{self, ClientAddress, MaybeViewer};
+use super::{State, password, signin, throttle};
 use crate::accounts::StoreError;
 use askama::Template;
 use axum::Form;
@@ -50,7 +50,17 @@ pub struct Submitted {
     invite_code: String,
 }
 
-pub async fn submit(Ctx(console): Ctx<State>, headers: HeaderMap, Form(f): Form<Submitted>) -> Result<Response> {
+pub async fn submit(
+    Ctx(console): Ctx<State>,
+    ClientAddress(address): ClientAddress,
+    headers: HeaderMap,
+    Form(f): Form<Submitted>,
+) -> Result<Response> {
+    if let Some(retry_after) =
+        throttle::check_address(&console.store, console.config.throttle, "sign-up", &address).await?
+    {
+        return Err(ConsoleError::Throttled { retry_after });
+    }
     let refuse = |error: String, f: Submitted| {
         let page = SignUp {
             frame: Frame::signed_out("Create an account", session::csrf_for(&headers)),

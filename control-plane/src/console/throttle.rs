@@ -1,10 +1,12 @@
 //! The sign-in throttle: per client address and per account, counted in the database
 //! so that every control plane sees the same numbers.
 //!
-//! A per-account limit that anyone could trip would let an attacker lock the owner
-//! out; so the account's limit spares browsers that have signed in to that account
-//! before (they carry a device cookie), and the address limit stops one client trying
-//! many accounts. Unknown addresses are counted exactly like real ones.
+//! A limit that anyone could trip would let an attacker lock the owner out; so both
+//! limits spare browsers that have signed in to that account before (they carry a
+//! device cookie): an attacker's failures, from one address or from many, slow down
+//! only browsers the account has never used. Unknown addresses are counted exactly like
+//! real ones. Behind a reverse proxy, every client has the proxy's address unless
+//! `--trust-forwarded-for` is given (then the last `X-Forwarded-For` entry counts).
 
 use crate::accounts::{Store, StoreError};
 
@@ -35,14 +37,33 @@ pub async fn check(
     address: &str,
     known_device: bool,
 ) -> Result<Option<i64>, StoreError> {
+    if known_device {
+        return Ok(None);
+    }
     let since = crate::accounts::store::now() - limits.window;
     let [account, address] = scopes(email, address);
-    if store.sign_in_failures(&address, since).await? >= limits.per_address {
+    if store.sign_in_failures(&address, since).await? >= limits.per_address
+        || store.sign_in_failures(&account, since).await? >= limits.per_account
+    {
         return Ok(Some(limits.window));
     }
-    if !known_device && store.sign_in_failures(&account, since).await? >= limits.per_account {
+    Ok(None)
+}
+
+/// Sign-ups and password checks of a signed-in user are counted per address too (each
+/// costs an argon2 hash): None if this one may go ahead, else the seconds to wait.
+pub async fn check_address(
+    store: &Store,
+    limits: Limits,
+    scope: &str,
+    address: &str,
+) -> Result<Option<i64>, StoreError> {
+    let since = crate::accounts::store::now() - limits.window;
+    let scope = format!("{scope}:{address}");
+    if store.sign_in_failures(&scope, since).await? >= limits.per_address {
         return Ok(Some(limits.window));
     }
+    store.record_sign_in_failure(&[scope], since).await?;
     Ok(None)
 }
 
@@ -73,8 +94,10 @@ mod tests {
         for _ in 0..2 {
             failed(&store, limits, "nobody@example.com", "10.0.0.9").await.unwrap();
         }
-        // Five failures from one address stop it, whatever account it tries.
-        assert_eq!(check(&store, limits, "carol@example.com", "10.0.0.9", true).await.unwrap(), Some(900));
+        // Five failures from one address stop it, whatever account it tries, except in a
+        // browser that account has signed in from.
+        assert_eq!(check(&store, limits, "carol@example.com", "10.0.0.9", false).await.unwrap(), Some(900));
+        assert_eq!(check(&store, limits, "carol@example.com", "10.0.0.9", true).await.unwrap(), None);
         assert_eq!(check(&store, limits, "carol@example.com", "10.0.0.2", false).await.unwrap(), None);
     }
 }
