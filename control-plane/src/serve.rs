@@ -87,7 +87,6 @@ pub async fn serve_api(
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
-    eprintln!("tessera listening on http://{addr}/v1");
     let grace = Duration::from_secs(config.shutdown_grace_secs);
     let stopping = Arc::new(tokio::sync::Notify::new());
     let signal = {
@@ -102,6 +101,8 @@ pub async fn serve_api(
     if app.cluster.is_none() {
         owner_link(&app.store, data_dir, &console.config.console_url).await?;
     }
+    // Last before serving: tests and scripts take this line to mean ready.
+    eprintln!("tessera listening on http://{addr}/v1");
     let routes = api::router(app.clone()).merge(crate::console::router(console));
     let server = axum::serve(listener, routes.into_make_service_with_connect_info::<std::net::SocketAddr>())
         .with_graceful_shutdown(signal);
