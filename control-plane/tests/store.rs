@@ -5,7 +5,7 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::{BillingMode, NewKey, Store, StoreError, keys};
+use tessera_control_plane::accounts::{ApiKey, BillingMode, NewKey, Store, StoreError, keys};
 
 async fn suite(store: Store) {
     // Migrations ran: the store is empty and usable.
@@ -74,7 +74,9 @@ async fn suite(store: Store) {
 
     // Listing shows the key and never anything from which to rebuild its secret.
     let listed = store.list_keys(&acme.id).await.unwrap();
-    assert_eq!(listed, vec![key.clone()]);
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].last_used_at.is_some(), "authenticating records the key's use");
+    assert_eq!(ApiKey { last_used_at: None, ..listed[0].clone() }, key);
     assert!(!serde_json::to_string(&listed).unwrap().contains(&secret[4..]));
 
     // Revocation takes effect on the very next lookup.

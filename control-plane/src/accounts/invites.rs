@@ -4,7 +4,7 @@
 //! invited address, before it expires, unless cancelled.
 
 use super::people::{Role, parse_role};
-use super::store::{Store, StoreError, normalize_email, now};
+use super::store::{Store, StoreError, insert_membership, normalize_email, now};
 use super::{Org, keys};
 use serde::Serialize;
 use sqlx::Row;
@@ -231,24 +231,9 @@ impl Store {
             drop(tx);
             return Ok(Acceptance::NotPending(invite.state(now)));
         }
-        let member = sqlx::query("SELECT role FROM memberships WHERE org_id = $1 AND user_id = $2")
-            .bind(&org.id)
-            .bind(user_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if member.is_none() {
-            // Two invites for one address accepted at once: the second joins nothing new.
-            sqlx::query(
-                "INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (org_id, user_id) DO NOTHING",
-            )
-            .bind(&org.id)
-            .bind(user_id)
-            .bind(invite.role.as_str())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
+        // One already in the organization (or joining through a second invite at the
+        // same moment) keeps the role they have.
+        insert_membership(&mut tx, &org.id, user_id, invite.role, now).await?;
         tx.commit().await?;
         Ok(Acceptance::Joined(org))
     }

@@ -2,7 +2,7 @@
 //! organization with an owner always keeps one is enforced here, under a lock on the
 //! organization's row, so that two owners demoting each other at once cannot both win.
 
-use super::store::{Store, StoreError, User, now};
+use super::store::{Store, StoreError, User, insert_membership, insert_org, now};
 use super::{Org, keys};
 use serde::Serialize;
 use sqlx::Row;
@@ -143,18 +143,8 @@ impl Store {
         }
         let org = Org { id: keys::random_id("org_"), name: name.to_string(), created_at: now() };
         let mut tx = self.pool.begin().await?;
-        sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
-            .bind(&org.id)
-            .bind(&org.name)
-            .bind(org.created_at)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, 'owner', $3)")
-            .bind(&org.id)
-            .bind(user_id)
-            .bind(org.created_at)
-            .execute(&mut *tx)
-            .await?;
+        insert_org(&mut tx, &org).await?;
+        insert_membership(&mut tx, &org.id, user_id, Role::Owner, org.created_at).await?;
         tx.commit().await?;
         Ok(org)
     }
@@ -215,13 +205,7 @@ impl Store {
 
     /// Makes `user_id` an owner of `org_id` (the bootstrap organization's first owner).
     pub async fn add_owner(&self, org_id: &str, user_id: &str) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, 'owner', $3)")
-            .bind(org_id)
-            .bind(user_id)
-            .bind(now())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        insert_membership(&mut *self.pool.acquire().await?, org_id, user_id, Role::Owner, now()).await
     }
 
     /// Changes a member's role; refused if it would leave no owner.

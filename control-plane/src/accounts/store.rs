@@ -204,12 +204,7 @@ impl Store {
             return Err(StoreError::Invalid("an organization needs a name".into()));
         }
         let org = Org { id: keys::random_id("org_"), name: name.to_string(), created_at: now() };
-        sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
-            .bind(&org.id)
-            .bind(&org.name)
-            .bind(org.created_at)
-            .execute(&self.pool)
-            .await?;
+        insert_org(&mut *self.pool.acquire().await?, &org).await?;
         Ok(org)
     }
 
@@ -263,12 +258,7 @@ impl Store {
         let user =
             User { id: keys::random_id("user_"), email: email.to_string(), org_id: org.id.clone(), created_at: now() };
         let mut tx = self.pool.begin().await?;
-        sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
-            .bind(&org.id)
-            .bind(&org.name)
-            .bind(org.created_at)
-            .execute(&mut *tx)
-            .await?;
+        insert_org(&mut tx, &org).await?;
         sqlx::query("INSERT INTO users (id, email, org_id, created_at, password_hash) VALUES ($1, $2, $3, $4, $5)")
             .bind(&user.id)
             .bind(&user.email)
@@ -277,12 +267,7 @@ impl Store {
             .bind(password_hash)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, 'owner', $3)")
-            .bind(&user.org_id)
-            .bind(&user.id)
-            .bind(user.created_at)
-            .execute(&mut *tx)
-            .await?;
+        insert_membership(&mut tx, &user.org_id, &user.id, super::Role::Owner, user.created_at).await?;
         tx.commit().await?;
         Ok(user)
     }
@@ -422,6 +407,37 @@ impl Store {
         .await?;
         Ok(())
     }
+}
+
+pub(super) async fn insert_org(conn: &mut sqlx::AnyConnection, org: &Org) -> Result<(), StoreError> {
+    sqlx::query("INSERT INTO orgs (id, name, created_at) VALUES ($1, $2, $3)")
+        .bind(&org.id)
+        .bind(&org.name)
+        .bind(org.created_at)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Adds a member; one who is already in the organization keeps their role.
+pub(super) async fn insert_membership(
+    conn: &mut sqlx::AnyConnection,
+    org_id: &str,
+    user_id: &str,
+    role: super::Role,
+    at: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO memberships (org_id, user_id, role, created_at) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (org_id, user_id) DO NOTHING",
+    )
+    .bind(org_id)
+    .bind(user_id)
+    .bind(role.as_str())
+    .bind(at)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// An address with a name, an `@` and a dotted host, no spaces, at most 254 characters.

@@ -23,11 +23,7 @@ struct AccountPage {
 
 async fn show(console: &super::Console, viewer: &Viewer, status: StatusCode, flash: Flash) -> Result<Response> {
     let page = AccountPage {
-        frame: Frame {
-            title: "Account".into(),
-            nav: Some(viewer.nav(console, None).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(console, "Account", None).await?,
         email: viewer.session.user.email.clone(),
         done: flash.done.map(|_| "Password changed. Every other session has been signed out.".to_string()),
         error: flash.error,

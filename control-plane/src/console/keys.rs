@@ -74,11 +74,7 @@ async fn show(
     let balance = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
     let status = if created.is_some() { StatusCode::CREATED } else { StatusCode::OK };
     let page = KeysPage {
-        frame: Frame {
-            title: format!("API keys · {}", membership.org.name),
-            nav: Some(viewer.nav(console, Some(&org)).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(console, format!("API keys · {}", membership.org.name), Some(&org)).await?,
         offers: Offers::for_role(membership.role),
         membership,
         keys,
@@ -156,11 +152,7 @@ pub async fn confirm_revoke(
     authorize(&console, &viewer, &org, Action::ManageKeys).await?;
     let key = key_of(&console, &org, &id).await?;
     let page = confirm::Confirm {
-        frame: Frame {
-            title: "Revoke key".into(),
-            nav: Some(viewer.nav(&console, Some(&org)).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(&console, "Revoke key", Some(&org)).await?,
         question: format!("Revoke the key {:?}?", key.name),
         detail: "Requests with it are refused from this moment on. This cannot be undone.".into(),
         action: format!("/o/{org}/keys/{id}/revoke"),

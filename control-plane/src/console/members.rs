@@ -89,11 +89,7 @@ pub async fn page(
         Vec::new()
     };
     let page = MembersPage {
-        frame: Frame {
-            title: format!("Members · {}", membership.org.name),
-            nav: Some(viewer.nav(&console, Some(&org)).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(&console, format!("Members · {}", membership.org.name), Some(&org)).await?,
         membership,
         offers,
         members,
@@ -131,11 +127,7 @@ pub async fn confirm_remove(
     let member = console.store.members(&org).await?.into_iter().find(|m| m.user_id == user);
     let member = member.ok_or(ConsoleError::NotFound)?;
     let page = confirm::Confirm {
-        frame: Frame {
-            title: "Remove member".into(),
-            nav: Some(viewer.nav(&console, Some(&org)).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(&console, "Remove member", Some(&org)).await?,
         question: format!("Remove {} from {}?", member.email, membership.org.name),
         detail: "They lose access at once, including to this organization's keys in the console. Keys keep working."
             .into(),

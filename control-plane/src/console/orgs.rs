@@ -1,10 +1,10 @@
 //! Organizations: the list a user belongs to (and switches between), creating one,
 //! its overview page and its settings.
 
-use super::State;
 use super::authz::{Action, Offers, authorize};
 use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
 use super::session::{MaybeViewer, Viewer};
+use super::{Console, State};
 use crate::accounts::{Membership, StoreError};
 use askama::Template;
 use axum::Form;
@@ -32,10 +32,13 @@ struct OrgsPage {
 }
 
 pub async fn list(Ctx(console): Ctx<State>, viewer: Viewer) -> Result<Response> {
-    let nav = viewer.nav(&console, None).await?;
-    let orgs = nav.orgs.clone();
-    let frame = Frame { title: "Organizations".into(), nav: Some(nav), csrf: viewer.csrf.clone() };
-    Ok(render(StatusCode::OK, &OrgsPage { frame, orgs, error: None }))
+    orgs_page(&console, &viewer, StatusCode::OK, None).await
+}
+
+async fn orgs_page(console: &Console, viewer: &Viewer, status: StatusCode, error: Option<String>) -> Result<Response> {
+    let frame = viewer.frame(console, "Organizations", None).await?;
+    let orgs = frame.nav.as_ref().map(|n| n.orgs.clone()).unwrap_or_default();
+    Ok(render(status, &OrgsPage { frame, orgs, error }))
 }
 
 #[derive(Deserialize, Default)]
@@ -48,12 +51,7 @@ pub struct Named {
 pub async fn create(Ctx(console): Ctx<State>, viewer: Viewer, Form(f): Form<Named>) -> Result<Response> {
     match console.store.create_org_owned_by(&f.name, viewer.user_id()).await {
         Ok(org) => Ok(Redirect::to(&format!("/o/{}", org.id)).into_response()),
-        Err(StoreError::Invalid(why)) => {
-            let nav = viewer.nav(&console, None).await?;
-            let orgs = nav.orgs.clone();
-            let frame = Frame { title: "Organizations".into(), nav: Some(nav), csrf: viewer.csrf.clone() };
-            Ok(render(StatusCode::BAD_REQUEST, &OrgsPage { frame, orgs, error: Some(why) }))
-        }
+        Err(StoreError::Invalid(why)) => orgs_page(&console, &viewer, StatusCode::BAD_REQUEST, Some(why)).await,
         Err(e) => Err(e.into()),
     }
 }
@@ -90,11 +88,7 @@ pub async fn dashboard(
     let active_keys = console.store.list_keys(&org).await?.iter().filter(|k| k.revoked_at.is_none()).count();
     let micros = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
     let page = Dashboard {
-        frame: Frame {
-            title: membership.org.name.clone(),
-            nav: Some(viewer.nav(&console, Some(&org)).await?),
-            csrf: viewer.csrf.clone(),
-        },
+        frame: viewer.frame(&console, membership.org.name.clone(), Some(&org)).await?,
         offers: Offers::for_role(membership.role),
         created: when(membership.org.created_at),
         membership,

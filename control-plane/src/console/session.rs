@@ -120,6 +120,20 @@ impl Viewer {
         &self.session.user.id
     }
 
+    /// The frame of a signed-in page titled `title` about `current` (an organization id).
+    pub async fn frame(
+        &self,
+        console: &Console,
+        title: impl Into<String>,
+        current: Option<&str>,
+    ) -> Result<super::page::Frame, ConsoleError> {
+        Ok(super::page::Frame {
+            title: title.into(),
+            nav: Some(self.nav(console, current).await?),
+            csrf: self.csrf.clone(),
+        })
+    }
+
     /// The navigation for a page about `current` (an organization id), if any.
     pub async fn nav(&self, console: &Console, current: Option<&str>) -> Result<Nav, ConsoleError> {
         Ok(Nav {
