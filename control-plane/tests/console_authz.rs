@@ -290,6 +290,17 @@ async fn every_route_answers_each_role_as_the_table_says() {
 }
 
 #[tokio::test]
+async fn notices_are_fixed_sentences_never_text_from_the_address() {
+    let world = World::new().await;
+    let (_, body, _) = world.send(Owner, "GET", &world.path("/o/{org}/keys?done=revoked"), "").await;
+    assert!(body.contains("Key revoked"), "a known code reads as its sentence");
+    let forged = "/o/{org}/keys?done=Your+account+is+suspended.+Call+555&error=Pay+now";
+    let (status, body, _) = world.send(Owner, "GET", &world.path(forged), "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!body.contains("suspended") && !body.contains("Pay now"), "nothing from the address is shown");
+}
+
+#[tokio::test]
 async fn members_do_not_see_owner_controls_nor_invites() {
     let world = World::new().await;
     let (_, keys, _) = world.send(Member, "GET", &world.path("/o/{org}/keys"), "").await;
@@ -467,8 +478,9 @@ async fn a_removed_member_loses_access_on_the_next_request() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(!body.contains("acme-production-key"));
     // The last owner cannot be removed or demoted.
-    let (_, _, h) = world.send(Owner, "POST", &world.path("/o/{org}/members/{owner}/remove"), "").await;
-    assert!(h.get(header::LOCATION).unwrap().to_str().unwrap().contains("error="));
+    let (status, body, _) = world.send(Owner, "POST", &world.path("/o/{org}/members/{owner}/remove"), "").await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(body.contains("keeps at least one owner"), "{body}");
     assert_eq!(world.store.owner_count(&world.org).await.unwrap(), 1);
 }
 

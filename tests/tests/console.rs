@@ -272,7 +272,7 @@ async fn people_and_keys_in_a_real_browser() {
     wait_for(&client, "#confirm").await;
     shots.take(&client, "revoke").await;
     client.find(Locator::Css("#confirm")).await.unwrap().click().await.unwrap();
-    assert!(text(&client, ".done").await.contains("Revoked"));
+    assert!(text(&client, ".done").await.contains("Key revoked"));
     assert_eq!(sdk_call(&serve, &secret), "401");
 
     client.goto(&format!("{site}/account")).await.unwrap();

@@ -4,10 +4,10 @@
 //! used or cancelled, gets a page that says so and applies nothing.
 
 use super::authz::{Action, authorize};
-use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
+use super::page::{ConsoleError, Frame, Result, done, render, urlencode, when};
 use super::session::{self, MaybeViewer, Viewer};
 use super::{Console, State};
-use crate::accounts::{Acceptance, Invite, InviteState, Role, StoreError};
+use crate::accounts::{Acceptance, Invite, InviteState, Membership, Role, StoreError};
 use askama::Template;
 use axum::Form;
 use axum::extract::{Path, Query, State as Ctx};
@@ -33,13 +33,13 @@ pub async fn create(
     let (invite, code) =
         match console.store.create_invite(&org, &f.email, role, viewer.user_id(), console.config.invite_ttl).await {
             Ok(made) => made,
-            Err(StoreError::Invalid(why)) => return Ok(back(&org, "error", &why)),
+            Err(StoreError::Invalid(why)) => return refused(&console, &viewer, membership, why).await,
             Err(e) => return Err(e.into()),
         };
-    Ok(match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
-        Ok(()) => back(&org, "done", &format!("Invited {}.", invite.email)),
-        Err(why) => back(&org, "error", &why),
-    })
+    match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
+        Ok(()) => Ok(done(&format!("/o/{org}/members"), "invited")),
+        Err(why) => refused(&console, &viewer, membership, why).await,
+    }
 }
 
 pub async fn resend(
@@ -51,10 +51,10 @@ pub async fn resend(
     let Some((invite, code)) = console.store.resend_invite(&org, &id, console.config.invite_ttl).await? else {
         return Err(ConsoleError::NotFound);
     };
-    Ok(match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
-        Ok(()) => back(&org, "done", &format!("Sent a new link to {}; the old one no longer works.", invite.email)),
-        Err(why) => back(&org, "error", &why),
-    })
+    match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
+        Ok(()) => Ok(done(&format!("/o/{org}/members"), "resent")),
+        Err(why) => refused(&console, &viewer, membership, why).await,
+    }
 }
 
 pub async fn cancel(
@@ -66,12 +66,12 @@ pub async fn cancel(
     if !console.store.cancel_invite(&org, &id).await? {
         return Err(ConsoleError::NotFound);
     }
-    Ok(back(&org, "done", "Invite cancelled: its link no longer works."))
+    Ok(done(&format!("/o/{org}/members"), "cancelled"))
 }
 
-/// Back to the members page with a message (shown as text, never as markup).
-fn back(org: &str, kind: &str, message: &str) -> Response {
-    Redirect::to(&format!("/o/{org}/members?{kind}={}", urlencode(message))).into_response()
+/// The members page saying why an invite was not made or sent.
+async fn refused(console: &Console, viewer: &Viewer, membership: Membership, why: String) -> Result<Response> {
+    super::members::show(console, viewer, membership, StatusCode::BAD_REQUEST, None, Some(why)).await
 }
 
 /// The invite e-mail: who invited, to what, with which role, until when, and the link.
@@ -185,7 +185,7 @@ pub async fn accept(Ctx(console): Ctx<State>, viewer: Viewer, Form(q): Form<Code
 /// returns where to go: the organization, or the accept page saying why not.
 pub async fn apply_after_sign_in(console: &Console, code: &str, user_id: &str) -> Result<String> {
     Ok(match console.store.accept_invite(code, user_id).await? {
-        Acceptance::Joined(org) => format!("/o/{}?done={}", org.id, urlencode(&format!("Welcome to {}.", org.name))),
+        Acceptance::Joined(org) => format!("/o/{}?done=welcome", org.id),
         Acceptance::Unknown | Acceptance::OtherEmail | Acceptance::NotPending(_) => {
             format!("/accept-invite?invite_code={}", urlencode(code))
         }

@@ -3,8 +3,7 @@
 //! here and with `tessera keys create` are the same rows.
 
 use super::authz::{Action, Offers, authorize};
-use super::orgs::Flash;
-use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
+use super::page::{ConsoleError, Frame, Notice, Result, done, render, when};
 use super::session::Viewer;
 use super::{State, confirm};
 use crate::accounts::{ApiKey, BillingMode, Membership, NewKey, StoreError};
@@ -12,7 +11,7 @@ use askama::Template;
 use axum::Form;
 use axum::extract::{Path, Query, State as Ctx};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::response::Response;
 use serde::Deserialize;
 
 struct KeyRow {
@@ -34,7 +33,7 @@ struct KeysPage {
     /// A key just created: its name and its secret, shown this once.
     created: Option<(String, String)>,
     balance_zero: bool,
-    done: Option<String>,
+    done: Option<&'static str>,
     error: Option<String>,
 }
 
@@ -43,7 +42,8 @@ async fn show(
     viewer: &Viewer,
     membership: Membership,
     created: Option<(String, String)>,
-    flash: Flash,
+    done: Option<&'static str>,
+    error: Option<String>,
 ) -> Result<Response> {
     let org = membership.org.id.clone();
     let members = console.store.members(&org).await?;
@@ -72,7 +72,11 @@ async fn show(
         })
         .collect();
     let balance = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
-    let status = if created.is_some() { StatusCode::CREATED } else { StatusCode::OK };
+    let status = match (&created, &error) {
+        (Some(_), _) => StatusCode::CREATED,
+        (None, Some(_)) => StatusCode::BAD_REQUEST,
+        (None, None) => StatusCode::OK,
+    };
     let page = KeysPage {
         frame: viewer.frame(console, format!("API keys · {}", membership.org.name), Some(&org)).await?,
         offers: Offers::for_role(membership.role),
@@ -80,8 +84,8 @@ async fn show(
         keys,
         created,
         balance_zero: balance <= 0,
-        done: flash.done,
-        error: flash.error,
+        done,
+        error,
     };
     Ok(render(status, &page))
 }
@@ -90,10 +94,10 @@ pub async fn page(
     Ctx(console): Ctx<State>,
     viewer: Viewer,
     Path(org): Path<String>,
-    Query(flash): Query<Flash>,
+    Query(notice): Query<Notice>,
 ) -> Result<Response> {
     let membership = authorize(&console, &viewer, &org, Action::View).await?;
-    show(&console, &viewer, membership, None, flash).await
+    show(&console, &viewer, membership, None, notice.text(), None).await
 }
 
 #[derive(Deserialize, Default)]
@@ -117,10 +121,9 @@ pub async fn create(
         _ => return Err(ConsoleError::BadRequest("Choose credits or subscription.".into())),
     };
     let name = f.name.trim();
-    let flash = |error: String| Flash { done: None, error: Some(error) };
     if name.chars().count() > 100 {
-        return show(&console, &viewer, membership, None, flash("A key's name has at most 100 characters.".into()))
-            .await;
+        let why = "A key's name has at most 100 characters.".to_string();
+        return show(&console, &viewer, membership, None, None, Some(why)).await;
     }
     let new = NewKey {
         org_id: &org,
@@ -130,8 +133,8 @@ pub async fn create(
         created_by: Some(viewer.user_id()),
     };
     match console.store.create_key(new).await {
-        Ok((key, secret)) => show(&console, &viewer, membership, Some((key.name, secret)), Flash::default()).await,
-        Err(StoreError::Invalid(why)) => show(&console, &viewer, membership, None, flash(why)).await,
+        Ok((key, secret)) => show(&console, &viewer, membership, Some((key.name, secret)), None, None).await,
+        Err(StoreError::Invalid(why)) => show(&console, &viewer, membership, None, None, Some(why)).await,
         Err(e) => Err(e.into()),
     }
 }
@@ -170,6 +173,5 @@ pub async fn revoke(
     authorize(&console, &viewer, &org, Action::ManageKeys).await?;
     let key = key_of(&console, &org, &id).await?;
     console.store.revoke_key(&key.id).await?;
-    let done = format!("Revoked {:?}.", key.name);
-    Ok(Redirect::to(&format!("/o/{org}/keys?done={}", urlencode(&done))).into_response())
+    Ok(done(&format!("/o/{org}/keys"), "revoked"))
 }

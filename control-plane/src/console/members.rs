@@ -2,16 +2,15 @@
 //! invite, change roles and remove. The last owner can be neither demoted nor removed.
 
 use super::authz::{Action, Offers, authorize};
-use super::orgs::Flash;
-use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
+use super::page::{ConsoleError, Frame, Notice, Result, done, render, when};
 use super::session::Viewer;
-use super::{State, confirm};
+use super::{Console, State, confirm};
 use crate::accounts::{Member, MemberChange, Membership, Role};
 use askama::Template;
 use axum::Form;
 use axum::extract::{Path, Query, State as Ctx};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::response::Response;
 use serde::Deserialize;
 
 struct InviteRow {
@@ -40,7 +39,7 @@ struct MembersPage {
     members: Vec<MemberRow>,
     invites: Vec<InviteRow>,
     invite_days: i64,
-    done: Option<String>,
+    done: Option<&'static str>,
     error: Option<String>,
 }
 
@@ -48,9 +47,22 @@ pub async fn page(
     Ctx(console): Ctx<State>,
     viewer: Viewer,
     Path(org): Path<String>,
-    Query(flash): Query<Flash>,
+    Query(notice): Query<Notice>,
 ) -> Result<Response> {
     let membership = authorize(&console, &viewer, &org, Action::View).await?;
+    show(&console, &viewer, membership, StatusCode::OK, notice.text(), None).await
+}
+
+/// The members page, with what an action just did or why it did not.
+pub async fn show(
+    console: &Console,
+    viewer: &Viewer,
+    membership: Membership,
+    status: StatusCode,
+    done: Option<&'static str>,
+    error: Option<String>,
+) -> Result<Response> {
+    let org = membership.org.id.clone();
     let offers = Offers::for_role(membership.role);
     let now = crate::accounts::store::now();
     let members = console
@@ -89,16 +101,16 @@ pub async fn page(
         Vec::new()
     };
     let page = MembersPage {
-        frame: viewer.frame(&console, format!("Members · {}", membership.org.name), Some(&org)).await?,
+        frame: viewer.frame(console, format!("Members · {}", membership.org.name), Some(&org)).await?,
         membership,
         offers,
         members,
         invites,
         invite_days: console.config.invite_ttl / 86_400,
-        done: flash.done,
-        error: flash.error,
+        done,
+        error,
     };
-    Ok(render(StatusCode::OK, &page))
+    Ok(render(status, &page))
 }
 
 #[derive(Deserialize, Default)]
@@ -113,9 +125,10 @@ pub async fn set_role(
     Path((org, user)): Path<(String, String)>,
     Form(f): Form<NewRole>,
 ) -> Result<Response> {
-    authorize(&console, &viewer, &org, Action::ManageMembers).await?;
+    let membership = authorize(&console, &viewer, &org, Action::ManageMembers).await?;
     let role = Role::parse(&f.role).ok_or_else(|| ConsoleError::BadRequest("Choose owner or member.".into()))?;
-    outcome(&org, console.store.set_role(&org, &user, role).await?, "Role changed.")
+    let change = console.store.set_role(&org, &user, role).await?;
+    outcome(&console, &viewer, membership, change, "role").await
 }
 
 pub async fn confirm_remove(
@@ -143,17 +156,24 @@ pub async fn remove(
     viewer: Viewer,
     Path((org, user)): Path<(String, String)>,
 ) -> Result<Response> {
-    authorize(&console, &viewer, &org, Action::ManageMembers).await?;
-    outcome(&org, console.store.remove_member(&org, &user).await?, "Member removed.")
+    let membership = authorize(&console, &viewer, &org, Action::ManageMembers).await?;
+    let change = console.store.remove_member(&org, &user).await?;
+    outcome(&console, &viewer, membership, change, "removed").await
 }
 
-fn outcome(org: &str, change: MemberChange, done: &str) -> Result<Response> {
-    let (kind, message) = match change {
-        MemberChange::Done => ("done", done),
-        MemberChange::NotAMember => return Err(ConsoleError::NotFound),
+async fn outcome(
+    console: &Console,
+    viewer: &Viewer,
+    membership: Membership,
+    change: MemberChange,
+    code: &str,
+) -> Result<Response> {
+    match change {
+        MemberChange::Done => Ok(done(&format!("/o/{}/members", membership.org.id), code)),
+        MemberChange::NotAMember => Err(ConsoleError::NotFound),
         MemberChange::LastOwner => {
-            ("error", "An organization keeps at least one owner: make someone else owner first.")
+            let why = "An organization keeps at least one owner: make someone else owner first.".to_string();
+            show(console, viewer, membership, StatusCode::CONFLICT, None, Some(why)).await
         }
-    };
-    Ok(Redirect::to(&format!("/o/{org}/members?{kind}={}", urlencode(message))).into_response())
+    }
 }

@@ -2,7 +2,7 @@
 //! its overview page and its settings.
 
 use super::authz::{Action, Offers, authorize};
-use super::page::{ConsoleError, Frame, Result, render, urlencode, when};
+use super::page::{ConsoleError, Frame, Notice, Result, done, render, when};
 use super::session::{MaybeViewer, Viewer};
 use super::{Console, State};
 use crate::accounts::{Membership, StoreError};
@@ -66,39 +66,44 @@ struct Dashboard {
     active_keys: usize,
     balance: String,
     created: String,
-    done: Option<String>,
+    done: Option<&'static str>,
     error: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-pub struct Flash {
-    pub done: Option<String>,
-    pub error: Option<String>,
 }
 
 pub async fn dashboard(
     Ctx(console): Ctx<State>,
     viewer: Viewer,
     Path(org): Path<String>,
-    Query(flash): Query<Flash>,
+    Query(notice): Query<Notice>,
 ) -> Result<Response> {
     let membership = authorize(&console, &viewer, &org, Action::View).await?;
+    show_dashboard(&console, &viewer, membership, StatusCode::OK, notice.text(), None).await
+}
+
+async fn show_dashboard(
+    console: &Console,
+    viewer: &Viewer,
+    membership: Membership,
+    status: StatusCode,
+    done: Option<&'static str>,
+    error: Option<String>,
+) -> Result<Response> {
+    let org = membership.org.id.clone();
     let members = console.store.members(&org).await?.len();
     let active_keys = console.store.list_keys(&org).await?.iter().filter(|k| k.revoked_at.is_none()).count();
     let micros = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
     let page = Dashboard {
-        frame: viewer.frame(&console, membership.org.name.clone(), Some(&org)).await?,
+        frame: viewer.frame(console, membership.org.name.clone(), Some(&org)).await?,
         offers: Offers::for_role(membership.role),
         created: when(membership.org.created_at),
         membership,
         members,
         active_keys,
         balance: usd(micros),
-        done: flash.done,
-        error: flash.error,
+        done,
+        error,
     };
-    Ok(render(StatusCode::OK, &page))
+    Ok(render(status, &page))
 }
 
 pub async fn rename(
@@ -107,13 +112,14 @@ pub async fn rename(
     Path(org): Path<String>,
     Form(f): Form<Named>,
 ) -> Result<Response> {
-    authorize(&console, &viewer, &org, Action::ManageSettings).await?;
-    let (kind, message) = match console.store.rename_org(&org, &f.name).await {
-        Ok(()) => ("done", "Renamed.".to_string()),
-        Err(StoreError::Invalid(why)) => ("error", why),
-        Err(e) => return Err(e.into()),
-    };
-    Ok(Redirect::to(&format!("/o/{org}?{kind}={}", urlencode(&message))).into_response())
+    let membership = authorize(&console, &viewer, &org, Action::ManageSettings).await?;
+    match console.store.rename_org(&org, &f.name).await {
+        Ok(()) => Ok(done(&format!("/o/{org}"), "renamed")),
+        Err(StoreError::Invalid(why)) => {
+            show_dashboard(&console, &viewer, membership, StatusCode::BAD_REQUEST, None, Some(why)).await
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Micro-dollars as `$12.345678` trimmed to cents where exact.

@@ -137,6 +137,37 @@ pub async fn headers(request: Request, next: Next) -> Response {
     response
 }
 
+/// What a page says after an action redirected to it: a code in the address, read as
+/// one of these fixed sentences (never text from the address itself, which anyone can
+/// put in a link). Errors are rendered by the action's own answer instead.
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+pub struct Notice {
+    done: Option<String>,
+}
+
+impl Notice {
+    pub fn text(&self) -> Option<&'static str> {
+        Some(match self.done.as_deref()? {
+            "invited" => "Invite sent.",
+            "resent" => "A new link was sent; the old one no longer works.",
+            "cancelled" => "Invite cancelled: its link no longer works.",
+            "renamed" => "Renamed.",
+            "role" => "Role changed.",
+            "removed" => "Member removed.",
+            "revoked" => "Key revoked: requests with it are refused from now on.",
+            "welcome" => "Welcome: you have joined this organization.",
+            "password" => "Password changed. Every other session has been signed out.",
+            _ => return None,
+        })
+    }
+}
+
+/// A redirect to `path` that says `done` there (one of `Notice`'s codes).
+pub fn done(path: &str, code: &str) -> Response {
+    Redirect::to(&format!("{path}?done={code}")).into_response()
+}
+
 /// Where to go after signing in: a path on this site, never another site (`//host`,
 /// `/\host` and absolute URLs are dropped).
 pub fn safe_next(next: Option<&str>) -> String {
