@@ -5,7 +5,8 @@
 //! the delivered message, the invitee joining through it as a member who sees no key
 //! controls and whose forged POST is refused, the owner's key used by the `openai`
 //! SDK and then revoked (the next call is a 401), forms without the right token
-//! refused, and the session cookie's flags.
+//! refused, the session cookie's flags, and CLI-made accounts signing in once
+//! `tessera users set-password` has given them a password.
 //!
 //! With TESSERA_SCREENSHOTS=<folder> it also saves a screenshot of each page there
 //! (`scripts/console-screenshots.sh`, for README).
@@ -278,5 +279,38 @@ async fn people_and_keys_in_a_real_browser() {
     client.goto(&format!("{site}/account")).await.unwrap();
     wait_for(&client, "#password-form").await;
     shots.take(&client, "account").await;
+
+    // Accounts made by the operator's CLI sign in once a password is set: through the
+    // one-time link `tessera users set-password` prints, or from standard input.
+    let cli = |args: &[&str], stdin: Option<&str>| {
+        use std::io::Write;
+        let mut child = Command::new(binary("tessera-control-plane", "tessera"))
+            .args(args)
+            .arg("--data-dir")
+            .arg(data.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    cli(&["users", "create", "carl@acme.test"], None);
+    let printed = cli(&["users", "set-password", "carl@acme.test", "--console-url", &site], None);
+    let link = printed.lines().find(|l| l.starts_with(&format!("{site}/setup?token="))).expect("a link");
+    client.find(Locator::Css("#sign-out")).await.unwrap().click().await.unwrap();
+    wait_for(&client, "#sign-in-form").await;
+    client.goto(link).await.unwrap();
+    submit(&client, "#setup-form", &[("password", PASSWORD), ("confirm", PASSWORD)], "#org-name").await;
+    assert_eq!(text(&client, "#org-name").await, "carl@acme.test", "signed in to the personal organization");
+    cli(&["users", "create", "dan@acme.test"], None);
+    cli(&["users", "set-password", "dan@acme.test", "--password-stdin"], Some(&format!("{PASSWORD}\n")));
+    client.find(Locator::Css("#sign-out")).await.unwrap().click().await.unwrap();
+    wait_for(&client, "#sign-in-form").await;
+    submit(&client, "#sign-in-form", &[("email", "dan@acme.test"), ("password", PASSWORD)], "#org-name").await;
+    assert_eq!(text(&client, "#org-name").await, "dan@acme.test");
     client.close().await.unwrap();
 }
