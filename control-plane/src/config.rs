@@ -13,7 +13,7 @@ pub struct Cli {
     pub command: Command,
     /// Log lines as text, or as JSON objects (one per line, with the request's id in
     /// every line of a request). The level is RUST_LOG's (default: warnings, and each
-    /// API request answered).
+    /// API request answered, and where console e-mail went).
     #[arg(long, global = true, value_enum, env = "TESSERA_LOG_FORMAT", default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }

@@ -8,7 +8,7 @@ use tessera_control_plane::{cluster, ops, serve};
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| "warn,tessera_control_plane::api=info".into());
+        .unwrap_or_else(|_| "warn,tessera_control_plane::api=info,tessera_control_plane::console=info".into());
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => logs.init(),
