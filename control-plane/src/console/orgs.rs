@@ -122,16 +122,12 @@ pub async fn rename(
     }
 }
 
-/// Micro-dollars as `$12.345678` trimmed to cents where exact.
+/// Micro-dollars as billing writes them (`cost::usd`), trimmed of trailing zeros down
+/// to cents: `$100.00`, `$1.2345`.
 pub fn usd(micros: i64) -> String {
-    let sign = if micros < 0 { "-" } else { "" };
-    let m = micros.unsigned_abs();
-    let (whole, frac) = (m / 1_000_000, m % 1_000_000);
-    if frac % 10_000 == 0 {
-        format!("{sign}${whole}.{:02}", frac / 10_000)
-    } else {
-        format!("{sign}${whole}.{:06}", frac).trim_end_matches('0').to_string()
-    }
+    let full = crate::billing::cost::usd(micros);
+    let (whole, frac) = full.split_once('.').expect("cost::usd always has a point");
+    format!("{whole}.{:0<2}", frac.trim_end_matches('0'))
 }
 
 #[cfg(test)]
