@@ -97,7 +97,7 @@ pub async fn serve_api(
             stopping.notify_one();
         }
     };
-    let console = console_state(&app.store, config, data_dir, addr)?;
+    let console = console_state(&app, config, data_dir, addr)?;
     if app.cluster.is_none() {
         owner_link(&app.store, data_dir, &console.config.console_url).await?;
     }
@@ -157,7 +157,7 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
 /// The console's state from the command line: its URL (the address listened on unless
 /// --console-url says otherwise), mail, lifetimes.
 fn console_state(
-    store: &Store,
+    app: &Arc<AppState>,
     config: &ApiArgs,
     data_dir: &Path,
     addr: std::net::SocketAddr,
@@ -178,7 +178,13 @@ fn console_state(
         trust_forwarded_for: c.trust_forwarded_for,
     };
     eprintln!("console at {}/", config.console_url);
-    Ok(Arc::new(crate::console::Console { store: store.clone(), mail, config }))
+    Ok(Arc::new(crate::console::Console {
+        store: app.store.clone(),
+        billing: app.billing.clone(),
+        mail,
+        config,
+        api: Some(app.clone()),
+    }))
 }
 
 /// While the bootstrap organization has no owner, each start prints a fresh one-time

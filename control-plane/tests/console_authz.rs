@@ -12,8 +12,11 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use std::sync::Arc;
 use tessera_control_plane::accounts::{BillingMode, Lifetimes, NewKey, Role, Store};
+use tessera_control_plane::billing::payments::DevProcessor;
+use tessera_control_plane::billing::plans::Plan;
 use tessera_control_plane::console::session::{SESSION_COOKIE, csrf_token};
 use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer, password};
+use tessera_control_plane::limits::now_us;
 use tower::ServiceExt;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +46,8 @@ struct World {
     other_key: String,
     other_invite: String,
     outsider: String,
+    /// The owner's personal organization (where plans live); the member is not in it.
+    personal: String,
     tokens: [(Who, String); 3],
 }
 
@@ -83,8 +88,13 @@ impl World {
             (Member, store.start_session(&member.id).await.unwrap()),
             (Outsider, store.start_session(&outsider.id).await.unwrap()),
         ];
+        // The owner's personal organization, on the Basic plan.
+        let billing = store.billing(Arc::new(DevProcessor::default()));
+        billing.subscriptions().start(&owner.id, Plan::Basic, "pm_dev_card", now_us()).await.unwrap();
         let console = Console {
             store: store.clone(),
+            billing,
+            api: None,
             mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox")).unwrap(),
             config: ConsoleConfig {
                 console_url: "http://console.test".into(),
@@ -106,6 +116,7 @@ impl World {
             other_key: other_key.id,
             other_invite: other_invite.id,
             outsider: outsider.id,
+            personal: owner.org_id,
             tokens,
         }
     }
@@ -124,6 +135,7 @@ impl World {
             .replace("{other_key}", &self.other_key)
             .replace("{other_invite}", &self.other_invite)
             .replace("{outsider}", &self.outsider)
+            .replace("{personal}", &self.personal)
     }
 
     /// A request as the browser of `who` sends it: its cookie, and for a POST the
@@ -208,6 +220,50 @@ const TABLE: &[(&str, &str, &str, [Expect; 4])] = &[
         "role=member",
         [Status(404), Status(403), Status(404), To("/sign-in")],
     ),
+    // Billing: members see it, owners buy (a review page, then the purchase).
+    ("GET", "/o/{org}/billing", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    (
+        "POST",
+        "/o/{org}/billing/buy",
+        "amount=25&method=pm_dev_card",
+        [Status(200), Status(403), Status(404), To("/sign-in")],
+    ),
+    (
+        "POST",
+        "/o/{org}/billing/buy/confirm",
+        "amount=25&method=pm_dev_card&purchase=p1",
+        [To("/o/"), Status(403), Status(404), To("/sign-in")],
+    ),
+    // Usage: every member reads it.
+    ("GET", "/o/{org}/usage", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    ("GET", "/o/{org}/usage.json", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    ("GET", "/o/{org}/usage.csv", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    // Plans: shown to every member; changed only in one's own personal organization,
+    // and a shared organization's owner is told plans are personal (400).
+    ("GET", "/o/{org}/plan", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    ("GET", "/o/{personal}/plan", "", [Status(200), Status(404), Status(404), To("/sign-in?next=/o/")]),
+    ("POST", "/o/{org}/plan/review", "plan=pro", [Status(400), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{personal}/plan/review", "plan=pro", [Status(200), Status(404), Status(404), To("/sign-in")]),
+    (
+        "POST",
+        "/o/{org}/plan/start",
+        "plan=pro&method=pm_dev_card",
+        [Status(400), Status(403), Status(404), To("/sign-in")],
+    ),
+    (
+        "POST",
+        "/o/{personal}/plan/start",
+        "plan=pro&method=pm_dev_card",
+        [Status(400), Status(404), Status(404), To("/sign-in")],
+    ),
+    ("POST", "/o/{org}/plan/change", "plan=pro", [Status(400), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{personal}/plan/change", "plan=pro", [To("/o/"), Status(404), Status(404), To("/sign-in")]),
+    ("GET", "/o/{org}/plan/cancel", "", [Status(400), Status(403), Status(404), To("/sign-in?next=/o/")]),
+    ("GET", "/o/{personal}/plan/cancel", "", [Status(200), Status(404), Status(404), To("/sign-in?next=/o/")]),
+    ("POST", "/o/{org}/plan/cancel", "", [Status(400), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{personal}/plan/cancel", "", [To("/o/"), Status(404), Status(404), To("/sign-in")]),
+    ("POST", "/o/{org}/plan/resume", "", [Status(400), Status(403), Status(404), To("/sign-in")]),
+    ("POST", "/o/{personal}/plan/resume", "", [To("/o/"), Status(404), Status(404), To("/sign-in")]),
     // A user's own pages.
     ("GET", "/", "", [To("/o/"), To("/o/"), To("/o/"), To("/sign-in")]),
     ("GET", "/orgs", "", [Status(200), Status(200), Status(200), To("/sign-in?next=/orgs")]),
@@ -240,6 +296,7 @@ const TABLE: &[(&str, &str, &str, [Expect; 4])] = &[
         [To("/accept-invite"), To("/accept-invite"), To("/accept-invite"), To("/sign-in")],
     ),
     ("GET", "/assets/console.css", "", [Status(200), Status(200), Status(200), Status(200)]),
+    ("GET", "/assets/uPlot.iife.min.js", "", [Status(200), Status(200), Status(200), Status(200)]),
 ];
 
 /// Acme's name, its key, its member and its pending invite.
@@ -280,6 +337,14 @@ async fn every_route_answers_each_role_as_the_table_says() {
             assert!(globex_key.revoked_at.is_none(), "{method} {template} as {who:?} touched Globex's key");
             let globex_invites = world.store.invites(&globex_key.org_id).await.unwrap();
             assert!(globex_invites.iter().all(|i| i.cancelled_at.is_none() && i.expires_at == i.created_at + 3600));
+            if *method == "POST" && template.ends_with("/billing/buy/confirm") {
+                let balance = world.store.ledger().balance(&world.org).await.unwrap();
+                assert_eq!(balance, if *who == Owner { 25_000_000 } else { 0 }, "{who:?} buying credits");
+            }
+            if *method == "POST" && template.starts_with("/o/{personal}/plan/change") {
+                let plan = world.store.subscriptions(Arc::new(DevProcessor::default())).get(&world.owner).await;
+                assert_eq!(plan.unwrap().unwrap().plan == Plan::Pro, *who == Owner, "{who:?} upgrading");
+            }
             if *method == "POST" && template.ends_with("{member}/role") {
                 let role = world.store.membership(&world.member, &world.org).await.unwrap().unwrap().role;
                 assert_eq!(role == Role::Owner, *who == Owner, "{who:?} promoting");

@@ -115,6 +115,11 @@ impl Ledger {
         Self { pool, owner: None }
     }
 
+    /// Sums of this database's usage records, for reports.
+    pub fn usage_reports(&self) -> super::usage::UsageReports {
+        super::usage::UsageReports::new(self.pool.clone())
+    }
+
     /// The same, taking holds on behalf of control-plane process `owner`.
     pub fn owned_by(self, owner: &str) -> Self {
         Self { owner: Some(owner.into()), ..self }
@@ -163,24 +168,56 @@ impl Ledger {
         micros: u64,
         method: &str,
     ) -> Result<String, LedgerError> {
+        self.purchase_once(processor, org_id, micros, method, &keys::random_id("credits_")).await
+    }
+
+    /// The same, named by `key`: asked again with the same key (a form submitted
+    /// twice), it charges and grants nothing more and returns the first reference.
+    pub async fn purchase_once(
+        &self,
+        processor: &dyn PaymentProcessor,
+        org_id: &str,
+        micros: u64,
+        method: &str,
+        key: &str,
+    ) -> Result<String, LedgerError> {
         if micros == 0 {
             return Err(LedgerError::Invalid("a purchase must be positive".into()));
         }
-        let key = keys::random_id("credits_");
         let charge = Charge {
-            idempotency_key: key.clone(),
+            idempotency_key: key.into(),
             method: method.into(),
             amount_micros: amount(micros)?,
             description: "credits".into(),
         };
         let receipt = processor.charge(&charge).await.map_err(|e| LedgerError::Invalid(e.to_string()))?;
         let mut tx = self.pool.begin().await?;
-        grant_in(&mut tx, org_id, micros, &format!("purchase {}", receipt.reference)).await?;
         let now_us = crate::limits::now_us();
-        record_payment(&mut tx, &key, org_id, "credits", charge.amount_micros, method, &receipt.reference, now_us)
-            .await?;
+        let first =
+            record_payment(&mut tx, key, org_id, "credits", charge.amount_micros, method, &receipt.reference, now_us)
+                .await?;
+        if first {
+            grant_in(&mut tx, org_id, micros, &format!("purchase {}", receipt.reference)).await?;
+        }
         tx.commit().await?;
         Ok(receipt.reference)
+    }
+
+    /// Credit added to an organization (grants and purchases), newest first: when
+    /// (seconds since the epoch), how much, and the memo.
+    pub async fn credits_added(&self, org_id: &str, limit: u32) -> Result<Vec<(i64, i64, String)>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT created_at, amount, memo FROM ledger_transfers WHERE to_account = $1 AND kind = 'grant' \
+             ORDER BY created_at DESC, id LIMIT $2",
+        )
+        .bind(org_account(org_id))
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Ok((r.try_get("created_at")?, r.try_get("amount")?, r.try_get("memo")?)))
+            .collect::<Result<_, sqlx::Error>>()?)
     }
 
     /// An organization's spendable credit (holds of requests in flight excluded).

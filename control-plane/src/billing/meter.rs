@@ -97,6 +97,10 @@ impl Billing {
         &self.subscriptions
     }
 
+    pub fn usage(&self) -> super::usage::UsageReports {
+        self.ledger.usage_reports()
+    }
+
     pub fn supply(&self) -> &Supply {
         &self.supply
     }

@@ -11,6 +11,7 @@ pub mod payments;
 pub mod plans;
 pub mod subscriptions;
 pub mod supply;
+pub mod usage;
 
 pub use ledger::{Ledger, LedgerError, UsageRecord};
 pub use meter::{Ask, Billing, Clock, Funding, Meter};

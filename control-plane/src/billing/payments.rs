@@ -45,9 +45,22 @@ pub enum PaymentError {
 
 pub type PaymentFuture<'a> = Pin<Box<dyn Future<Output = Result<Receipt, PaymentError>> + Send + 'a>>;
 
+/// A payment method a payer can choose in the console.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Method {
+    pub id: String,
+    /// What the payer sees: `Visa •••• 4242`.
+    pub label: String,
+    pub kind: MethodKind,
+}
+
 pub trait PaymentProcessor: Send + Sync {
     /// The kind of a payment method, or None if the processor does not know it.
     fn method_kind(&self, method: &str) -> Option<MethodKind>;
+
+    /// The methods the console offers. (A real processor lists the payer's saved
+    /// methods and adds new ones in its own hosted form.)
+    fn methods(&self) -> Vec<Method>;
 
     fn charge<'a>(&'a self, charge: &'a Charge) -> PaymentFuture<'a>;
 
@@ -86,6 +99,16 @@ impl PaymentProcessor for DevProcessor {
             DEV_CRYPTO => Some(MethodKind::OneTime),
             _ => None,
         }
+    }
+
+    fn methods(&self) -> Vec<Method> {
+        let method = |id: &str, label: &str, kind| Method { id: id.into(), label: label.into(), kind };
+        vec![
+            method(DEV_CARD, "Development card (always paid)", MethodKind::Recurring),
+            method(DEV_CRYPTO, "Development crypto wallet (one-time)", MethodKind::OneTime),
+            method(DEV_CARD_DECLINED, "Development card that is always declined", MethodKind::Recurring),
+            method(DEV_CARD_UNREACHABLE, "Development card whose processor never answers", MethodKind::Recurring),
+        ]
     }
 
     fn charge<'a>(&'a self, charge: &'a Charge) -> PaymentFuture<'a> {

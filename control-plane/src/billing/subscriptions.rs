@@ -46,6 +46,18 @@ pub enum Status {
     Active,
     /// The renewal payment failed: no included usage until the plan is started again.
     PastDue,
+    /// Cancelled at the end of a period: no included usage; a plan can be started again.
+    Cancelled,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::PastDue => "past_due",
+            Self::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// A rolling usage window: started by the first request after it lapsed.
@@ -75,6 +87,8 @@ pub struct Subscription {
     /// A downgrade waiting for the next period.
     pub pending_plan: Option<Plan>,
     pub status: Status,
+    /// The plan ends at this time (the end of its period) instead of renewing.
+    pub cancel_at: Option<i64>,
     pub payment_method: String,
     pub started_at: i64,
     /// Months since `started_at`: the current billing period.
@@ -118,6 +132,9 @@ impl Subscription {
     /// Admits a request holding `amount` at `now`, or says why not; counters are
     /// changed only when it is admitted.
     pub fn admit(&mut self, now: i64, amount: i64) -> Result<(), Refusal> {
+        if self.status == Status::Cancelled {
+            return Err(Refusal::NoPlan);
+        }
         if self.status == Status::PastDue || now >= self.period_end {
             return Err(Refusal::PastDue);
         }
@@ -158,6 +175,27 @@ impl Subscription {
     pub fn left_micros(&self) -> i64 {
         (self.included_micros - self.spent_micros).max(0)
     }
+
+    /// What upgrading to `plan` at `now` costs (SPEC.md's Plan change): the price
+    /// difference for the rest of the period, rounded to the nearest micro-dollar,
+    /// and the included usage it brings (new multiplier × everything paid this period).
+    pub fn upgrade_quote(&self, plan: Plan, now: i64) -> UpgradeQuote {
+        let (length, rest) = ((self.period_end - self.period_start) as i128, (self.period_end - now).max(0) as i128);
+        let difference = (plan.price_micros() - self.plan.price_micros()) as i128;
+        let charged = ((difference * rest + length / 2) / length.max(1)) as i64;
+        let paid = self.paid_micros + charged;
+        UpgradeQuote { charged_micros: charged, paid_micros: paid, included_micros: plan.included_for(paid) }
+    }
+}
+
+/// The price of an upgrade, as charged and as shown before confirming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct UpgradeQuote {
+    pub charged_micros: i64,
+    /// Paid this period once upgraded.
+    pub paid_micros: i64,
+    /// The period's included usage once upgraded (what was spent still counts against it).
+    pub included_micros: i64,
 }
 
 #[derive(Clone)]
@@ -170,7 +208,7 @@ pub struct Subscriptions {
 
 macro_rules! sub_columns {
     () => {
-        "user_id, id, plan, pending_plan, status, payment_method, started_at, period, period_start, period_end, \
+        "user_id, id, plan, pending_plan, status, cancel_at, payment_method, started_at, period, period_start, period_end, \
          paid_micros, included_micros, spent_micros, held_micros, in_flight, window_5h_start, window_5h_spent, \
          window_7d_start, window_7d_spent"
     };
@@ -228,7 +266,7 @@ impl Subscriptions {
         if exists.is_none() {
             return Err(PlanError::NoUser(user_id.into()));
         }
-        let past_due = match self.get(user_id).await? {
+        let restart = match self.get(user_id).await? {
             Some(s) if s.status == Status::Active => {
                 return Err(PlanError::AlreadySubscribed(user_id.into(), s.plan.as_str()));
             }
@@ -241,11 +279,11 @@ impl Subscriptions {
         let receipt = self.charge(&key, method, plan.price_micros(), format!("{} plan", plan.as_str())).await?;
         let written = async {
             let mut tx = self.pool.begin().await?;
-            // A past-due plan is started again in place, keeping the holds and
-            // concurrency of its requests still in flight; a plan raced in by another
-            // operator since the check above makes this write fail.
-            let sql = if past_due {
-                "UPDATE subscriptions SET id = $2, plan = $3, pending_plan = NULL, status = 'active',                  payment_method = $4, started_at = $5, period = 0, period_start = $5, period_end = $6,                  paid_micros = $7, included_micros = $8, spent_micros = 0, window_5h_start = NULL,                  window_5h_spent = 0, window_7d_start = NULL, window_7d_spent = 0                  WHERE user_id = $1 AND status = 'past_due'"
+            // A past-due or cancelled plan is started again in place, keeping the holds
+            // and concurrency of its requests still in flight; a plan raced in by
+            // another operator since the check above makes this write fail.
+            let sql = if restart {
+                "UPDATE subscriptions SET id = $2, plan = $3, pending_plan = NULL, status = 'active',                  cancel_at = NULL, payment_method = $4, started_at = $5, period = 0, period_start = $5, period_end = $6,                  paid_micros = $7, included_micros = $8, spent_micros = 0, window_5h_start = NULL,                  window_5h_spent = 0, window_7d_start = NULL, window_7d_spent = 0                  WHERE user_id = $1 AND status <> 'active'"
             } else {
                 "INSERT INTO subscriptions (user_id, id, plan, status, payment_method, started_at, period,                  period_start, period_end, paid_micros, included_micros)                  VALUES ($1, $2, $3, 'active', $4, $5, 0, $5, $6, $7, $8)"
             };
@@ -318,9 +356,11 @@ impl Subscriptions {
     /// charged, and included usage becomes the new multiplier × everything paid this
     /// period, less what was already spent. Downgrades wait for the next period.
     pub async fn change(&self, user_id: &str, plan: Plan, now: i64) -> Result<Change, PlanError> {
-        let mut s = self.current(user_id, now).await?;
-        if s.status == Status::PastDue {
-            return Err(PlanError::PastDue(user_id.into()));
+        let s = self.current(user_id, now).await?;
+        match s.status {
+            Status::Active => {}
+            Status::PastDue => return Err(PlanError::PastDue(user_id.into())),
+            Status::Cancelled => return Err(PlanError::NoPlan(user_id.into())),
         }
         if plan == s.plan && s.pending_plan.is_none() {
             return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
@@ -345,9 +385,8 @@ impl Subscriptions {
                 None => Change::DowngradeCancelled,
             });
         }
-        let (length, rest) = ((s.period_end - s.period_start) as i128, (s.period_end - now).max(0) as i128);
-        let difference = (plan.price_micros() - s.plan.price_micros()) as i128;
-        let charged = ((difference * rest + length / 2) / length) as i64;
+        let quote = s.upgrade_quote(plan, now);
+        let charged = quote.charged_micros;
         // Each attempt its own charge: one that loses a race is refunded alone.
         let key = format!("upgrade:{}:{}", s.id, keys::random_id(""));
         let receipt = if charged > 0 {
@@ -356,7 +395,6 @@ impl Subscriptions {
         } else {
             None
         };
-        s.paid_micros += charged;
         let written = async {
             let mut tx = self.pool.begin().await?;
             // Only if nothing changed the plan or the period since it was read.
@@ -365,8 +403,8 @@ impl Subscriptions {
                  WHERE user_id = $4 AND plan = $5 AND period = $6 AND id = $7 AND status = 'active'",
             )
             .bind(plan.as_str())
-            .bind(s.paid_micros)
-            .bind(plan.included_for(s.paid_micros))
+            .bind(quote.paid_micros)
+            .bind(quote.included_micros)
             .bind(user_id)
             .bind(s.plan.as_str())
             .bind(s.period)
@@ -389,6 +427,46 @@ impl Subscriptions {
             None => written?,
         }
         Ok(Change::Upgraded { charged_micros: charged })
+    }
+
+    /// Ends the plan when its period does, instead of renewing (`resume` calls it off):
+    /// included usage stays until then. Returns when it ends.
+    pub async fn cancel(&self, user_id: &str, now: i64) -> Result<i64, PlanError> {
+        let s = self.current(user_id, now).await?;
+        match s.status {
+            Status::Active => {}
+            Status::PastDue => return Err(PlanError::PastDue(user_id.into())),
+            Status::Cancelled => return Err(PlanError::NoPlan(user_id.into())),
+        }
+        self.set_cancel_at(&s, Some(s.period_end)).await?;
+        Ok(s.period_end)
+    }
+
+    /// Calls off a cancellation: the plan renews again.
+    pub async fn resume(&self, user_id: &str, now: i64) -> Result<(), PlanError> {
+        let s = self.current(user_id, now).await?;
+        if s.status != Status::Active {
+            return Err(PlanError::NoPlan(user_id.into()));
+        }
+        self.set_cancel_at(&s, None).await
+    }
+
+    /// For this period only: a renewal in between makes it a conflict.
+    async fn set_cancel_at(&self, s: &Subscription, at: Option<i64>) -> Result<(), PlanError> {
+        let done = sqlx::query(
+            "UPDATE subscriptions SET cancel_at = $1 WHERE user_id = $2 AND period = $3 AND id = $4 \
+             AND status = 'active'",
+        )
+        .bind(at)
+        .bind(&s.user_id)
+        .bind(s.period)
+        .bind(&s.id)
+        .execute(&self.pool)
+        .await?;
+        if done.rows_affected() == 0 {
+            return Err(PlanError::Conflict(s.user_id.clone()));
+        }
+        Ok(())
     }
 
     /// The subscription as of `now`, renewed first if its period is over.
@@ -432,6 +510,18 @@ impl Subscriptions {
     /// Control planes renewing the same period at once send the same idempotency key,
     /// so the processor charges once; one of them writes the new period.
     async fn renew(&self, s: &Subscription, now: i64) -> Result<bool, PlanError> {
+        if s.cancel_at.is_some() {
+            sqlx::query(
+                "UPDATE subscriptions SET status = 'cancelled', pending_plan = NULL WHERE user_id = $1 AND id = $2 \
+                 AND period = $3 AND status = 'active'",
+            )
+            .bind(&s.user_id)
+            .bind(&s.id)
+            .bind(s.period)
+            .execute(&self.pool)
+            .await?;
+            return Ok(false);
+        }
         let mut period = s.period + 1;
         while add_months(s.started_at, period + 1) <= now {
             period += 1;
@@ -612,6 +702,7 @@ pub(super) async fn settle(
 }
 
 /// Records money taken; a payment recorded before (same idempotency key) is kept as is.
+/// True if this call recorded it.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn record_payment(
     tx: &mut Transaction<'_, Any>,
@@ -622,8 +713,8 @@ pub(super) async fn record_payment(
     method: &str,
     reference: &str,
     now: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
         "INSERT INTO payments (id, payer, purpose, amount_micros, payment_method, processor_ref, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO NOTHING",
     )
@@ -636,7 +727,7 @@ pub(super) async fn record_payment(
     .bind(now)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    Ok(done.rows_affected() == 1)
 }
 
 fn sub_from_row(r: &sqlx::any::AnyRow) -> Result<Subscription, sqlx::Error> {
@@ -651,7 +742,12 @@ fn sub_from_row(r: &sqlx::any::AnyRow) -> Result<Subscription, sqlx::Error> {
         id: r.try_get("id")?,
         plan: plan("plan")?.ok_or_else(|| sqlx::Error::Decode("a subscription without a plan".into()))?,
         pending_plan: plan("pending_plan")?,
-        status: if status == "past_due" { Status::PastDue } else { Status::Active },
+        status: match status.as_str() {
+            "past_due" => Status::PastDue,
+            "cancelled" => Status::Cancelled,
+            _ => Status::Active,
+        },
+        cancel_at: r.try_get("cancel_at")?,
         payment_method: r.try_get("payment_method")?,
         started_at: r.try_get("started_at")?,
         period: r.try_get("period")?,
@@ -678,6 +774,7 @@ mod tests {
             plan,
             pending_plan: None,
             status: Status::Active,
+            cancel_at: None,
             payment_method: "pm".into(),
             started_at: 0,
             period: 0,

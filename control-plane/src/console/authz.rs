@@ -58,6 +58,7 @@ pub struct Offers {
     pub manage_members: bool,
     pub manage_keys: bool,
     pub manage_settings: bool,
+    pub manage_billing: bool,
 }
 
 impl Offers {
@@ -66,6 +67,7 @@ impl Offers {
             manage_members: permits(role, Action::ManageMembers),
             manage_keys: permits(role, Action::ManageKeys),
             manage_settings: permits(role, Action::ManageSettings),
+            manage_billing: permits(role, Action::ManageBilling),
         }
     }
 }

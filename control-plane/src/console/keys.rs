@@ -161,6 +161,8 @@ pub async fn confirm_revoke(
         action: format!("/o/{org}/keys/{id}/revoke"),
         button: "Revoke key".into(),
         back: format!("/o/{org}/keys"),
+        fields: Vec::new(),
+        danger: true,
     };
     Ok(render(StatusCode::OK, &page))
 }

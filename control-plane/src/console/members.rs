@@ -147,6 +147,8 @@ pub async fn confirm_remove(
         action: format!("/o/{org}/members/{user}/remove"),
         button: "Remove member".into(),
         back: format!("/o/{org}/members"),
+        fields: Vec::new(),
+        danger: true,
     };
     Ok(render(StatusCode::OK, &page))
 }

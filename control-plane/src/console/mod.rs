@@ -1,5 +1,5 @@
 //! The web console: server-rendered pages for accounts, organizations, members,
-//! invites and API keys, served by the API's own listener at `/`.
+//! invites, API keys, billing, plans and usage, served by the API's own listener at `/`.
 //!
 //! A request's path: `guard` (every POST: same-origin headers and, with a session
 //! cookie, the anti-forgery token) → the page's handler, which takes a `Viewer` (the
@@ -10,6 +10,7 @@
 pub mod account;
 pub mod assets;
 pub mod authz;
+pub mod billing;
 pub mod confirm;
 pub mod invites;
 pub mod keys;
@@ -18,11 +19,13 @@ pub mod members;
 pub mod orgs;
 pub mod page;
 pub mod password;
+pub mod plan;
 pub mod session;
 pub mod setup;
 pub mod signin;
 pub mod signup;
 pub mod throttle;
+pub mod usage;
 
 use crate::accounts::{Lifetimes, Store};
 use axum::Router;
@@ -46,8 +49,14 @@ pub struct ConsoleConfig {
 
 pub struct Console {
     pub store: Store,
+    /// Credits, plans and their payment processor, supply, usage sums: the same the
+    /// API bills with.
+    pub billing: crate::billing::Billing,
     pub mail: mail::Mailer,
     pub config: ConsoleConfig,
+    /// The API this process serves, which the playground calls (None: a console
+    /// without it, as in the router's own tests).
+    pub api: Option<crate::api::App>,
 }
 
 pub type State = Arc<Console>;
@@ -75,6 +84,18 @@ pub fn router(console: State) -> Router {
         .route("/o/{org}/invites/{id}/cancel", post(invites::cancel))
         .route("/o/{org}/keys", get(keys::page).post(keys::create))
         .route("/o/{org}/keys/{id}/revoke", get(keys::confirm_revoke).post(keys::revoke))
+        .route("/o/{org}/billing", get(billing::page))
+        .route("/o/{org}/billing/buy", post(billing::review))
+        .route("/o/{org}/billing/buy/confirm", post(billing::buy))
+        .route("/o/{org}/plan", get(plan::page))
+        .route("/o/{org}/plan/review", post(plan::review))
+        .route("/o/{org}/plan/start", post(plan::start))
+        .route("/o/{org}/plan/change", post(plan::change))
+        .route("/o/{org}/plan/cancel", get(plan::confirm_cancel).post(plan::cancel))
+        .route("/o/{org}/plan/resume", post(plan::resume))
+        .route("/o/{org}/usage", get(usage::page))
+        .route("/o/{org}/usage.json", get(usage::data))
+        .route("/o/{org}/usage.csv", get(usage::csv))
         .route("/assets/{file}", get(assets::serve))
         .layer(middleware::from_fn(session::guard))
         .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))

@@ -2,7 +2,7 @@
 //! its overview page and its settings.
 
 use super::authz::{Action, Offers, authorize};
-use super::page::{ConsoleError, Frame, Notice, Result, done, render, when};
+use super::page::{ConsoleError, Frame, Notice, Result, done, render, usd, when};
 use super::session::{MaybeViewer, Viewer};
 use super::{Console, State};
 use crate::accounts::{Membership, StoreError};
@@ -119,23 +119,5 @@ pub async fn rename(
             show_dashboard(&console, &viewer, membership, StatusCode::BAD_REQUEST, None, Some(why)).await
         }
         Err(e) => Err(e.into()),
-    }
-}
-
-/// Micro-dollars as billing writes them (`cost::usd`), trimmed of trailing zeros down
-/// to cents: `$100.00`, `$1.2345`.
-pub fn usd(micros: i64) -> String {
-    let full = crate::billing::cost::usd(micros);
-    let (whole, frac) = full.split_once('.').expect("cost::usd always has a point");
-    format!("{whole}.{:0<2}", frac.trim_end_matches('0'))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn dollars_read_as_dollars() {
-        assert_eq!(super::usd(100_000_000), "$100.00");
-        assert_eq!(super::usd(1_234_500), "$1.2345");
-        assert_eq!(super::usd(-50_000), "-$0.05");
     }
 }

@@ -111,6 +111,12 @@ impl IntoResponse for ConsoleError {
     }
 }
 
+impl From<sqlx::Error> for ConsoleError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e.into())
+    }
+}
+
 pub type Result<T, E = ConsoleError> = std::result::Result<T, E>;
 
 /// The headers every console response carries: no script but our own files, no
@@ -158,6 +164,14 @@ impl Notice {
             "revoked" => "Key revoked: requests with it are refused from now on.",
             "welcome" => "Welcome: you have joined this organization.",
             "password" => "Password changed. Every other session has been signed out.",
+            "purchased" => "Payment received: the credit is in your balance.",
+            "plan-started" => "Your plan has started: subscription keys draw on it from now on.",
+            "upgraded" => "Upgraded: the new plan and its included usage apply now.",
+            "downgrade" => "Downgrade scheduled for the next period.",
+            "kept" => "Downgrade called off: your plan stays as it is.",
+            "plan-cancelled" => "Cancelled: the plan ends with this period and is not charged again.",
+            "resumed" => "Your plan will renew as usual.",
+            "capacity" => "Request received: we have e-mailed you a copy, and will reply by e-mail.",
             _ => return None,
         })
     }
@@ -194,6 +208,28 @@ pub fn urlencode(s: &str) -> String {
         .collect()
 }
 
+/// Micro-dollars as billing writes them (`cost::usd`), trimmed of trailing zeros down
+/// to cents: `$100.00`, `$1.2345`.
+pub fn usd(micros: i64) -> String {
+    let full = crate::billing::cost::usd(micros);
+    let (whole, frac) = full.split_once('.').expect("cost::usd always has a point");
+    format!("{whole}.{:0<2}", frac.trim_end_matches('0'))
+}
+
+/// Dollars as typed in a form (`25`, `25.5`, `$1,000.00`) in micro-dollars: whole
+/// cents only, nothing but digits, one point and thousands commas.
+pub fn parse_dollars(text: &str) -> Option<i64> {
+    let t = text.trim();
+    let t = t.strip_prefix('$').unwrap_or(t).replace(',', "");
+    let (whole, cents) = t.split_once('.').unwrap_or((&t, ""));
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || whole.len() > 9 || cents.len() > 2 || !digits(whole) || !digits(cents) {
+        return None;
+    }
+    let cents: i64 = format!("{cents:0<2}").parse().ok()?;
+    Some(whole.parse::<i64>().ok()? * 1_000_000 + cents * 10_000)
+}
+
 /// A Unix time as `2026-11-24 09:40 UTC`.
 pub fn when(secs: i64) -> String {
     let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
@@ -212,6 +248,19 @@ mod tests {
             assert_eq!(safe_next(Some(bad)), "/", "{bad:?}");
         }
         assert_eq!(safe_next(None), "/");
+    }
+
+    #[test]
+    fn dollars_read_as_dollars() {
+        assert_eq!(usd(100_000_000), "$100.00");
+        assert_eq!(usd(1_234_500), "$1.2345");
+        assert_eq!(usd(-50_000), "-$0.05");
+        assert_eq!(parse_dollars("25"), Some(25_000_000));
+        assert_eq!(parse_dollars(" $1,000.5 "), Some(1_000_500_000));
+        assert_eq!(parse_dollars("0.07"), Some(70_000));
+        for bad in ["", "$", ".5", "1.234", "-5", "1e3", "12,a", "1.2.3", "9999999999"] {
+            assert_eq!(parse_dollars(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

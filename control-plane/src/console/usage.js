@@ -1,0 +1,73 @@
+// Tessera console: the usage page's charts. The data comes from usage.json (the same
+// SQL sums as the table and the CSV); buckets are UTC days or hours, drawn and labelled
+// in UTC whatever the browser's time zone, one series per model, nothing outside the
+// chosen range.
+"use strict";
+
+const COLORS = ["#2f5bd3", "#d9822b", "#17663a", "#b42318", "#7a3fd0", "#0f8a8a", "#8a6d00", "#5b6470"];
+
+function utcLabel(secs, by) {
+  const iso = new Date(secs * 1000).toISOString();
+  return by === "hour" ? iso.slice(5, 13).replace("T", " ") + ":00" : iso.slice(0, 10);
+}
+
+function format(value, unit) {
+  if (value == null) return "";
+  if (unit === "usd") return "$" + (value / 1e6).toFixed(value !== 0 && Math.abs(value) < 10000 ? 4 : 2);
+  return Math.round(value).toLocaleString("en-US");
+}
+
+function draw(el, data, metric) {
+  el.textContent = "";
+  const unit = el.dataset.unit;
+  const by = el.dataset.by;
+  const series = data.series[metric] || {};
+  const models = data.models;
+  if (models.length === 0) {
+    el.textContent = "No usage in this range.";
+    return;
+  }
+  const opts = {
+    width: Math.max(320, el.clientWidth - 16),
+    height: 280,
+    // Read and label every time in UTC: the buckets are UTC days and hours.
+    tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"),
+    scales: { x: { time: true, range: [data.buckets[0], data.buckets[data.buckets.length - 1]] } },
+    axes: [
+      { values: (u, ticks) => ticks.map((t) => utcLabel(t, by)) },
+      { values: (u, ticks) => ticks.map((t) => format(t, unit)), size: 80 },
+    ],
+    series: [
+      { label: by === "hour" ? "Hour (UTC)" : "Day (UTC)", value: (u, t) => (t == null ? "" : utcLabel(t, by)) },
+      ...models.map((m, i) => ({
+        label: m,
+        stroke: COLORS[i % COLORS.length],
+        width: 2,
+        points: { show: true, size: 5 },
+        value: (u, v) => format(v, unit),
+      })),
+    ],
+  };
+  const rows = [data.buckets, ...models.map((m) => series[m] || [])];
+  el.chart = new uPlot(opts, rows, el);
+}
+
+async function load() {
+  const charts = document.querySelectorAll(".chart[data-src]");
+  if (charts.length === 0 || typeof uPlot === "undefined") return;
+  const response = await fetch(charts[0].dataset.src, { credentials: "same-origin" });
+  if (!response.ok) return;
+  const data = await response.json();
+  charts.forEach((el) => draw(el, data, el.dataset.metric));
+  const picker = document.getElementById("token-metric");
+  const tokens = document.getElementById("token-chart");
+  if (picker && tokens) {
+    picker.addEventListener("change", () => {
+      tokens.dataset.metric = picker.value;
+      draw(tokens, data, picker.value);
+    });
+  }
+  document.body.dataset.chartsReady = "1";
+}
+
+document.addEventListener("DOMContentLoaded", load);
