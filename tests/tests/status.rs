@@ -25,6 +25,21 @@ except urllib.error.HTTPError as e:
     (status.parse().unwrap(), serde_json::from_str(body).unwrap())
 }
 
+/// GET `url` without a key, as a browser asking for HTML: the status, content type and body.
+fn fetch_page(url: &str, accept: &str) -> (u16, String, String) {
+    let script = r#"
+import sys, urllib.request
+r = urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers={"Accept": sys.argv[2]}), timeout=5)
+print(r.status); print(r.headers["content-type"]); print(r.read().decode())
+"#;
+    let out = Command::new("python3").args(["-c", script, url, accept]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = String::from_utf8(out.stdout).unwrap();
+    let mut parts = out.splitn(3, '\n');
+    let status = parts.next().unwrap().parse().unwrap();
+    (status, parts.next().unwrap().to_string(), parts.next().unwrap().to_string())
+}
+
 fn status(serve: &Serve, query: &str) -> (u16, Value) {
     fetch(&format!("http://127.0.0.1:{}/status{query}", serve.port))
 }
@@ -89,6 +104,26 @@ for i in range(3):
     let (_, five) = status(&serve, "?window=5m");
     let b = five["models"].as_array().unwrap().iter().find(|m| m["id"] == "vendor-b/model-b").unwrap().clone();
     assert_eq!((&b["tps"], &b["uptime_pct"]), (&Value::Null, &Value::Null));
+
+    // People read the same figures on the page, from a browser or at /status-page.
+    let browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8";
+    let base = format!("http://127.0.0.1:{}", serve.port);
+    for (path, accept) in [("/status", browser), ("/status-page", "*/*")] {
+        let (code, kind, html) = fetch_page(&format!("{base}{path}"), accept);
+        assert_eq!((code, kind.starts_with("text/html")), (200, true), "{path}: {kind}");
+        let (_, five) = status(&serve, "?window=5m");
+        let a = model_a(&five);
+        let section = &html[html.find("Model A").expect("model A on the page")..];
+        let section = &section[..section.find("</section>").unwrap()];
+        let tps = format!("{:.1}", a["tps"].as_f64().unwrap());
+        assert!(section.contains(&format!("<td>5m</td><td class=\"num\">{tps}</td>")), "{path}: {section}");
+        assert!(section.contains("100.00%") && section.contains(">low<"), "{path}: {section}");
+        for window in ["5m", "1h", "24h", "30d"] {
+            assert!(section.contains(&format!("<td>{window}</td>")), "{path}: the {window} window");
+        }
+    }
+    let (_, kind, _) = fetch_page(&format!("{base}/status"), "application/json");
+    assert!(kind.starts_with("application/json"), "clients still get JSON: {kind}");
 
     // Killed and started again over the same database: the month still holds them.
     drop(serve);

@@ -63,6 +63,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
         .route("/status", get(status::handle))
+        .route("/status-page", get(status::page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/metrics/targets", get(scrape_targets))

@@ -24,6 +24,7 @@ pub mod session;
 pub mod setup;
 pub mod signin;
 pub mod signup;
+pub mod status_page;
 pub mod throttle;
 pub mod usage;
 

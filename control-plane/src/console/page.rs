@@ -123,7 +123,11 @@ pub type Result<T, E = ConsoleError> = std::result::Result<T, E>;
 /// framing, no sniffing, no caching of signed-in pages. A page may set a stricter
 /// Referrer-Policy of its own (the invite page sends none).
 pub async fn headers(request: Request, next: Next) -> Response {
-    let mut response = next.run(request).await;
+    secured(next.run(request).await)
+}
+
+/// A response with those headers (pages served outside the console's router too).
+pub fn secured(mut response: Response) -> Response {
     let h = response.headers_mut();
     let set = |h: &mut axum::http::HeaderMap, name: header::HeaderName, value: &'static str| {
         if !h.contains_key(&name) {
