@@ -78,14 +78,10 @@ async fn pages(args: Args) -> Result<()> {
     }
     let console = Console {
         store: store.clone(),
+        billing: store.billing(Arc::new(tessera_control_plane::billing::payments::DevProcessor::default())),
+        api: None,
         mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox"))?,
-        config: ConsoleConfig {
-            console_url: "http://bench.test".into(),
-            invite_ttl: 86_400,
-            lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
-            throttle: Default::default(),
-            trust_forwarded_for: false,
-        },
+        config: ConsoleConfig::at("http://bench.test"),
     };
     let router = console::router(Arc::new(console));
     let paths = [format!("/o/{}/keys", org.id), format!("/o/{}/members", org.id), format!("/o/{}", org.id)];

@@ -46,6 +46,9 @@ pub enum Command {
     /// Operator commands for personal accounts.
     #[command(subcommand)]
     Users(UsersCommand),
+    /// Requests for dedicated GPU capacity sent from the console.
+    #[command(subcommand)]
+    Capacity(CapacityCommand),
     /// Operator commands for personal subscription plans.
     #[command(subcommand)]
     Plans(PlansCommand),
@@ -201,6 +204,9 @@ pub struct ConsoleArgs {
     /// entry: set it only behind a reverse proxy that appends one.
     #[arg(long, env = "TESSERA_TRUST_FORWARDED_FOR")]
     pub trust_forwarded_for: bool,
+    /// The operators' address that each dedicated-capacity request is e-mailed to.
+    #[arg(long, env = "TESSERA_CAPACITY_REQUESTS_TO")]
+    pub capacity_requests_to: Option<String>,
 }
 
 impl ConsoleArgs {
@@ -325,6 +331,37 @@ pub enum UsageCommand {
         org: String,
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CapacityCommand {
+    /// Every request (or one organization's), newest first.
+    List {
+        #[arg(long)]
+        org: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One request in full.
+    Show {
+        id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Moves a request along: received, in_review, quoted, closed.
+    SetStatus {
+        id: String,
+        #[arg(value_enum)]
+        status: crate::capacity::RequestStatus,
         #[command(flatten)]
         store: StoreArgs,
         #[arg(long)]

@@ -5,6 +5,7 @@ pub mod accounts;
 pub mod api;
 pub mod billing;
 pub mod calendar;
+pub mod capacity;
 pub mod catalog;
 pub mod chat;
 pub mod cluster;

@@ -21,6 +21,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Keys(cmd) => ops::keys(cmd).await,
         Command::Credits(cmd) => ops::credits(cmd).await,
         Command::Usage(cmd) => ops::usage(cmd).await,
+        Command::Capacity(cmd) => ops::capacity(cmd).await,
         Command::Users(cmd) => ops::users(cmd).await,
         Command::Plans(cmd) => ops::plans(cmd).await,
         Command::Supply(cmd) => ops::supply(cmd).await,

@@ -6,7 +6,8 @@ use crate::billing::cost::{usd, usd_to_micros};
 use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
 use crate::config::{
-    CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, SupplyCommand, UsageCommand, UsersCommand,
+    CapacityCommand, CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, SupplyCommand, UsageCommand,
+    UsersCommand,
 };
 use crate::limits::now_us;
 use anyhow::Result;
@@ -142,6 +143,57 @@ pub async fn usage(cmd: UsageCommand) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("\n");
             print(json, json!(records), human);
+        }
+    }
+    Ok(())
+}
+
+pub async fn capacity(cmd: CapacityCommand) -> Result<()> {
+    let line = |r: &crate::capacity::CapacityRequest| {
+        format!("{}  {:<9}  {}  {}  {}", r.id, r.status.as_str(), r.org_id, r.wanted.summary(), r.wanted.contact_email)
+    };
+    match cmd {
+        CapacityCommand::List { org, store, json } => {
+            let store = open(&store).await?;
+            let org = match org {
+                Some(o) => Some(store.find_org(&o).await?.id),
+                None => None,
+            };
+            let requests = store.capacity_requests().list(org.as_deref()).await?;
+            let human = if requests.is_empty() {
+                "no capacity requests".to_string()
+            } else {
+                requests.iter().map(line).collect::<Vec<_>>().join("\n")
+            };
+            print(json, json!(requests), human);
+        }
+        CapacityCommand::Show { id, store, json } => {
+            let store = open(&store).await?;
+            let r = store
+                .capacity_requests()
+                .get(&id)
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no capacity request {id:?}"))?;
+            let w = &r.wanted;
+            let human = format!(
+                "{}\nstatus: {}\norganization: {}\nrequested by: {}\nwhat: {}\ncontact: {} <{}>\nnotes: {}\nsent: {}\nupdated: {}",
+                r.id,
+                r.status.as_str(),
+                r.org_id,
+                r.requested_by,
+                w.summary(),
+                w.contact_name,
+                w.contact_email,
+                w.notes,
+                crate::calendar::rfc3339(r.created_at),
+                crate::calendar::rfc3339(r.updated_at)
+            );
+            print(json, json!(r), human);
+        }
+        CapacityCommand::SetStatus { id, status, store, json } => {
+            let store = open(&store).await?;
+            anyhow::ensure!(store.capacity_requests().set_status(&id, status).await?, "no capacity request {id:?}");
+            print(json, json!({"id": id, "status": status}), format!("{id} is now {}", status.as_str()));
         }
     }
     Ok(())

@@ -176,6 +176,7 @@ fn console_state(
         },
         throttle: Default::default(),
         trust_forwarded_for: c.trust_forwarded_for,
+        capacity_requests_to: c.capacity_requests_to.clone(),
     };
     eprintln!("console at {}/", config.console_url);
     Ok(Arc::new(crate::console::Console {

@@ -97,11 +97,8 @@ impl World {
             api: None,
             mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox")).unwrap(),
             config: ConsoleConfig {
-                console_url: "http://console.test".into(),
-                invite_ttl: 7 * 86_400,
-                lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
-                throttle: Default::default(),
-                trust_forwarded_for: false,
+                capacity_requests_to: Some("capacity@operator.test".into()),
+                ..ConsoleConfig::at("http://console.test")
             },
         };
         Self {
@@ -136,6 +133,7 @@ impl World {
             .replace("{other_invite}", &self.other_invite)
             .replace("{outsider}", &self.outsider)
             .replace("{personal}", &self.personal)
+            .replace("{tomorrow}", &tessera_control_plane::console::usage::day_label(now_us() + 86_400_000_000))
     }
 
     /// A request as the browser of `who` sends it: its cookie, and for a POST the
@@ -264,6 +262,20 @@ const TABLE: &[(&str, &str, &str, [Expect; 4])] = &[
     ("POST", "/o/{personal}/plan/cancel", "", [To("/o/"), Status(404), Status(404), To("/sign-in")]),
     ("POST", "/o/{org}/plan/resume", "", [Status(400), Status(403), Status(404), To("/sign-in")]),
     ("POST", "/o/{personal}/plan/resume", "", [To("/o/"), Status(404), Status(404), To("/sign-in")]),
+    // Dedicated capacity: members see the organization's requests, owners send them.
+    ("GET", "/o/{org}/capacity", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    (
+        "POST",
+        "/o/{org}/capacity",
+        "gpu_type=H100+80GB+SXM&topology=vm&gpus=8&region=eu-west&start_date=2099-01-01&term_months=12&contact_name=A&contact_email=a%40acme.test",
+        [Status(400), Status(403), Status(404), To("/sign-in")],
+    ),
+    (
+        "POST",
+        "/o/{org}/capacity",
+        "gpu_type=H100+80GB+SXM&topology=vm&gpus=8&region=eu-west&start_date={tomorrow}&term_months=12&contact_name=A&contact_email=a%40acme.test",
+        [To("/o/"), Status(403), Status(404), To("/sign-in")],
+    ),
     // A user's own pages.
     ("GET", "/", "", [To("/o/"), To("/o/"), To("/o/"), To("/sign-in")]),
     ("GET", "/orgs", "", [Status(200), Status(200), Status(200), To("/sign-in?next=/orgs")]),
@@ -309,7 +321,7 @@ async fn every_route_answers_each_role_as_the_table_says() {
         for (who, expect) in WHO.iter().zip(expected) {
             let world = World::new().await;
             let path = world.path(template);
-            let (status, body, headers) = world.send(*who, method, &path, form).await;
+            let (status, body, headers) = world.send(*who, method, &path, &world.path(form)).await;
             let location = headers.get(header::LOCATION).and_then(|l| l.to_str().ok()).unwrap_or("");
             let ok = match expect {
                 Status(code) => status.as_u16() == *code,
@@ -337,6 +349,11 @@ async fn every_route_answers_each_role_as_the_table_says() {
             assert!(globex_key.revoked_at.is_none(), "{method} {template} as {who:?} touched Globex's key");
             let globex_invites = world.store.invites(&globex_key.org_id).await.unwrap();
             assert!(globex_invites.iter().all(|i| i.cancelled_at.is_none() && i.expires_at == i.created_at + 3600));
+            if *method == "POST" && template.ends_with("/capacity") {
+                let stored = world.store.capacity_requests().list(Some(&world.org)).await.unwrap().len();
+                let good = form.contains("{tomorrow}");
+                assert_eq!(stored, usize::from(good && *who == Owner), "{who:?} requesting capacity");
+            }
             if *method == "POST" && template.ends_with("/billing/buy/confirm") {
                 let balance = world.store.ledger().balance(&world.org).await.unwrap();
                 assert_eq!(balance, if *who == Owner { 25_000_000 } else { 0 }, "{who:?} buying credits");

@@ -9,6 +9,7 @@ mod postgres;
 use tessera_control_plane::accounts::{
     Acceptance, InviteState, Lifetimes, LinkPurpose, MemberChange, Role, Store, keys,
 };
+use tessera_control_plane::capacity::{self, RequestStatus};
 
 const LIVE: Lifetimes = Lifetimes { idle: 3600, absolute: 86_400 };
 
@@ -104,6 +105,30 @@ async fn suite(store: Store) {
     let device = store.remember_device(&bea.id).await.unwrap();
     assert!(store.known_device(&device, "bea@example.com").await.unwrap());
     assert!(!store.known_device(&device, "carl@example.com").await.unwrap());
+
+    // Capacity requests: stored as received, listed per organization, moved along.
+    let form = capacity::Form {
+        gpu_type: "H200 141GB SXM".into(),
+        topology: "bare_metal".into(),
+        nodes: "2".into(),
+        region: "us-east".into(),
+        start_date: "2099-01-01".into(),
+        term_months: "6".into(),
+        contact_name: "Bea".into(),
+        contact_email: "bea@example.com".into(),
+        ..Default::default()
+    };
+    let wanted = form.check(tessera_control_plane::calendar::days_from_civil(2098, 12, 1)).unwrap();
+    let requests = store.capacity_requests();
+    let made = requests.create(&acme.id, &bea.id, &wanted).await.unwrap();
+    requests.create(&bea.org_id, &bea.id, &wanted).await.unwrap();
+    let listed = requests.list(Some(&acme.id)).await.unwrap();
+    assert_eq!(listed, [made.clone()], "one organization's only");
+    assert_eq!(requests.list(None).await.unwrap().len(), 2);
+    assert_eq!((made.wanted.gpus, made.status), (16, RequestStatus::Received));
+    assert!(requests.set_status(&made.id, RequestStatus::Quoted).await.unwrap());
+    assert!(!requests.set_status("cap_nope", RequestStatus::Closed).await.unwrap());
+    assert_eq!(requests.get(&made.id).await.unwrap().unwrap().status, RequestStatus::Quoted);
 }
 
 #[tokio::test]

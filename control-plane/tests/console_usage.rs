@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use tessera_control_plane::accounts::{BillingMode, Lifetimes, NewKey, Store};
+use tessera_control_plane::accounts::{BillingMode, NewKey, Store};
 use tessera_control_plane::billing::payments::DevProcessor;
 use tessera_control_plane::calendar::days_from_civil;
 use tessera_control_plane::console::session::SESSION_COOKIE;
@@ -154,13 +154,7 @@ async fn world(url: &str) -> World {
         billing: store.billing(Arc::new(DevProcessor::default())),
         api: None,
         mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox")).unwrap(),
-        config: ConsoleConfig {
-            console_url: "http://console.test".into(),
-            invite_ttl: 86_400,
-            lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
-            throttle: Default::default(),
-            trust_forwarded_for: false,
-        },
+        config: ConsoleConfig::at("http://console.test"),
     };
     World { router: console::router(Arc::new(console)), token, org: org.id, keys, records, _dir: dir }
 }

@@ -127,6 +127,11 @@ impl Store {
         crate::billing::subscriptions::Subscriptions::new(self.pool.clone(), processor)
     }
 
+    /// Requests for dedicated capacity, kept in the same database.
+    pub fn capacity_requests(&self) -> crate::capacity::CapacityRequests {
+        crate::capacity::CapacityRequests::new(self.pool.clone())
+    }
+
     /// Each model's supply state, kept in the same database.
     pub fn supply(&self) -> crate::billing::supply::Supply {
         crate::billing::supply::Supply::new(self.pool.clone())

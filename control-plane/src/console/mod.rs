@@ -11,6 +11,7 @@ pub mod account;
 pub mod assets;
 pub mod authz;
 pub mod billing;
+pub mod capacity;
 pub mod confirm;
 pub mod invites;
 pub mod keys;
@@ -46,6 +47,24 @@ pub struct ConsoleConfig {
     pub throttle: throttle::Limits,
     /// Read the client address from the last `X-Forwarded-For` entry (behind a proxy).
     pub trust_forwarded_for: bool,
+    /// Where new dedicated-capacity requests are e-mailed (the operators).
+    pub capacity_requests_to: Option<String>,
+}
+
+impl ConsoleConfig {
+    /// A console at `console_url` with the defaults: invites for a week, sessions
+    /// ended by an hour idle or a day in all, the default throttle, no proxy in front,
+    /// no operators' address.
+    pub fn at(console_url: &str) -> Self {
+        Self {
+            console_url: console_url.trim_end_matches('/').to_string(),
+            invite_ttl: 7 * 86_400,
+            lifetimes: Lifetimes { idle: 3600, absolute: 86_400 },
+            throttle: throttle::Limits::default(),
+            trust_forwarded_for: false,
+            capacity_requests_to: None,
+        }
+    }
 }
 
 pub struct Console {
@@ -94,6 +113,7 @@ pub fn router(console: State) -> Router {
         .route("/o/{org}/plan/change", post(plan::change))
         .route("/o/{org}/plan/cancel", get(plan::confirm_cancel).post(plan::cancel))
         .route("/o/{org}/plan/resume", post(plan::resume))
+        .route("/o/{org}/capacity", get(capacity::page).post(capacity::submit))
         .route("/o/{org}/usage", get(usage::page))
         .route("/o/{org}/usage.json", get(usage::data))
         .route("/o/{org}/usage.csv", get(usage::csv))

@@ -176,6 +176,9 @@ impl Notice {
             "plan-cancelled" => "Cancelled: the plan ends with this period and is not charged again.",
             "resumed" => "Your plan will renew as usual.",
             "capacity" => "Request received: we have e-mailed you a copy, and will reply by e-mail.",
+            "capacity-unmailed" => {
+                "Request received, but its confirmation e-mail could not be sent; we will still reply."
+            }
             _ => return None,
         })
     }
