@@ -239,6 +239,9 @@ async fn concurrency_and_plan_changes(store: Store) {
     let spent = f.subscription().await.spent_micros;
     assert_eq!(spent, 5 * DOLLAR, "five ran; the three that never started cost nothing");
     let half = T0 + (add_months(T0, 1) - T0) / 2;
+    // The console's quote, shown before confirming, is what the change charges.
+    let quote = f.subscription().await.upgrade_quote(Plan::Pro, half);
+    assert_eq!((quote.charged_micros, quote.included_micros), (10 * DOLLAR, 50 * DOLLAR));
     assert_eq!(
         subs.change(&f.user.id, Plan::Pro, half).await.unwrap(),
         Change::Upgraded { charged_micros: 10 * DOLLAR }
@@ -320,6 +323,40 @@ async fn a_declined_renewal_leaves_the_plan_past_due(store: Store) {
     assert_eq!(purposes, [("plan", 100 * DOLLAR), ("plan", 10 * DOLLAR), ("renewal", 10 * DOLLAR)]);
     let s = f.subscription().await;
     assert_eq!((s.period, s.spent_micros), (1, DOLLAR));
+}
+
+/// Cancelled, a plan keeps working to the end of its period, then ends uncharged; the
+/// cancellation can be called off before, and a plan started again after.
+async fn a_cancelled_plan_ends_with_its_period(store: Store) {
+    let f = Fixture::new(store, "cal@example.com").await;
+    f.supply(SupplyState::Low, 0).await;
+    let subs = f.billing.subscriptions();
+    subs.start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
+    let end = add_months(T0, 1);
+    assert_eq!(subs.cancel(&f.user.id, T0 + HOUR_US).await.unwrap(), end);
+    assert_eq!(f.subscription().await.cancel_at, Some(end));
+    subs.resume(&f.user.id, T0 + HOUR_US).await.unwrap();
+    assert_eq!(f.subscription().await.cancel_at, None, "called off");
+    subs.cancel(&f.user.id, T0 + HOUR_US).await.unwrap();
+    let key = f.key(false).await;
+    f.at(T0 + 2 * HOUR_US);
+    f.run(&key, 0).await.expect("still the user's until the period ends");
+
+    f.at(end);
+    assert!(matches!(f.run(&key, 0).await, Err(ApiError::InsufficientQuota { .. })), "ended");
+    subs.renew_due(end).await.unwrap();
+    let s = f.subscription().await;
+    assert_eq!((s.status, s.period), (Status::Cancelled, 0));
+    let purposes: Vec<String> = subs.payments(&f.user.id).await.unwrap().into_iter().map(|p| p.purpose).collect();
+    assert_eq!(purposes, ["plan"], "not charged again");
+    assert!(matches!(subs.change(&f.user.id, Plan::Pro, end).await, Err(PlanError::NoPlan(_))));
+    assert!(matches!(subs.cancel(&f.user.id, end).await, Err(PlanError::NoPlan(_))));
+
+    let again = end + HOUR_US;
+    f.at(again);
+    let s = subs.start(&f.user.id, Plan::Pro, DEV_CARD, again).await.unwrap();
+    assert_eq!((s.status, s.plan, s.cancel_at, s.period_start), (Status::Active, Plan::Pro, None, again));
+    f.run(&key, 0).await.unwrap();
 }
 
 /// A control plane that dies mid-request leaves holds nobody settles: once its
@@ -437,6 +474,7 @@ async fn on(store_url: impl Fn(&str) -> String) {
     a_declined_renewal_leaves_the_plan_past_due(Store::open(&store_url("d")).await.unwrap()).await;
     racing_upgrades_keep_only_what_they_apply(Store::open(&store_url("e")).await.unwrap()).await;
     a_dead_control_plane_frees_its_holds(Store::open(&store_url("f")).await.unwrap()).await;
+    a_cancelled_plan_ends_with_its_period(Store::open(&store_url("g")).await.unwrap()).await;
 }
 
 #[tokio::test]
