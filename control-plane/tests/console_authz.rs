@@ -276,6 +276,15 @@ const TABLE: &[(&str, &str, &str, [Expect; 4])] = &[
         "gpu_type=H100+80GB+SXM&topology=vm&gpus=8&region=eu-west&start_date={tomorrow}&term_months=12&contact_name=A&contact_email=a%40acme.test",
         [To("/o/"), Status(403), Status(404), To("/sign-in")],
     ),
+    // The playground: every member may use the organization's keys.
+    ("GET", "/o/{org}/playground", "", [Status(200), Status(200), Status(404), To("/sign-in?next=/o/")]),
+    (
+        "POST",
+        "/o/{org}/playground/chat",
+        "key={key}&model=vendor-a%2Fmodel-a&messages=%5B%5D",
+        [Status(503), Status(503), Status(404), To("/sign-in")],
+    ),
+    ("GET", "/o/{org}/requests/req_none", "", [Status(404), Status(404), Status(404), To("/sign-in?next=/o/")]),
     // A user's own pages.
     ("GET", "/", "", [To("/o/"), To("/o/"), To("/o/"), To("/sign-in")]),
     ("GET", "/orgs", "", [Status(200), Status(200), Status(200), To("/sign-in?next=/orgs")]),

@@ -121,13 +121,31 @@ pub struct RequestId {
     model: Arc<OnceLock<String>>,
 }
 
+impl RequestId {
+    /// A new request's id, received now.
+    pub fn new() -> Self {
+        let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
+        Self { id, received: Instant::now(), model: Arc::new(OnceLock::new()) }
+    }
+
+    /// The model its body named, once read.
+    pub fn model(&self) -> Option<&str> {
+        self.model.get().map(String::as_str)
+    }
+}
+
+impl Default for RequestId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Every response carries an `x-request-id`, which the SDKs surface on errors; every
 /// request is counted by route, status and model, and timed to its response's head.
 async fn observe(mut request: Request, next: Next) -> Response {
-    let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
-    let model = Arc::new(OnceLock::new());
-    let start = Instant::now();
-    request.extensions_mut().insert(RequestId { id: id.clone(), received: start, model: model.clone() });
+    let request_id = RequestId::new();
+    let (id, model, start) = (request_id.id.clone(), request_id.model.clone(), request_id.received);
+    request.extensions_mut().insert(request_id);
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     // Every line logged while serving it (streams' tasks included) names the request.
     let span = tracing::info_span!("request", request_id = %id);

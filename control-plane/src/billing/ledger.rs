@@ -81,6 +81,14 @@ impl UsageRecord {
     }
 }
 
+/// The columns `usage_from_row` reads; a macro so queries stay static strings.
+macro_rules! usage_columns {
+    () => {
+        "request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
+         reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at"
+    };
+}
+
 #[derive(Clone)]
 pub struct Ledger {
     pool: AnyPool,
@@ -349,16 +357,25 @@ impl Ledger {
 
     /// An organization's usage records, newest first.
     pub async fn usage(&self, org_id: &str, limit: u32) -> Result<Vec<UsageRecord>, LedgerError> {
-        let rows = sqlx::query(
-            "SELECT request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
-             reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at \
-             FROM usage_records WHERE org_id = $1 ORDER BY created_at DESC, request_id LIMIT $2",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            usage_columns!(),
+            " FROM usage_records WHERE org_id = $1 ORDER BY created_at DESC, request_id LIMIT $2"
+        ))
         .bind(org_id)
         .bind(limit as i64)
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(usage_from_row).collect()
+    }
+
+    /// One request's usage record, if it has settled.
+    pub async fn usage_record(&self, request_id: &str) -> Result<Option<UsageRecord>, LedgerError> {
+        let row = sqlx::query(concat!("SELECT ", usage_columns!(), " FROM usage_records WHERE request_id = $1"))
+            .bind(request_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(usage_from_row).transpose()
     }
 
     /// Holds older than `age_secs` that were never settled (their control plane died

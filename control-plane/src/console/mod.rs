@@ -21,6 +21,7 @@ pub mod orgs;
 pub mod page;
 pub mod password;
 pub mod plan;
+pub mod playground;
 pub mod session;
 pub mod setup;
 pub mod signin;
@@ -114,6 +115,9 @@ pub fn router(console: State) -> Router {
         .route("/o/{org}/plan/cancel", get(plan::confirm_cancel).post(plan::cancel))
         .route("/o/{org}/plan/resume", post(plan::resume))
         .route("/o/{org}/capacity", get(capacity::page).post(capacity::submit))
+        .route("/o/{org}/playground", get(playground::page))
+        .route("/o/{org}/playground/chat", post(playground::chat))
+        .route("/o/{org}/requests/{id}", get(playground::request_cost))
         .route("/o/{org}/usage", get(usage::page))
         .route("/o/{org}/usage.json", get(usage::data))
         .route("/o/{org}/usage.csv", get(usage::csv))
