@@ -2,8 +2,9 @@
 //! (m = 19 MiB, t = 2, p = 1; build with --release for the figure that matters), and
 //! page render times — session lookup, authorization, queries and template — with 50
 //! signed-in users asking for their organization's pages at once, against one user
-//! alone. In process, on a SQLite file as `tessera serve` keeps it: no network in
-//! the figure.
+//! alone; and the usage views (page, chart data, CSV; by day, by key, by hour) of an
+//! organization with 100,000 usage records over the last 30 days. In process, on a
+//! SQLite file as `tessera serve` keeps it: no network in the figure.
 
 use crate::{percentile, round};
 use anyhow::Result;
@@ -12,7 +13,7 @@ use axum::http::{Request, StatusCode, header};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
-use tessera_control_plane::accounts::{BillingMode, Lifetimes, NewKey, Role, Store};
+use tessera_control_plane::accounts::{BillingMode, NewKey, Role, Store};
 use tessera_control_plane::console::session::SESSION_COOKIE;
 use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer, password};
 use tower::ServiceExt;
@@ -28,6 +29,12 @@ pub struct Args {
     /// Hashes (and verifications) to time.
     #[arg(long, default_value_t = 20)]
     hashes: usize,
+    /// Usage records of the organization whose usage views are timed.
+    #[arg(long, default_value_t = 100_000)]
+    usage_records: usize,
+    /// Times each usage view is asked for.
+    #[arg(long, default_value_t = 30)]
+    usage_views: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -55,7 +62,8 @@ pub fn run(args: Args) -> Result<()> {
 
 async fn pages(args: Args) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let store = Store::open(&format!("sqlite://{}", dir.path().join("bench.db").display())).await?;
+    let db = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let store = Store::open(&db).await?;
     let owner = store.create_user("owner@bench.test").await?;
     let org = store.create_org_owned_by("Bench Org", &owner.id).await?;
     for k in 0..20 {
@@ -129,5 +137,72 @@ async fn pages(args: Args) -> Result<()> {
                "concurrent_p99_ms": round(percentile(&together, 0.99)),
                "pages_per_s": round(together.len() as f64 / secs)})
     );
+
+    // The usage views of an organization with many records.
+    let keys: Vec<String> = store.list_keys(&org.id).await?.into_iter().map(|k| k.id).collect();
+    let began = Instant::now();
+    write_usage(&db, &org.id, &keys, args.usage_records).await?;
+    let write_s = began.elapsed().as_secs_f64();
+    let views = [
+        ("page_30_days", format!("/o/{}/usage", org.id)),
+        ("chart_data_30_days", format!("/o/{}/usage.json", org.id)),
+        ("csv_30_days", format!("/o/{}/usage.csv", org.id)),
+        ("page_one_key", format!("/o/{}/usage?key={}", org.id, keys[3])),
+        ("page_48_hours", format!("/o/{}/usage?by=hour", org.id)),
+    ];
+    let mut figures = serde_json::Map::new();
+    for (name, path) in views {
+        page(router.clone(), tokens[0].clone(), path.clone()).await?;
+        let mut ms = Vec::new();
+        for _ in 0..args.usage_views {
+            ms.push(page(router.clone(), tokens[0].clone(), path.clone()).await?);
+        }
+        figures.insert(format!("{name}_p50_ms"), json!(round(percentile(&ms, 0.5))));
+        figures.insert(format!("{name}_p99_ms"), json!(round(percentile(&ms, 0.99))));
+    }
+    let mut line = json!({"bench": "console_usage", "usage_records": args.usage_records, "models": 4,
+                          "keys": keys.len(), "days": 30, "views_each": args.usage_views,
+                          "records_written_s": round(write_s)});
+    line.as_object_mut().unwrap().extend(figures);
+    println!("{line}");
+    Ok(())
+}
+
+/// `n` usage records (and their settled holds) spread evenly over the last 30 days,
+/// across four models and the organization's keys, written as the ledger writes them.
+async fn write_usage(db: &str, org: &str, keys: &[String], n: usize) -> Result<()> {
+    const MODELS: [&str; 4] = ["vendor-a/model-a", "vendor-b/model-b", "vendor-c/model-c", "vendor-d/model-d"];
+    let pool = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(db).await?;
+    let now = tessera_control_plane::limits::now_us();
+    let span = 30 * 86_400_000_000i64;
+    let mut tx = pool.begin().await?;
+    for i in 0..n {
+        let id = format!("bench_{i}");
+        let at = now - span + (span / n as i64) * i as i64;
+        sqlx::query("INSERT INTO holds (request_id, org_id, amount, created_at, settled_at) VALUES ($1, $2, 0, 0, 0)")
+            .bind(&id)
+            .bind(org)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
+             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at) \
+             VALUES ($1, $2, $3, $4, 'chat.completions', $5, $6, $7, $8, $9, 'credits', 10000, 'stop', $10)",
+        )
+        .bind(&id)
+        .bind(org)
+        .bind(&keys[i % keys.len()])
+        .bind(MODELS[i % MODELS.len()])
+        .bind(200 + (i % 700) as i64)
+        .bind((i % 3 * 64) as i64)
+        .bind(50 + (i % 300) as i64)
+        .bind((i % 5 * 10) as i64)
+        .bind(30 + (i % 90) as i64)
+        .bind(at)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    pool.close().await;
     Ok(())
 }

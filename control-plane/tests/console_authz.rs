@@ -401,6 +401,18 @@ async fn members_do_not_see_owner_controls_nor_invites() {
     assert!(!members.contains("pending@acme.test") && !members.contains("invite-form"), "{members}");
     let (_, owners, _) = world.send(Owner, "GET", &world.path("/o/{org}/members"), "").await;
     assert!(owners.contains("pending@acme.test") && owners.contains("invite-form"));
+    // Billing and capacity: members read them, with no control to buy or request.
+    for (page, control) in [("billing", "buy-credits"), ("capacity", "capacity-form")] {
+        let (_, member, _) = world.send(Member, "GET", &world.path(&format!("/o/{{org}}/{page}")), "").await;
+        let (_, owner, _) = world.send(Owner, "GET", &world.path(&format!("/o/{{org}}/{page}")), "").await;
+        assert!(!member.contains(control) && member.contains("member-note"), "{page} as a member");
+        assert!(owner.contains(control), "{page} as the owner");
+    }
+    // Plans are personal: a shared organization's plan page says so and offers none.
+    let (_, shared, _) = world.send(Owner, "GET", &world.path("/o/{org}/plan"), "").await;
+    assert!(shared.contains("personal-only") && !shared.contains("plan/review"), "{shared}");
+    let (_, personal, _) = world.send(Owner, "GET", &world.path("/o/{personal}/plan"), "").await;
+    assert!(personal.contains("plan/review") && personal.contains("current-plan"));
 }
 
 #[tokio::test]

@@ -123,7 +123,7 @@ async fn suite(store: Store) {
     let made = requests.create(&acme.id, &bea.id, &wanted).await.unwrap();
     requests.create(&bea.org_id, &bea.id, &wanted).await.unwrap();
     let listed = requests.list(Some(&acme.id)).await.unwrap();
-    assert_eq!(listed, [made.clone()], "one organization's only");
+    assert_eq!(listed, std::slice::from_ref(&made), "one organization's only");
     assert_eq!(requests.list(None).await.unwrap().len(), 2);
     assert_eq!((made.wanted.gpus, made.status), (16, RequestStatus::Received));
     assert!(requests.set_status(&made.id, RequestStatus::Quoted).await.unwrap());

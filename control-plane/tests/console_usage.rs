@@ -274,13 +274,15 @@ fn sum(e: &Expected) -> [i64; 6] {
     t
 }
 
+/// A query, and what it must sum: `[start, end)`, the bucket, the key, the model.
+type Case<'a> = (String, i64, i64, i64, Option<&'a str>, Option<&'a str>);
+
 async fn suite(url: &str) {
     let w = world(url).await;
     let now = tessera_control_plane::limits::now_us();
     let hour_end = (now.div_euclid(HOUR) + 1) * HOUR;
     let (k0, k1) = (w.keys[0].as_str(), w.keys[1].as_str());
-    // (query, start, end, step, key, model)
-    let cases: Vec<(String, i64, i64, i64, Option<&str>, Option<&str>)> = vec![
+    let cases: Vec<Case> = vec![
         ("from=2026-10-25&to=2026-11-05".into(), at(2026, 10, 25), at(2026, 11, 6), DAY, None, None),
         ("from=2026-11-01&to=2026-11-01".into(), at(2026, 11, 1), at(2026, 11, 2), DAY, None, None),
         ("from=2026-10-31&to=2026-10-31".into(), at(2026, 10, 31), at(2026, 11, 1), DAY, None, None),

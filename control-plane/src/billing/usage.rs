@@ -127,22 +127,6 @@ impl UsageReports {
             })
             .collect()
     }
-
-    /// The models and keys `org` has usage records for, for the filters' choices.
-    pub async fn used(&self, org: &str) -> Result<(Vec<String>, Vec<String>), sqlx::Error> {
-        let strings = |rows: Vec<sqlx::any::AnyRow>| {
-            rows.iter().map(|r| r.try_get::<String, _>("v")).collect::<Result<Vec<_>, _>>()
-        };
-        let models = sqlx::query("SELECT DISTINCT model AS v FROM usage_records WHERE org_id = $1 ORDER BY v")
-            .bind(org)
-            .fetch_all(&self.pool)
-            .await?;
-        let keys = sqlx::query("SELECT DISTINCT key_id AS v FROM usage_records WHERE org_id = $1 ORDER BY v")
-            .bind(org)
-            .fetch_all(&self.pool)
-            .await?;
-        Ok((strings(models)?, strings(keys)?))
-    }
 }
 
 /// The totals of a report: one `Sums` without bucket or model.

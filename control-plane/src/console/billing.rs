@@ -95,7 +95,7 @@ async fn show(
         let entry = Entry { date: day, what, amount: format!("−{}", usd(c.cost_micros)), link: Some(link) };
         dated.push((c.bucket + DAY_US - 1, entry));
     }
-    dated.sort_by(|a, b| b.0.cmp(&a.0));
+    dated.sort_by_key(|e| std::cmp::Reverse(e.0));
     let status = if error.is_some() { StatusCode::BAD_REQUEST } else { StatusCode::OK };
     let page = BillingPage {
         frame: viewer.frame(console, format!("Billing · {}", membership.org.name), Some(&org)).await?,

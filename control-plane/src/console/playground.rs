@@ -90,7 +90,7 @@ fn refused(status: StatusCode, message: &str) -> Response {
 /// The chat request's body for a turn, or why not.
 fn body(t: &Turn) -> std::result::Result<Value, String> {
     let messages: Value = serde_json::from_str(&t.messages).map_err(|_| "The conversation is not valid JSON.")?;
-    if !messages.as_array().is_some_and(|m| !m.is_empty()) {
+    if messages.as_array().is_none_or(|m| m.is_empty()) {
         return Err("Write a message first.".into());
     }
     let mut body = json!({

@@ -11,10 +11,14 @@ function utcLabel(secs, by) {
   return by === "hour" ? iso.slice(5, 13).replace("T", " ") + ":00" : iso.slice(0, 10);
 }
 
-function format(value, unit) {
+// Dollars from micro-dollars with as many decimals as the largest value needs (costs
+// of small models are fractions of a cent), tokens as whole numbers.
+function format(value, unit, largest) {
   if (value == null) return "";
-  if (unit === "usd") return "$" + (value / 1e6).toFixed(value !== 0 && Math.abs(value) < 10000 ? 4 : 2);
-  return Math.round(value).toLocaleString("en-US");
+  if (unit !== "usd") return Math.round(value).toLocaleString("en-US");
+  const top = Math.abs(largest || value);
+  const decimals = top >= 1e6 ? 2 : top >= 1e4 ? 4 : 6;
+  return "$" + (value / 1e6).toFixed(decimals);
 }
 
 function draw(el, data, metric) {
@@ -34,8 +38,8 @@ function draw(el, data, metric) {
     tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"),
     scales: { x: { time: true, range: [data.buckets[0], data.buckets[data.buckets.length - 1]] } },
     axes: [
-      { values: (u, ticks) => ticks.map((t) => utcLabel(t, by)) },
-      { values: (u, ticks) => ticks.map((t) => format(t, unit)), size: 80 },
+      { space: 90, values: (u, ticks) => ticks.map((t) => utcLabel(t, by)) },
+      { values: (u, ticks) => ticks.map((t) => format(t, unit, Math.max(...ticks.map(Math.abs)))), size: 90 },
     ],
     series: [
       { label: by === "hour" ? "Hour (UTC)" : "Day (UTC)", value: (u, t) => (t == null ? "" : utcLabel(t, by)) },

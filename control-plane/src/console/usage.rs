@@ -185,10 +185,16 @@ pub async fn page(
         None => Vec::new(),
     };
     let keys = console.store.list_keys(&org).await?;
-    let (mut models, _) = console.billing.usage().used(&org).await?;
-    if let Some(m) = report.as_ref().and_then(|r| r.filter.model.clone()).filter(|m| !models.contains(m)) {
-        models.push(m);
-    }
+    // The catalog's models, and any other this report or its filter names (models
+    // since retired): no scan of every record just for the choices.
+    let mut models: Vec<String> = match &console.api {
+        Some(app) => app.models.listed().into_iter().map(|m| m.id).collect(),
+        None => Vec::new(),
+    };
+    models.extend(rows.iter().map(|r| r.model.clone()));
+    models.extend(report.as_ref().and_then(|r| r.filter.model.clone()));
+    models.sort();
+    models.dedup();
     let range = match &report {
         Some(r) if r.by == Granularity::Hour => format!(
             "the last {HOURS} hours: {} – {} (UTC hours)",
