@@ -416,6 +416,18 @@ async fn members_do_not_see_owner_controls_nor_invites() {
 }
 
 #[tokio::test]
+async fn a_past_due_plan_says_what_to_do() {
+    let world = World::new().await;
+    let subs = world.store.subscriptions(Arc::new(DevProcessor::default()));
+    subs.set_payment_method(&world.owner, "pm_dev_card_declined").await.unwrap();
+    let end = subs.get(&world.owner).await.unwrap().unwrap().period_end;
+    subs.renew_due(end).await.unwrap();
+    let (_, page, _) = world.send(Owner, "GET", &world.path("/o/{personal}/plan"), "").await;
+    assert!(page.contains("id=\"past-due\"") && page.contains("Start a plan again"), "{page}");
+    assert!(page.contains("Start Basic"), "a plan can be started again from the page");
+}
+
+#[tokio::test]
 async fn forms_need_the_token_of_their_session_and_our_own_origin() {
     let world = World::new().await;
     let owner = world.token(Owner).unwrap().to_string();

@@ -78,6 +78,17 @@ async fn charted_cost(client: &Client, org: &str, model: &str) -> i64 {
     values.last().and_then(Value::as_i64).unwrap_or(0)
 }
 
+/// Chooses the playground's key named `name`.
+async fn select_key(client: &Client, name: &str) {
+    for option in client.find_all(Locator::Css("#pg-key option")).await.unwrap() {
+        if option.text().await.unwrap().starts_with(name) {
+            option.click().await.unwrap();
+            return;
+        }
+    }
+    panic!("no key {name} in the playground");
+}
+
 /// SPEC.md's pro-rated upgrade charge at `now` (µs), to the nearest micro-dollar.
 fn pro_rated(difference: i64, start: i64, end: i64, now: i64) -> i64 {
     let (length, rest) = ((end - start) as i128, (end - now).max(0) as i128);
@@ -126,6 +137,23 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     post_from_page(&client, &format!("/o/{org}/billing/buy/confirm"), Value::Object(reviewed)).await;
     client.goto(&format!("{site}/o/{org}/billing")).await.unwrap();
     assert_eq!(micros(&text(&client, "#balance").await), 20_000_000, "bought once");
+
+    // Without a plan, a subscription key that may fall back to credits works through the
+    // SDK (on credits), while the playground refuses it: it never falls back on its own.
+    client.goto(&format!("{site}/o/{org}/keys")).await.unwrap();
+    client.find(Locator::Css("#create-key input[name=fallback]")).await.unwrap().click().await.unwrap();
+    submit(&client, "#create-key", &[("name", "fallback-key"), ("billing_mode", "subscription")], "#new-key-secret")
+        .await;
+    assert!(text(&client, "#key-list").await.contains("subscription, then credits"));
+    let fallback_key = text(&client, "#new-key-secret").await;
+    let id = sdk_request(&serve, &fallback_key);
+    assert_eq!(record(data.path(), &org, &id)["funding"], "credits", "the API falls back");
+    client.goto(&format!("{site}/o/{org}/playground")).await.unwrap();
+    select_key(&client, "fallback-key").await;
+    client.find(Locator::Css("#pg-message")).await.unwrap().send_keys("Hello").await.unwrap();
+    client.find(Locator::Css("#pg-send")).await.unwrap().click().await.unwrap();
+    let refused = wait_for(&client, ".turn.assistant.failed[data-done]").await.text().await.unwrap();
+    assert!(refused.contains("plan"), "the playground does not fall back: {refused}");
 
     // Plans: a one-time method is refused with SPEC.md's reason; Pro with a card.
     client.goto(&format!("{site}/o/{org}/plan")).await.unwrap();
@@ -190,12 +218,7 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     client.goto(&format!("{site}/o/{org}/playground")).await.unwrap();
     let form = client.form(Locator::Css("#playground")).await.unwrap();
     form.set_by_name("model", "vendor-a/model-a").await.unwrap();
-    let keys = client.find_all(Locator::Css("#pg-key option")).await.unwrap();
-    for option in keys {
-        if option.text().await.unwrap().starts_with("playground-key") {
-            option.click().await.unwrap();
-        }
-    }
+    select_key(&client, "playground-key").await;
     form.set_by_name("max_tokens", "300").await.unwrap();
     client.find(Locator::Css("#pg-message")).await.unwrap().send_keys("What is the capital of France?").await.unwrap();
     client.find(Locator::Css("#pg-send")).await.unwrap().click().await.unwrap();
@@ -214,7 +237,14 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     let shown = turn.attr("data-cost").await.unwrap().expect("the turn's cost");
     assert_eq!(micros(&shown), r["cost_micros"].as_i64().unwrap(), "the cost shown is the one billed");
     let balance = cli(data.path(), &["credits", "show", "--org", &org]);
-    assert_eq!(balance["balance_micros"].as_i64().unwrap(), 20_000_000 - r["cost_micros"].as_i64().unwrap());
+    let spent: i64 = cli(data.path(), &["usage", "list", "--org", &org])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["funding"] == "credits")
+        .map(|r| r["cost_micros"].as_i64().unwrap())
+        .sum();
+    assert_eq!(balance["balance_micros"].as_i64().unwrap(), 20_000_000 - spent, "credits paid for these calls only");
     let data_json = fetch_json(&client, &format!("/o/{org}/usage.json?model=vendor-a%2Fmodel-a")).await;
     assert_eq!(data_json["total"]["cost_micros"], r["cost_micros"], "in Usage");
 
