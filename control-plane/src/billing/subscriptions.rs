@@ -171,6 +171,15 @@ impl Subscription {
         Ok(())
     }
 
+    /// Ok if the plan is running; else why it cannot be changed.
+    fn active(&self) -> Result<(), PlanError> {
+        match self.status {
+            Status::Active => Ok(()),
+            Status::PastDue => Err(PlanError::PastDue(self.user_id.clone())),
+            Status::Cancelled => Err(PlanError::NoPlan(self.user_id.clone())),
+        }
+    }
+
     /// Included usage left this period.
     pub fn left_micros(&self) -> i64 {
         (self.included_micros - self.spent_micros).max(0)
@@ -357,11 +366,7 @@ impl Subscriptions {
     /// period, less what was already spent. Downgrades wait for the next period.
     pub async fn change(&self, user_id: &str, plan: Plan, now: i64) -> Result<Change, PlanError> {
         let s = self.current(user_id, now).await?;
-        match s.status {
-            Status::Active => {}
-            Status::PastDue => return Err(PlanError::PastDue(user_id.into())),
-            Status::Cancelled => return Err(PlanError::NoPlan(user_id.into())),
-        }
+        s.active()?;
         if plan == s.plan && s.pending_plan.is_none() {
             return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
         }
@@ -433,11 +438,7 @@ impl Subscriptions {
     /// included usage stays until then. Returns when it ends.
     pub async fn cancel(&self, user_id: &str, now: i64) -> Result<i64, PlanError> {
         let s = self.current(user_id, now).await?;
-        match s.status {
-            Status::Active => {}
-            Status::PastDue => return Err(PlanError::PastDue(user_id.into())),
-            Status::Cancelled => return Err(PlanError::NoPlan(user_id.into())),
-        }
+        s.active()?;
         self.set_cancel_at(&s, Some(s.period_end)).await?;
         Ok(s.period_end)
     }

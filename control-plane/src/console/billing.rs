@@ -52,10 +52,6 @@ struct BillingPage {
     error: Option<String>,
 }
 
-fn ledger_error(e: LedgerError) -> ConsoleError {
-    ConsoleError::Internal(e.to_string())
-}
-
 async fn show(
     console: &Console,
     viewer: &Viewer,
@@ -66,12 +62,10 @@ async fn show(
 ) -> Result<Response> {
     let org = membership.org.id.clone();
     let ledger = console.billing.ledger();
-    let (balance, held) =
-        (ledger.balance(&org).await.map_err(ledger_error)?, ledger.held(&org).await.map_err(ledger_error)?);
+    let (balance, held) = (ledger.balance(&org).await?, ledger.held(&org).await?);
     let mut dated: Vec<(i64, Entry)> = ledger
         .credits_added(&org, 200)
-        .await
-        .map_err(ledger_error)?
+        .await?
         .into_iter()
         .map(|(secs, micros, memo)| {
             let what = match memo.strip_prefix("purchase ") {
@@ -207,6 +201,6 @@ pub async fn buy(
             let why = format!("The payment did not go through: {why}.");
             show(&console, &viewer, membership, f.amount, None, Some(why)).await
         }
-        Err(e) => Err(ledger_error(e)),
+        Err(e) => Err(e.into()),
     }
 }

@@ -2,7 +2,7 @@
 //! its overview page and its settings.
 
 use super::authz::{Action, Offers, authorize};
-use super::page::{ConsoleError, Frame, Notice, Result, done, render, usd, when};
+use super::page::{Frame, Notice, Result, done, render, usd, when};
 use super::session::{MaybeViewer, Viewer};
 use super::{Console, State};
 use crate::accounts::{Membership, StoreError};
@@ -91,7 +91,7 @@ async fn show_dashboard(
     let org = membership.org.id.clone();
     let members = console.store.members(&org).await?.len();
     let active_keys = console.store.list_keys(&org).await?.iter().filter(|k| k.revoked_at.is_none()).count();
-    let micros = console.store.ledger().balance(&org).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
+    let micros = console.store.ledger().balance(&org).await?;
     let page = Dashboard {
         frame: viewer.frame(console, membership.org.name.clone(), Some(&org)).await?,
         offers: Offers::for_role(membership.role),

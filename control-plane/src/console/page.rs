@@ -117,6 +117,19 @@ impl From<sqlx::Error> for ConsoleError {
     }
 }
 
+/// Billing's errors that reach a page unhandled are ours, not the viewer's: a 500.
+impl From<crate::billing::LedgerError> for ConsoleError {
+    fn from(e: crate::billing::LedgerError) -> Self {
+        Self::Internal(e.to_string())
+    }
+}
+
+impl From<crate::billing::subscriptions::PlanError> for ConsoleError {
+    fn from(e: crate::billing::subscriptions::PlanError) -> Self {
+        Self::Internal(e.to_string())
+    }
+}
+
 pub type Result<T, E = ConsoleError> = std::result::Result<T, E>;
 
 /// The headers every console response carries: no script but our own files, no

@@ -179,8 +179,8 @@ async fn show(
     let methods = console.billing.subscriptions().processor().methods();
     let (subscription, payments) = if membership.personal {
         let plans = console.billing.subscriptions();
-        let s = plans.get(viewer.user_id()).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
-        let paid = plans.payments(viewer.user_id()).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
+        let s = plans.get(viewer.user_id()).await?;
+        let paid = plans.payments(viewer.user_id()).await?;
         let paid =
             paid.into_iter().rev().map(|p| (when(p.created_at / 1_000_000), p.purpose, usd(p.amount_micros))).collect();
         (s.filter(|s| s.status != Status::Cancelled), paid)
@@ -267,7 +267,7 @@ pub async fn review(
     let plan = parse_plan(&f.plan)?;
     let plans = console.billing.subscriptions();
     let now = crate::limits::now_us();
-    let s = plans.get(viewer.user_id()).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
+    let s = plans.get(viewer.user_id()).await?;
     let back = format!("/o/{org}/plan");
     let mut confirm = Confirm {
         frame: viewer.frame(&console, "Change plan", Some(&org)).await?,
@@ -374,12 +374,7 @@ pub async fn change(
 
 pub async fn confirm_cancel(Ctx(console): Ctx<State>, viewer: Viewer, Path(org): Path<String>) -> Result<Response> {
     personal(&console, &viewer, &org).await?;
-    let s = console
-        .billing
-        .subscriptions()
-        .get(viewer.user_id())
-        .await
-        .map_err(|e| ConsoleError::Internal(e.to_string()))?;
+    let s = console.billing.subscriptions().get(viewer.user_id()).await?;
     let Some(s) = s.filter(|s| s.status == Status::Active) else { return Err(ConsoleError::NotFound) };
     let page = Confirm {
         frame: viewer.frame(&console, "Cancel plan", Some(&org)).await?,

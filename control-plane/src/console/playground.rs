@@ -164,7 +164,7 @@ pub async fn request_cost(
     Path((org, id)): Path<(String, String)>,
 ) -> Result<Response> {
     authorize(&console, &viewer, &org, Action::View).await?;
-    let record = console.billing.ledger().usage_record(&id).await.map_err(|e| ConsoleError::Internal(e.to_string()))?;
+    let record = console.billing.ledger().usage_record(&id).await?;
     let Some(u) = record.filter(|u| u.org_id == org) else { return Err(ConsoleError::NotFound) };
     Ok(Json(json!({
         "request_id": u.request_id,

@@ -295,9 +295,21 @@ pub fn chart_data(report: &Report, rows: &[Sums]) -> ChartData {
     }
 }
 
-/// A query error as JSON or CSV callers read it: a 400 with the reason.
-fn refused(why: String) -> Response {
-    (StatusCode::BAD_REQUEST, Json(json!({"error": why}))).into_response()
+/// For the chart data and the CSV: the report and its rows, or a query error as their
+/// callers read it (a 400 with the reason as JSON).
+async fn rows_for(
+    console: &Console,
+    viewer: &Viewer,
+    org: &str,
+    q: &UsageQuery,
+) -> Result<std::result::Result<(Report, Vec<Sums>), Response>> {
+    authorize(console, viewer, org, Action::View).await?;
+    let report = match checked(console, org, q).await {
+        Ok(r) => r,
+        Err(why) => return Ok(Err((StatusCode::BAD_REQUEST, Json(json!({"error": why}))).into_response())),
+    };
+    let rows = sums(console, org, &report).await?;
+    Ok(Ok((report, rows)))
 }
 
 pub async fn data(
@@ -306,13 +318,10 @@ pub async fn data(
     Path(org): Path<String>,
     Query(q): Query<UsageQuery>,
 ) -> Result<Response> {
-    authorize(&console, &viewer, &org, Action::View).await?;
-    let report = match checked(&console, &org, &q).await {
-        Ok(r) => r,
-        Err(why) => return Ok(refused(why)),
-    };
-    let rows = sums(&console, &org, &report).await?;
-    Ok(Json(chart_data(&report, &rows)).into_response())
+    Ok(match rows_for(&console, &viewer, &org, &q).await? {
+        Ok((report, rows)) => Json(chart_data(&report, &rows)).into_response(),
+        Err(refused) => refused,
+    })
 }
 
 /// The table as CSV: one line per bucket and model, cost in dollars to the
@@ -323,12 +332,10 @@ pub async fn csv(
     Path(org): Path<String>,
     Query(q): Query<UsageQuery>,
 ) -> Result<Response> {
-    authorize(&console, &viewer, &org, Action::View).await?;
-    let report = match checked(&console, &org, &q).await {
-        Ok(r) => r,
-        Err(why) => return Ok(refused(why)),
+    let (report, rows) = match rows_for(&console, &viewer, &org, &q).await? {
+        Ok(found) => found,
+        Err(refused) => return Ok(refused),
     };
-    let rows = sums(&console, &org, &report).await?;
     let mut out = String::from(
         "bucket_start_utc,model,requests,input_tokens,cached_input_tokens,output_tokens,reasoning_tokens,cost_usd\n",
     );
