@@ -24,6 +24,9 @@ pub const INDICATIVE: [(&str, &str); 5] = [
 ];
 /// GPUs in one bare-metal node or cluster node.
 pub const GPUS_PER_NODE: i64 = 8;
+/// Requests one organization may send in a day: enough for any real need, too few to
+/// turn the operators' inbox into anyone's mailing list.
+pub const PER_ORG_PER_DAY: i64 = 5;
 /// How far ahead a start date may be, in days.
 pub const MAX_LEAD_DAYS: i64 = 366;
 
@@ -354,6 +357,16 @@ impl CapacityRequests {
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(from_row).transpose()
+    }
+
+    /// How many requests `org` has sent since `since` (µs).
+    pub async fn count_since(&self, org: &str, since: i64) -> Result<i64, sqlx::Error> {
+        let row = sqlx::query("SELECT COUNT(*) AS n FROM capacity_requests WHERE org_id = $1 AND created_at >= $2")
+            .bind(org)
+            .bind(since)
+            .fetch_one(&self.pool)
+            .await?;
+        row.try_get("n")
     }
 
     /// Moves a request to `status`; false if there is no such request.

@@ -416,6 +416,23 @@ async fn members_do_not_see_owner_controls_nor_invites() {
 }
 
 #[tokio::test]
+async fn capacity_requests_are_limited_per_organization_and_day() {
+    let world = World::new().await;
+    let form = world.path(
+        "gpu_type=L40S+48GB&topology=vm&gpus=1&region=any&start_date={tomorrow}&term_months=1&contact_name=A&contact_email=a%40acme.test",
+    );
+    let path = world.path("/o/{org}/capacity");
+    for _ in 0..tessera_control_plane::capacity::PER_ORG_PER_DAY {
+        assert_eq!(world.send(Owner, "POST", &path, &form).await.0, StatusCode::SEE_OTHER);
+    }
+    let (status, page, _) = world.send(Owner, "POST", &path, &form).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(page.contains("in the last 24 hours"), "{page}");
+    let stored = world.store.capacity_requests().list(Some(&world.org)).await.unwrap().len() as i64;
+    assert_eq!(stored, tessera_control_plane::capacity::PER_ORG_PER_DAY);
+}
+
+#[tokio::test]
 async fn a_past_due_plan_says_what_to_do() {
     let world = World::new().await;
     let subs = world.store.subscriptions(Arc::new(DevProcessor::default()));

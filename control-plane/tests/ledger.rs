@@ -95,11 +95,33 @@ async fn never_overdraws_under_concurrent_admission(a: Store, b: Store) {
     ledger.audit().await.unwrap();
 }
 
+/// A purchase named by a key is charged and granted once: asked again, even through a
+/// processor that has forgotten the key (a restart, an expired key), it takes nothing
+/// more; the same name with another amount is refused; a processor that does not
+/// answer grants nothing, and the retry under the same name then buys once.
+async fn purchases_happen_once(store: Store) {
+    use tessera_control_plane::billing::LedgerError;
+    use tessera_control_plane::billing::payments::{DEV_CARD, DEV_CARD_UNREACHABLE, DevProcessor, PaymentError};
+    let ledger = store.ledger();
+    let org = store.create_org("buyer").await.unwrap();
+    let first = ledger.purchase_once(&DevProcessor::default(), &org.id, 5_000_000, DEV_CARD, "p:1").await.unwrap();
+    let again = ledger.purchase_once(&DevProcessor::default(), &org.id, 5_000_000, DEV_CARD, "p:1").await.unwrap();
+    assert_eq!(again, first, "the recorded purchase, not a new charge");
+    assert_eq!(ledger.balance(&org.id).await.unwrap(), 5_000_000);
+    let other = ledger.purchase_once(&DevProcessor::default(), &org.id, 6_000_000, DEV_CARD, "p:1").await;
+    assert!(matches!(other, Err(LedgerError::Invalid(_))), "{other:?}");
+    let lost = ledger.purchase_once(&DevProcessor::default(), &org.id, 1_000_000, DEV_CARD_UNREACHABLE, "p:2").await;
+    assert!(matches!(lost, Err(LedgerError::Payment(PaymentError::Unavailable(_)))), "{lost:?}");
+    assert_eq!(ledger.balance(&org.id).await.unwrap(), 5_000_000, "nothing granted without a payment");
+    ledger.audit().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_ledger_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
     settles_exactly_once(Store::open(&url).await.unwrap()).await;
+    purchases_happen_once(Store::open(&url).await.unwrap()).await;
     never_overdraws_under_concurrent_admission(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap())
         .await;
 }
@@ -108,6 +130,7 @@ async fn the_ledger_on_sqlite() {
 async fn the_ledger_on_postgresql() {
     let server = postgres::Server::start();
     settles_exactly_once(Store::open(&server.url).await.unwrap()).await;
+    purchases_happen_once(Store::open(&server.url).await.unwrap()).await;
     never_overdraws_under_concurrent_admission(
         Store::open(&server.url).await.unwrap(),
         Store::open(&server.url).await.unwrap(),

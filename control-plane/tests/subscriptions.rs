@@ -15,7 +15,7 @@ use tessera_control_plane::billing::payments::{
     DEV_CARD, DEV_CARD_DECLINED, DEV_CARD_UNREACHABLE, DEV_CRYPTO, DevProcessor,
 };
 use tessera_control_plane::billing::plans::{HOUR_US, Plan, WINDOW_5H_US, WINDOW_7D_US, add_months};
-use tessera_control_plane::billing::subscriptions::{Change, PlanError, Status};
+use tessera_control_plane::billing::subscriptions::{Agreed, Change, PlanError, Status};
 use tessera_control_plane::billing::supply::{SupplyPoint, SupplyState};
 use tessera_control_plane::billing::{Ask, Billing, Meter};
 use tessera_control_plane::catalog::Prices;
@@ -242,8 +242,17 @@ async fn concurrency_and_plan_changes(store: Store) {
     // The console's quote, shown before confirming, is what the change charges.
     let quote = f.subscription().await.upgrade_quote(Plan::Pro, half);
     assert_eq!((quote.charged_micros, quote.included_micros), (10 * DOLLAR, 50 * DOLLAR));
+    // Agreed to a lower charge than the change would take, or for another period: refused,
+    // and nothing charged.
+    let shown = f.subscription().await;
+    let agreed = |max, period| Agreed { id: shown.id.clone(), period, max_charge_micros: max };
+    for wrong in [agreed(quote.charged_micros - 1, 0), agreed(quote.charged_micros, 1)] {
+        let refused = subs.change_agreed(&f.user.id, Plan::Pro, half, Some(wrong)).await;
+        assert!(matches!(refused, Err(PlanError::Requote(_))), "{refused:?}");
+    }
+    assert_eq!(f.subscription().await, shown, "unchanged, uncharged");
     assert_eq!(
-        subs.change(&f.user.id, Plan::Pro, half).await.unwrap(),
+        subs.change_agreed(&f.user.id, Plan::Pro, half, Some(agreed(quote.charged_micros, 0))).await.unwrap(),
         Change::Upgraded { charged_micros: 10 * DOLLAR }
     );
     let s = f.subscription().await;

@@ -30,7 +30,7 @@ fn fetch_page(url: &str, accept: &str) -> (u16, String, String) {
     let script = r#"
 import sys, urllib.request
 r = urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers={"Accept": sys.argv[2]}), timeout=5)
-print(r.status); print(r.headers["content-type"]); print(r.read().decode())
+print(r.status); print(r.headers["content-type"] + "; vary=" + str(r.headers["vary"])); print(r.read().decode())
 "#;
     let out = Command::new("python3").args(["-c", script, url, accept]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -124,6 +124,7 @@ for i in range(3):
     }
     let (_, kind, _) = fetch_page(&format!("{base}/status"), "application/json");
     assert!(kind.starts_with("application/json"), "clients still get JSON: {kind}");
+    assert!(kind.ends_with("vary=accept"), "caches keep the two apart: {kind}");
 
     // Killed and started again over the same database: the month still holds them.
     drop(serve);

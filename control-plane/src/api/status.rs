@@ -17,12 +17,16 @@ pub async fn handle(
     headers: HeaderMap,
     query: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    if wants_html(&headers) {
-        return Ok(crate::console::status_page::page(&app.status));
-    }
-    let Query(query) = query.map_err(|e| ApiError::invalid_value("window", e.body_text()))?;
-    let window = window_of(&query)?;
-    Ok(Json::<Snapshot>(app.status.snapshot(window)).into_response())
+    let mut response = if wants_html(&headers) {
+        crate::console::status_page::page(&app.status)
+    } else {
+        let Query(query) = query.map_err(|e| ApiError::invalid_value("window", e.body_text()))?;
+        let window = window_of(&query)?;
+        Json::<Snapshot>(app.status.snapshot(window)).into_response()
+    };
+    // One address, two representations: caches must key on Accept.
+    response.headers_mut().insert(header::VARY, header::HeaderValue::from_static("accept"));
+    Ok(response)
 }
 
 pub async fn page(State(app): State<App>) -> Response {

@@ -19,6 +19,8 @@ pub enum LedgerError {
     Db(#[from] sqlx::Error),
     #[error("{0}")]
     Invalid(String),
+    #[error("{0}")]
+    Payment(#[from] super::payments::PaymentError),
 }
 
 /// A request's claim on credit, taken before it runs.
@@ -180,7 +182,9 @@ impl Ledger {
     }
 
     /// The same, named by `key`: asked again with the same key (a form submitted
-    /// twice), it charges and grants nothing more and returns the first reference.
+    /// twice, a retry after the processor did not answer), it charges and grants
+    /// nothing more and returns the first reference — even once the processor has
+    /// forgotten the key, since the payment recorded here is looked up first.
     pub async fn purchase_once(
         &self,
         processor: &dyn PaymentProcessor,
@@ -192,13 +196,16 @@ impl Ledger {
         if micros == 0 {
             return Err(LedgerError::Invalid("a purchase must be positive".into()));
         }
+        if let Some(reference) = self.recorded_purchase(key, org_id, micros, method).await? {
+            return Ok(reference);
+        }
         let charge = Charge {
             idempotency_key: key.into(),
             method: method.into(),
             amount_micros: amount(micros)?,
             description: "credits".into(),
         };
-        let receipt = processor.charge(&charge).await.map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        let receipt = processor.charge(&charge).await?;
         let mut tx = self.pool.begin().await?;
         let now_us = crate::limits::now_us();
         let first =
@@ -209,6 +216,28 @@ impl Ledger {
         }
         tx.commit().await?;
         Ok(receipt.reference)
+    }
+
+    /// The reference of the credit purchase recorded under `key`, if any; one recorded
+    /// for another payer, amount or method is refused rather than taken for this one.
+    async fn recorded_purchase(
+        &self,
+        key: &str,
+        org_id: &str,
+        micros: u64,
+        method: &str,
+    ) -> Result<Option<String>, LedgerError> {
+        let row = sqlx::query("SELECT payer, amount_micros, payment_method, processor_ref FROM payments WHERE id = $1")
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let (payer, paid, paid_with): (String, i64, String) =
+            (row.try_get("payer")?, row.try_get("amount_micros")?, row.try_get("payment_method")?);
+        if payer != org_id || paid != amount(micros)? || paid_with != method {
+            return Err(LedgerError::Invalid("this purchase was already paid with another amount or method".into()));
+        }
+        Ok(Some(row.try_get("processor_ref")?))
     }
 
     /// Credit added to an organization (grants and purchases), newest first: when

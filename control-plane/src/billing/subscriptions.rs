@@ -36,6 +36,8 @@ pub enum PlanError {
     NotRecurring(String),
     #[error("{0}'s plan changed while this change was being paid for; the charge was refunded: try again")]
     Conflict(String),
+    #[error("{0}'s plan changed since this change was priced; nothing was charged: review it again")]
+    Requote(String),
     #[error("{0}")]
     Payment(#[from] PaymentError),
 }
@@ -195,6 +197,16 @@ impl Subscription {
         let paid = self.paid_micros + charged;
         UpgradeQuote { charged_micros: charged, paid_micros: paid, included_micros: plan.included_for(paid) }
     }
+}
+
+/// What a payer agreed to when a plan change was shown to them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Agreed {
+    /// The subscription (`Subscription::id`) and period shown.
+    pub id: String,
+    pub period: i64,
+    /// The charge shown: the change may cost no more.
+    pub max_charge_micros: i64,
 }
 
 /// The price of an upgrade, as charged and as shown before confirming.
@@ -365,8 +377,26 @@ impl Subscriptions {
     /// charged, and included usage becomes the new multiplier × everything paid this
     /// period, less what was already spent. Downgrades wait for the next period.
     pub async fn change(&self, user_id: &str, plan: Plan, now: i64) -> Result<Change, PlanError> {
+        self.change_agreed(user_id, plan, now, None).await
+    }
+
+    /// The same, only as the payer agreed on a review page: for the subscription and
+    /// period shown then, and charging no more than was shown (a renewal or another
+    /// change in between is refused, uncharged, to be reviewed again).
+    pub async fn change_agreed(
+        &self,
+        user_id: &str,
+        plan: Plan,
+        now: i64,
+        agreed: Option<Agreed>,
+    ) -> Result<Change, PlanError> {
         let s = self.current(user_id, now).await?;
         s.active()?;
+        if let Some(a) = &agreed
+            && (a.id != s.id || a.period != s.period || s.upgrade_quote(plan, now).charged_micros > a.max_charge_micros)
+        {
+            return Err(PlanError::Requote(user_id.into()));
+        }
         if plan == s.plan && s.pending_plan.is_none() {
             return Err(PlanError::SamePlan(user_id.into(), plan.as_str()));
         }
@@ -512,15 +542,7 @@ impl Subscriptions {
     /// so the processor charges once; one of them writes the new period.
     async fn renew(&self, s: &Subscription, now: i64) -> Result<bool, PlanError> {
         if s.cancel_at.is_some() {
-            sqlx::query(
-                "UPDATE subscriptions SET status = 'cancelled', pending_plan = NULL WHERE user_id = $1 AND id = $2 \
-                 AND period = $3 AND status = 'active'",
-            )
-            .bind(&s.user_id)
-            .bind(&s.id)
-            .bind(s.period)
-            .execute(&self.pool)
-            .await?;
+            self.end_cancelled(s).await?;
             return Ok(false);
         }
         let mut period = s.period + 1;
@@ -551,7 +573,7 @@ impl Subscriptions {
         let done = sqlx::query(
             "UPDATE subscriptions SET plan = $1, pending_plan = NULL, period = $2, period_start = $3, period_end = $4, \
              paid_micros = $5, included_micros = $6, spent_micros = 0 \
-             WHERE user_id = $7 AND id = $8 AND period = $9 AND status = 'active'",
+             WHERE user_id = $7 AND id = $8 AND period = $9 AND status = 'active' AND cancel_at IS NULL",
         )
         .bind(plan.as_str())
         .bind(period)
@@ -570,7 +592,29 @@ impl Subscriptions {
             record_payment(&mut tx, &key, &s.user_id, "renewal", price, method, &receipt.reference, now).await?;
         }
         tx.commit().await?;
+        if !renewed {
+            // Another control plane renewed this period (with this same charge: keep it),
+            // or the plan was cancelled since it was read: then the charge paid for nothing.
+            if self.end_cancelled(s).await? {
+                self.refund(&receipt.reference).await;
+            }
+        }
         Ok(renewed)
+    }
+
+    /// Ends a cancelled plan whose period is over (still at `s`'s period); true if this
+    /// call ended it.
+    async fn end_cancelled(&self, s: &Subscription) -> Result<bool, PlanError> {
+        let done = sqlx::query(
+            "UPDATE subscriptions SET status = 'cancelled', pending_plan = NULL WHERE user_id = $1 AND id = $2 \
+             AND period = $3 AND status = 'active' AND cancel_at IS NOT NULL",
+        )
+        .bind(&s.user_id)
+        .bind(&s.id)
+        .bind(s.period)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// Holds `amount` of the included usage of the user whose personal organization is

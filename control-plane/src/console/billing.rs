@@ -10,7 +10,7 @@ use super::session::Viewer;
 use super::{Console, State};
 use crate::accounts::Membership;
 use crate::billing::LedgerError;
-use crate::billing::payments::Method;
+use crate::billing::payments::{Method, PaymentError};
 use crate::billing::usage::{DAY_US, Filter, Granularity};
 use askama::Template;
 use axum::Form;
@@ -140,7 +140,40 @@ fn checked(console: &Console, f: &BuyForm) -> std::result::Result<(i64, Method),
     Ok((micros, method))
 }
 
-/// The review page: the amount and method as they will be charged.
+/// The review page: the amount and method as they will be charged, named `purchase`
+/// (an earlier attempt's name when it is asked again), with `note` before the button.
+async fn review_page(
+    console: &Console,
+    viewer: &Viewer,
+    membership: &Membership,
+    (micros, method): (i64, Method),
+    purchase: String,
+    note: Option<&str>,
+) -> Result<Response> {
+    let org = &membership.org.id;
+    let detail = format!(
+        "{} will be charged {} now, and {} added to {}'s balance. Credit does not expire and is not refunded.",
+        method.label,
+        usd(micros),
+        usd(micros),
+        membership.org.name
+    );
+    let page = Confirm {
+        frame: viewer.frame(console, "Buy credits", Some(org)).await?,
+        question: format!("Buy {} of credit?", usd(micros)),
+        detail: match note {
+            Some(note) => format!("{note} {detail}"),
+            None => detail,
+        },
+        action: format!("/o/{org}/billing/buy/confirm"),
+        button: format!("Pay {}", usd(micros)),
+        back: format!("/o/{org}/billing"),
+        fields: vec![("amount", usd(micros)), ("method", method.id), ("purchase", purchase)],
+        danger: false,
+    };
+    Ok(render(StatusCode::OK, &page))
+}
+
 pub async fn review(
     Ctx(console): Ctx<State>,
     viewer: Viewer,
@@ -148,35 +181,18 @@ pub async fn review(
     Form(f): Form<BuyForm>,
 ) -> Result<Response> {
     let membership = authorize(&console, &viewer, &org, Action::ManageBilling).await?;
-    let (micros, method) = match checked(&console, &f) {
-        Ok(ok) => ok,
-        Err(why) => return show(&console, &viewer, membership, f.amount, None, Some(why)).await,
-    };
-    let page = Confirm {
-        frame: viewer.frame(&console, "Buy credits", Some(&org)).await?,
-        question: format!("Buy {} of credit?", usd(micros)),
-        detail: format!(
-            "{} will be charged {} now, and {} added to {}'s balance. Credit does not expire and is not refunded.",
-            method.label,
-            usd(micros),
-            usd(micros),
-            membership.org.name
-        ),
-        action: format!("/o/{org}/billing/buy/confirm"),
-        button: format!("Pay {}", usd(micros)),
-        back: format!("/o/{org}/billing"),
-        fields: vec![
-            ("amount", usd(micros)),
-            ("method", method.id),
-            ("purchase", crate::accounts::keys::random_id("")),
-        ],
-        danger: false,
-    };
-    Ok(render(StatusCode::OK, &page))
+    match checked(&console, &f) {
+        Ok(reviewed) => {
+            let purchase = crate::accounts::keys::random_id("");
+            review_page(&console, &viewer, &membership, reviewed, purchase, None).await
+        }
+        Err(why) => show(&console, &viewer, membership, f.amount, None, Some(why)).await,
+    }
 }
 
 /// Pays for reviewed credit. The review page's purchase name makes the charge and
-/// the grant happen once, even when the button is pressed twice.
+/// the grant happen once, even when the button is pressed twice; when the processor
+/// does not answer, the same review comes back, so that paying again reuses the name.
 pub async fn buy(
     Ctx(console): Ctx<State>,
     viewer: Viewer,
@@ -197,8 +213,17 @@ pub async fn buy(
     let processor = console.billing.subscriptions().processor();
     match ledger.purchase_once(processor, &org, micros as u64, &method.id, &key).await {
         Ok(_) => Ok(done(&format!("/o/{org}/billing"), "purchased")),
+        Err(LedgerError::Payment(PaymentError::Unavailable(_))) => {
+            let note = "The payment processor did not answer, so this payment may or may not have gone through. \
+                        Paying again here is safe: this purchase is charged at most once.";
+            review_page(&console, &viewer, &membership, (micros, method), name.to_string(), Some(note)).await
+        }
+        Err(LedgerError::Payment(e)) => {
+            let why = format!("The payment did not go through: {e}.");
+            show(&console, &viewer, membership, f.amount, None, Some(why)).await
+        }
         Err(LedgerError::Invalid(why)) => {
-            let why = format!("The payment did not go through: {why}.");
+            let why = format!("That purchase cannot be made: {why}.");
             show(&console, &viewer, membership, f.amount, None, Some(why)).await
         }
         Err(e) => Err(e.into()),

@@ -10,7 +10,9 @@ use super::page::{Frame, Notice, Result, done, render, when};
 use super::session::Viewer;
 use super::{Console, State};
 use crate::accounts::Membership;
-use crate::capacity::{CapacityRequest, Form as CapacityForm, GPU_TYPES, INDICATIVE, Problems, REGIONS, TERMS, Wanted};
+use crate::capacity::{
+    CapacityRequest, Form as CapacityForm, GPU_TYPES, INDICATIVE, PER_ORG_PER_DAY, Problems, REGIONS, TERMS, Wanted,
+};
 use askama::Template;
 use axum::Form;
 use axum::extract::{Path, Query, State as Ctx};
@@ -59,6 +61,7 @@ async fn show(
     membership: Membership,
     form: CapacityForm,
     problems: Problems,
+    refused: Option<String>,
     done: Option<&'static str>,
 ) -> Result<Response> {
     let org = membership.org.id.clone();
@@ -75,8 +78,8 @@ async fn show(
             id: r.id,
         })
         .collect();
-    let error = (!problems.is_empty()).then(|| "Some answers need another look: see below.".to_string());
-    let status = if problems.is_empty() { StatusCode::OK } else { StatusCode::BAD_REQUEST };
+    let status = if problems.is_empty() && refused.is_none() { StatusCode::OK } else { StatusCode::BAD_REQUEST };
+    let error = refused.or_else(|| (!problems.is_empty()).then(|| "Some answers need another look: see below.".into()));
     let page = CapacityPage {
         frame: viewer.frame(console, "Dedicated capacity", Some(&org)).await?,
         offers: Offers::for_role(membership.role),
@@ -110,7 +113,7 @@ pub async fn page(
         term_months: "12".into(),
         ..CapacityForm::default()
     };
-    show(&console, &viewer, membership, form, Problems::new(), notice.text()).await
+    show(&console, &viewer, membership, form, Problems::new(), None, notice.text()).await
 }
 
 pub async fn submit(
@@ -122,9 +125,18 @@ pub async fn submit(
     let membership = authorize(&console, &viewer, &org, Action::ManageBilling).await?;
     let wanted = match form.check(today()) {
         Ok(w) => w,
-        Err(problems) => return show(&console, &viewer, membership, form, problems, None).await,
+        Err(problems) => return show(&console, &viewer, membership, form, problems, None, None).await,
     };
-    let request = console.store.capacity_requests().create(&org, viewer.user_id(), &wanted).await?;
+    let requests = console.store.capacity_requests();
+    let day_ago = crate::limits::now_us() - crate::billing::usage::DAY_US;
+    if requests.count_since(&org, day_ago).await? >= PER_ORG_PER_DAY {
+        let why = format!(
+            "This organization has sent {PER_ORG_PER_DAY} requests in the last 24 hours: we answer those first. \
+             Add anything else to your reply to our e-mail."
+        );
+        return show(&console, &viewer, membership, form, Problems::new(), Some(why), None).await;
+    }
+    let request = requests.create(&org, viewer.user_id(), &wanted).await?;
     let mailed = mail(&console, &membership, &viewer.session.user.email, &request).await;
     Ok(done(&format!("/o/{org}/capacity"), if mailed { "capacity" } else { "capacity-unmailed" }))
 }

@@ -84,6 +84,13 @@ pub type State = Arc<Console>;
 
 /// Forms are small; anything larger is refused before it is read.
 const MAX_FORM_BYTES: usize = 64 << 10;
+/// Except a playground turn, which carries the conversation so far.
+const MAX_PLAYGROUND_BYTES: usize = 1 << 20;
+
+/// The most a POST to `path` may carry.
+fn body_limit(path: &str) -> usize {
+    if path.ends_with("/playground/chat") { MAX_PLAYGROUND_BYTES } else { MAX_FORM_BYTES }
+}
 
 pub fn router(console: State) -> Router {
     Router::new()
@@ -123,7 +130,7 @@ pub fn router(console: State) -> Router {
         .route("/o/{org}/usage.csv", get(usage::csv))
         .route("/assets/{file}", get(assets::serve))
         .layer(middleware::from_fn(session::guard))
-        .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))
+        .layer(DefaultBodyLimit::max(MAX_PLAYGROUND_BYTES))
         .layer(middleware::from_fn(page::headers))
         .with_state(console)
 }

@@ -66,6 +66,9 @@ pub enum ConsoleError {
     Forgery,
     #[error("{0}")]
     BadRequest(String),
+    /// A form larger than the page could have sent.
+    #[error("too large")]
+    TooLarge,
     #[error("too many attempts")]
     Throttled { retry_after: i64 },
     #[error("store: {0}")]
@@ -92,6 +95,11 @@ impl IntoResponse for ConsoleError {
                 "It came from another site or an old page. Go back, reload the page and try again.",
             ),
             Self::BadRequest(why) => (StatusCode::BAD_REQUEST, "That did not work", why.as_str()),
+            Self::TooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Too much at once",
+                "That form carried more than this page accepts. Shorten it and try again.",
+            ),
             Self::Throttled { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "Too many attempts",

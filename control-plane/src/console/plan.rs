@@ -13,7 +13,7 @@ use super::{Console, State};
 use crate::accounts::Membership;
 use crate::billing::payments::{Method, MethodKind};
 use crate::billing::plans::{Plan, WINDOW_5H_US, WINDOW_7D_US};
-use crate::billing::subscriptions::{PlanError, Status, Subscription, Window};
+use crate::billing::subscriptions::{Agreed, PlanError, Status, Subscription, Window};
 use askama::Template;
 use axum::Form;
 use axum::extract::{Path, Query, State as Ctx};
@@ -101,6 +101,11 @@ fn plan_error(e: PlanError) -> std::result::Result<String, ConsoleError> {
         PlanError::NoPlan(_) => "You have no plan running.".into(),
         PlanError::SamePlan(_, plan) => format!("You are already on the {plan} plan."),
         PlanError::Conflict(_) => "Your plan changed in the meantime (any charge was refunded): try again.".into(),
+        PlanError::Requote(_) => {
+            "Your plan changed since this price was shown (a renewal or another change); nothing was charged. \
+             Review the change again."
+                .into()
+        }
         PlanError::NoUser(_) => "Plans are for personal accounts only.".into(),
         PlanError::Payment(e) => format!("The payment did not go through: {e}."),
     })
@@ -236,6 +241,10 @@ pub async fn page(
 pub struct PlanForm {
     plan: String,
     method: String,
+    /// From a review page: the subscription, period and charge shown.
+    sub: String,
+    period: String,
+    quoted: String,
 }
 
 /// The viewer's own personal organization, where they manage their plan; shared
@@ -250,6 +259,11 @@ async fn personal(console: &Console, viewer: &Viewer, org: &str) -> Result<Membe
         ));
     }
     Ok(membership)
+}
+
+/// The review page's record of what was shown: the subscription, its period, the charge.
+fn agreed_fields(s: &Subscription, charge: i64) -> [(&'static str, String); 3] {
+    [("sub", s.id.clone()), ("period", s.period.to_string()), ("quoted", charge.to_string())]
 }
 
 fn parse_plan(text: &str) -> Result<Plan> {
@@ -308,7 +322,7 @@ pub async fn review(
             confirm.detail = format!(
                 "The price difference ({} − {} a month) for the rest of this period, until {}: {} charged now \
                  (worked out again to the second when you confirm, so it can only be lower). Included usage becomes \
-                 {} this period ({} × {} paid), of which {} is already spent. From {} the plan renews at {}.",
+                 {} this period ({} × {} paid), of which {} is already spent. {}",
                 usd(plan.price_micros()),
                 usd(s.plan.price_micros()),
                 when(s.period_end / 1_000_000),
@@ -317,10 +331,17 @@ pub async fn review(
                 format_args!("{}.{}", plan.multiplier_bp() / 10_000, plan.multiplier_bp() % 10_000 / 1_000),
                 usd(quote.paid_micros),
                 usd(s.spent_micros),
-                when(s.period_end / 1_000_000),
-                usd(plan.price_micros()),
+                match s.cancel_at {
+                    Some(_) => format!("The plan is cancelled: it still ends on {}.", when(s.period_end / 1_000_000)),
+                    None => format!(
+                        "From {} the plan renews at {}.",
+                        when(s.period_end / 1_000_000),
+                        usd(plan.price_micros())
+                    ),
+                },
             );
             confirm.button = format!("Pay {} and upgrade", usd(quote.charged_micros));
+            confirm.fields.extend(agreed_fields(&s, quote.charged_micros));
         }
         Some(s) if plan < s.plan => {
             confirm.question = format!("Downgrade to {} from {}?", plan_name(plan), when(s.period_end / 1_000_000));
@@ -332,6 +353,7 @@ pub async fn review(
                 usd(plan.price_micros())
             );
             confirm.button = "Downgrade at renewal".into();
+            confirm.fields.extend(agreed_fields(&s, 0));
         }
         Some(_) => return Err(ConsoleError::BadRequest("You are already on this plan.".into())),
     }
@@ -364,7 +386,14 @@ pub async fn change(
     let plan = parse_plan(&f.plan)?;
     let plans = console.billing.subscriptions();
     use crate::billing::subscriptions::Change;
-    match plans.change(viewer.user_id(), plan, crate::limits::now_us()).await {
+    let agreed = if f.sub.is_empty() {
+        None
+    } else {
+        let number =
+            |t: &str| t.parse::<i64>().map_err(|_| ConsoleError::BadRequest("Review the change again.".into()));
+        Some(Agreed { id: f.sub.clone(), period: number(&f.period)?, max_charge_micros: number(&f.quoted)? })
+    };
+    match plans.change_agreed(viewer.user_id(), plan, crate::limits::now_us(), agreed).await {
         Ok(Change::Upgraded { .. }) => Ok(done(&format!("/o/{org}/plan"), "upgraded")),
         Ok(Change::DowngradeScheduled { .. }) => Ok(done(&format!("/o/{org}/plan"), "downgrade")),
         Ok(Change::DowngradeCancelled) => Ok(done(&format!("/o/{org}/plan"), "kept")),

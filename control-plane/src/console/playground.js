@@ -48,12 +48,21 @@ function setup(form) {
     body.set("messages", JSON.stringify(messages));
     let requestId = null;
     let finish = null;
+    let answered = false;
     try {
       const response = await fetch(form.dataset.chat, { method: "POST", body, credentials: "same-origin" });
       requestId = response.headers.get("x-request-id");
-      if (!response.ok || !response.body) {
-        const error = await response.json().catch(() => null);
-        throw new Error((error && error.error && error.error.message) || "The request failed (" + response.status + ").");
+      const kind = response.headers.get("content-type") || "";
+      if (!response.ok || !response.body || !kind.startsWith("text/event-stream")) {
+        const error = kind.startsWith("application/json") ? await response.json().catch(() => null) : null;
+        throw new Error(
+          (error && error.error && error.error.message) ||
+            (response.status === 413
+              ? "The conversation is too long for the playground: start a new one."
+              : response.ok
+                ? "Your session has ended: reload the page and sign in again."
+                : "The request failed (" + response.status + ").")
+        );
       }
       const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
       let buffer = "";
@@ -84,6 +93,7 @@ function setup(form) {
         }
       }
       messages.push({ role: "assistant", content: answer.textContent });
+      answered = true;
       turn.dataset.finish = finish || "";
       const cost = await fetch(form.dataset.requests + encodeURIComponent(requestId), { credentials: "same-origin" });
       if (cost.ok) {
@@ -97,8 +107,12 @@ function setup(form) {
       status.textContent = "";
     } catch (e) {
       turn.classList.add("failed");
-      answer.textContent = e.message;
-      messages.pop();
+      if (answered) {
+        usage.textContent = e.message;
+      } else {
+        answer.textContent = e.message;
+        messages.pop();
+      }
       status.textContent = "";
     } finally {
       send.disabled = false;

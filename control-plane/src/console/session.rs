@@ -6,7 +6,7 @@
 //! the cookie, which scripts cannot read (HttpOnly).
 
 use super::page::{ConsoleError, Nav};
-use super::{Console, MAX_FORM_BYTES, State};
+use super::{Console, State, body_limit};
 use crate::accounts::{Session, keys};
 use axum::body::Body;
 use axum::extract::{ConnectInfo, FromRequestParts, Request};
@@ -93,8 +93,8 @@ pub async fn guard(request: Request, next: Next) -> Response {
         return ConsoleError::Forgery.into_response();
     }
     let (parts, body) = request.into_parts();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM_BYTES).await else {
-        return ConsoleError::BadRequest("The form is too large.".into()).into_response();
+    let Ok(bytes) = axum::body::to_bytes(body, body_limit(parts.uri.path())).await else {
+        return ConsoleError::TooLarge.into_response();
     };
     if let Some(token) = cookie(&parts.headers, SESSION_COOKIE) {
         let sent = serde_urlencoded::from_bytes::<Vec<(String, String)>>(&bytes)

@@ -31,14 +31,24 @@ function draw(el, data, metric) {
     el.textContent = "No usage in this range.";
     return;
   }
+  const first = data.buckets[0];
+  const last = data.buckets[data.buckets.length - 1];
+  const step = by === "hour" ? 3600 : 86400;
+  const ticks = (u) => {
+    const fit = Math.max(1, Math.floor(u.bbox.width / (window.devicePixelRatio || 1) / 90));
+    const every = Math.ceil(data.buckets.length / fit);
+    return data.buckets.filter((_, i) => i % every === 0);
+  };
   const opts = {
     width: Math.max(320, el.clientWidth - 16),
     height: 280,
     // Read and label every time in UTC: the buckets are UTC days and hours.
     tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"),
-    scales: { x: { time: true, range: [data.buckets[0], data.buckets[data.buckets.length - 1]] } },
+    // Half a bucket of room on each side: a one-day range still has a width.
+    scales: { x: { time: true, range: [first - step / 2, last + step / 2] } },
     axes: [
-      { space: 90, values: (u, ticks) => ticks.map((t) => utcLabel(t, by)) },
+      // Ticks on bucket starts only (every k-th, to fit), so no label repeats.
+      { splits: (u) => ticks(u), values: (u, ts) => ts.map((t) => utcLabel(t, by)) },
       { values: (u, ticks) => ticks.map((t) => format(t, unit, Math.max(...ticks.map(Math.abs)))), size: 90 },
     ],
     series: [

@@ -131,16 +131,19 @@ async fn sums(console: &Console, org: &str, report: &Report) -> Result<Vec<Sums>
     Ok(console.billing.usage().sums(org, report.start, report.end, report.by, &report.filter).await?)
 }
 
-/// The filters, checked against the organization: a key must be one of its own.
-async fn checked(console: &Console, org: &str, q: &UsageQuery) -> std::result::Result<Report, String> {
-    let report = q.check(crate::limits::now_us())?;
-    if let Some(key) = &report.filter.key_id {
-        let known = console.store.key(key).await.ok().flatten().is_some_and(|k| k.org_id == org);
-        if !known {
-            return Err("That key is not one of this organization's.".into());
-        }
+/// The filters, checked against the organization (a key must be one of its own), or
+/// what is wrong with them.
+async fn checked(console: &Console, org: &str, q: &UsageQuery) -> Result<std::result::Result<Report, String>> {
+    let report = match q.check(crate::limits::now_us()) {
+        Ok(r) => r,
+        Err(why) => return Ok(Err(why)),
+    };
+    if let Some(key) = &report.filter.key_id
+        && console.store.key(key).await?.is_none_or(|k| k.org_id != org)
+    {
+        return Ok(Err("That key is not one of this organization's.".into()));
     }
-    Ok(report)
+    Ok(Ok(report))
 }
 
 struct TableRow {
@@ -176,7 +179,7 @@ pub async fn page(
     Query(q): Query<UsageQuery>,
 ) -> Result<Response> {
     let membership = authorize(&console, &viewer, &org, Action::View).await?;
-    let (report, error) = match checked(&console, &org, &q).await {
+    let (report, error) = match checked(&console, &org, &q).await? {
         Ok(r) => (Some(r), None),
         Err(why) => (None, Some(why)),
     };
@@ -304,7 +307,7 @@ async fn rows_for(
     q: &UsageQuery,
 ) -> Result<std::result::Result<(Report, Vec<Sums>), Response>> {
     authorize(console, viewer, org, Action::View).await?;
-    let report = match checked(console, org, q).await {
+    let report = match checked(console, org, q).await? {
         Ok(r) => r,
         Err(why) => return Ok(Err((StatusCode::BAD_REQUEST, Json(json!({"error": why}))).into_response())),
     };
@@ -364,7 +367,7 @@ pub async fn csv(
 
 /// A CSV field, quoted when it must be, and never read as a formula by a spreadsheet.
 fn csv_field(s: &str) -> String {
-    let s = if s.starts_with(['=', '+', '-', '@']) { format!("'{s}") } else { s.to_string() };
+    let s = if s.starts_with(['=', '+', '-', '@', '\t', '\r']) { format!("'{s}") } else { s.to_string() };
     if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s }
 }
 
@@ -411,6 +414,7 @@ mod tests {
     fn csv_fields_cannot_smuggle_formulas_or_columns() {
         assert_eq!(csv_field("vendor-a/model-a"), "vendor-a/model-a");
         assert_eq!(csv_field("=cmd()"), "'=cmd()");
+        assert_eq!(csv_field("\t=1"), "'\t=1");
         assert_eq!(csv_field("a,\"b\""), "\"a,\"\"b\"\"\"");
     }
 }
