@@ -35,6 +35,25 @@ pub fn rfc3339(us: i64) -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
 }
 
+/// `YYYY-MM-DD` of the UTC day containing `us` (µs since the epoch).
+pub fn date(us: i64) -> String {
+    let (y, m, d) = civil_from_days(us.div_euclid(86_400_000_000));
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The day number (days since the epoch) of a `YYYY-MM-DD` date that exists.
+pub fn parse_date(text: &str) -> Option<i64> {
+    let t = text.trim();
+    let b = t.as_bytes();
+    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+        return None;
+    }
+    let (y, m, d) = (t[0..4].parse().ok()?, t[5..7].parse().ok()?, t[8..10].parse().ok()?);
+    let day = days_from_civil(y, m, d);
+    // Out-of-range months and days come back as another date.
+    (civil_from_days(day) == (y, m, d)).then_some(day)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

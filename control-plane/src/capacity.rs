@@ -4,7 +4,7 @@
 //! What a request must say, and the limits on it, are checked here once, for the
 //! console's form and for anything else that makes one.
 
-use crate::calendar::{civil_from_days, days_from_civil};
+use crate::calendar::parse_date;
 use serde::Serialize;
 use sqlx::{AnyPool, Row};
 
@@ -142,18 +142,6 @@ pub type Problems = Vec<(&'static str, String)>;
 fn whole(text: &str) -> Option<i64> {
     let t = text.trim();
     (!t.is_empty() && t.len() <= 6 && t.bytes().all(|b| b.is_ascii_digit())).then(|| t.parse().ok()).flatten()
-}
-
-/// The day number of a `YYYY-MM-DD` that exists.
-pub fn parse_date(text: &str) -> Option<i64> {
-    let t = text.trim();
-    let b = t.as_bytes();
-    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
-        return None;
-    }
-    let (y, m, d) = (t[0..4].parse().ok()?, t[5..7].parse().ok()?, t[8..10].parse().ok()?);
-    let day = days_from_civil(y, m, d);
-    (civil_from_days(day) == (y, m, d)).then_some(day)
 }
 
 impl Form {
@@ -384,6 +372,7 @@ impl CapacityRequests {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calendar::days_from_civil;
 
     fn form() -> Form {
         Form {

@@ -133,7 +133,7 @@ impl World {
             .replace("{other_invite}", &self.other_invite)
             .replace("{outsider}", &self.outsider)
             .replace("{personal}", &self.personal)
-            .replace("{tomorrow}", &tessera_control_plane::console::usage::day_label(now_us() + 86_400_000_000))
+            .replace("{tomorrow}", &tessera_control_plane::calendar::date(now_us() + 86_400_000_000))
     }
 
     /// A request as the browser of `who` sends it: its cookie, and for a POST the

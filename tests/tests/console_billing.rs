@@ -266,7 +266,7 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     submit(&client, "#capacity-form", &fields, "#start_date-error").await;
     assert!(text(&client, "#start_date-error").await.contains("in the past"));
     let start_date =
-        tessera_control_plane::console::usage::day_label(tessera_control_plane::limits::now_us() + 30 * 86_400_000_000);
+        tessera_control_plane::calendar::date(tessera_control_plane::limits::now_us() + 30 * 86_400_000_000);
     let mut good = fields;
     good[4].1 = &start_date;
     submit(&client, "#capacity-form", &good, ".done").await;

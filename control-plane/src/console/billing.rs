@@ -82,7 +82,7 @@ async fn show(
     let filter = Filter { funding: Some("credits".into()), ..Filter::default() };
     let charges = console.billing.usage().sums(&org, since, today + DAY_US, Granularity::Day, &filter).await?;
     for c in charges.into_iter().filter(|c| c.cost_micros > 0) {
-        let day = super::usage::day_label(c.bucket);
+        let day = crate::calendar::date(c.bucket);
         let link = format!("/o/{org}/usage?from={day}&to={day}&model={}", super::page::urlencode(&c.model));
         let what = format!("{} requests to {}", c.requests, c.model);
         // A day's charges sort after the credit added that day, at its end.

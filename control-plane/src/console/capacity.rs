@@ -91,7 +91,7 @@ async fn show(
         regions: &REGIONS,
         terms: &TERMS,
         indicative: &INDICATIVE,
-        today: crate::console::usage::day_label(today() * crate::billing::usage::DAY_US),
+        today: crate::calendar::date(today() * crate::billing::usage::DAY_US),
         done,
         error,
     };

@@ -9,7 +9,7 @@ use super::session::Viewer;
 use super::{Console, State};
 use crate::accounts::Membership;
 use crate::billing::usage::{DAY_US, Filter, Granularity, HOUR_US, Sums, total};
-use crate::calendar::{civil_from_days, days_from_civil};
+use crate::calendar::{date, parse_date};
 use askama::Template;
 use axum::Json;
 use axum::extract::{Path, Query, State as Ctx};
@@ -55,31 +55,12 @@ impl Report {
     }
 }
 
-/// `YYYY-MM-DD` of the UTC day containing `us`.
-pub fn day_label(us: i64) -> String {
-    let (y, m, d) = civil_from_days(us.div_euclid(DAY_US));
-    format!("{y:04}-{m:02}-{d:02}")
-}
-
 /// A bucket's label: its day, or its day and hour.
 fn bucket_label(us: i64, by: Granularity) -> String {
     match by {
-        Granularity::Day => day_label(us),
-        Granularity::Hour => format!("{} {:02}:00", day_label(us), us.rem_euclid(DAY_US) / HOUR_US),
+        Granularity::Day => date(us),
+        Granularity::Hour => format!("{} {:02}:00", date(us), us.rem_euclid(DAY_US) / HOUR_US),
     }
-}
-
-/// The day number of a `YYYY-MM-DD` date that exists.
-fn parse_day(text: &str) -> Option<i64> {
-    let mut parts = text.trim().splitn(3, '-');
-    let (y, m, d) = (parts.next()?, parts.next()?, parts.next()?);
-    if y.len() != 4 || m.len() != 2 || d.len() != 2 {
-        return None;
-    }
-    let (y, m, d): (i64, u32, u32) = (y.parse().ok()?, m.parse().ok()?, d.parse().ok()?);
-    let day = days_from_civil(y, m, d);
-    // Out-of-range months and days come back as another date.
-    (civil_from_days(day) == (y, m, d)).then_some(day)
 }
 
 impl UsageQuery {
@@ -100,7 +81,7 @@ impl UsageQuery {
         }
         let day = |s: &str, name: &str, default: i64| match text(s) {
             None => Ok(default),
-            Some(s) => parse_day(&s).ok_or(format!("The {name} date must be a real date written YYYY-MM-DD.")),
+            Some(s) => parse_date(&s).ok_or(format!("The {name} date must be a real date written YYYY-MM-DD.")),
         };
         let to = day(&self.to, "end", today)?;
         let from = day(&self.from, "start", to - (DEFAULT_DAYS - 1))?;
@@ -204,7 +185,7 @@ pub async fn page(
             bucket_label(r.start, r.by),
             bucket_label(r.end - HOUR_US, r.by)
         ),
-        Some(r) => format!("{} – {} (UTC days, both included)", day_label(r.start), day_label(r.end - DAY_US)),
+        Some(r) => format!("{} – {} (UTC days, both included)", date(r.start), date(r.end - DAY_US)),
         None => String::new(),
     };
     let total = total(&rows);
@@ -356,7 +337,7 @@ pub async fn csv(
             cost.trim_start_matches('$'),
         ));
     }
-    let name = format!("usage-{}-{}-{}.csv", org, day_label(report.start), day_label(report.end - 1));
+    let name = format!("usage-{}-{}-{}.csv", org, date(report.start), date(report.end - 1));
     let disposition = format!("attachment; filename=\"{name}\"");
     Ok((
         [(header::CONTENT_TYPE, "text/csv; charset=utf-8".to_string()), (header::CONTENT_DISPOSITION, disposition)],
@@ -374,6 +355,7 @@ fn csv_field(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calendar::days_from_civil;
 
     fn q(from: &str, to: &str, by: &str) -> UsageQuery {
         UsageQuery { from: from.into(), to: to.into(), by: by.into(), ..Default::default() }
@@ -387,7 +369,7 @@ mod tests {
         assert_eq!(r.end, days_from_civil(2026, 11, 3) * DAY_US, "the last day is included, the next is not");
         assert_eq!(r.buckets().len(), 4);
         let d = q("", "", "").check(now).unwrap();
-        assert_eq!((day_label(d.start), day_label(d.end - 1)), ("2026-10-26".into(), "2026-11-24".into()));
+        assert_eq!((date(d.start), date(d.end - 1)), ("2026-10-26".into(), "2026-11-24".into()));
         assert_eq!(d.buckets().len(), 30);
         let h = q("", "", "hour").check(now).unwrap();
         assert_eq!(h.buckets().len(), 48);
