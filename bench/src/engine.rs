@@ -76,7 +76,7 @@ pub fn run(args: Args) -> Result<()> {
         ..EngineConfig::default()
     };
     let new_engine = || -> Result<EngineCore<CpuBackend>> {
-        let loaded = load::load_model(CpuBackend, &path)?;
+        let loaded = load::load_model(CpuBackend::default(), &path)?;
         Ok(EngineCore::new(loaded.model, loaded.tokenizer, config.clone(), &args.model)?)
     };
     let mut engine = new_engine()?;

@@ -33,7 +33,7 @@ as do names like Paris, Tokyo and Nairobi, so that the prompt is not one repeate
 
 pub fn run(args: Args) -> Result<()> {
     let path = model_cache::resolve(&args.model)?;
-    let loaded = load::load_model(CpuBackend, &path)?;
+    let loaded = load::load_model(CpuBackend::default(), &path)?;
     let model = &loaded.model;
     let text = TEXT.repeat(args.prompt_tokens / 40 + 1);
     let mut prompt = loaded.tokenizer.encode(&text).map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -41,7 +41,7 @@ fn schema() -> serde_json::Value {
 
 pub fn run(args: Args) -> Result<()> {
     let path = model_cache::resolve(&args.model)?;
-    let loaded = load::load_model(CpuBackend, &path)?;
+    let loaded = load::load_model(CpuBackend::default(), &path)?;
     let vocab = loaded.model.config.vocab_size;
     let eos: Vec<u32> = loaded.tokenizer.eos.iter().map(|t| t.id).collect();
     let grammars = GrammarSource::new(loaded.tokenizer.json.clone(), eos, vocab);

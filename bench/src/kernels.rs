@@ -1,6 +1,7 @@
 //! The CPU backend's two hot kernels on SmolLM2-135M's shapes, in isolation: each
-//! matrix product of a decode step of `--tokens` sequences (GFLOP/s, Q4_1-style
-//! quantised rows as the model file has them, and f32), and paged attention for the
+//! matrix product of a decode step of `--tokens` sequences (GFLOP/s; Q4_1-style
+//! quantised rows as the model file has them — Q8_0 for `lm_head` — with inputs
+//! rounded to 8 bits as served and kept exact, and f32), and paged attention for the
 //! same batch over four shared system prompts plus each sequence's own blocks. Each
 //! figure is the best of `--reps` runs: on a shared machine the best is the figure
 //! least disturbed by the neighbours.
@@ -9,15 +10,16 @@ use crate::round;
 use anyhow::Result;
 use serde_json::json;
 use std::time::Instant;
-use tessera_kernels::cpu::CpuBackend;
+use tessera_kernels::cpu::{Activations, CpuBackend};
 use tessera_kernels::quant::GgmlType;
 use tessera_kernels::{AttentionShape, Backend, HostWeight, PagedBatch, WeightData};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Sequences in the batch (one token each for the products).
-    #[arg(long, default_value_t = 256)]
-    tokens: usize,
+    /// Sequences in the batch (one token each for the products); several run one after
+    /// the other, attention at the last.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16, 256])]
+    tokens: Vec<usize>,
     /// Keys each sequence attends to.
     #[arg(long, default_value_t = 414)]
     context: usize,
@@ -30,22 +32,30 @@ const PRODUCTS: [(&str, usize, usize); 5] =
     [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)];
 
 pub fn run(args: Args) -> Result<()> {
-    let b = CpuBackend;
-    for (name, n, k) in PRODUCTS {
-        let x: Vec<f32> = (0..args.tokens * k).map(|i| ((i % 11) as f32 - 5.0) * 0.1).collect();
-        for format in ["q4_1", "f32"] {
-            let w = b.upload_weight(weight(format, n, k))?;
-            let s = best(args.reps, || b.linear(&x, args.tokens, &w, None).map(drop))?;
-            println!(
-                "{}",
-                json!({"bench": "kernels", "kernel": "linear", "product": name, "weights": format, "rows": n,
-                       "cols": k, "tokens": args.tokens, "ms": round(s * 1e3),
-                       "gflop_per_s": round(2.0 * (n * k * args.tokens) as f64 / s / 1e9)})
-            );
+    for &tokens in &args.tokens {
+        for (name, n, k) in PRODUCTS {
+            let x: Vec<f32> = (0..tokens * k).map(|i| ((i % 11) as f32 - 5.0) * 0.1).collect();
+            let quantized = if name == "lm_head" { "q8_0" } else { "q4_1" };
+            for (format, activations) in
+                [(quantized, Activations::Int8), (quantized, Activations::F32), ("f32", Activations::F32)]
+            {
+                let b = CpuBackend { activations };
+                let w = b.upload_weight(weight(format, n, k))?;
+                let s = best(args.reps, || b.linear(&x, tokens, &w, None).map(drop))?;
+                println!(
+                    "{}",
+                    json!({"bench": "kernels", "kernel": "linear", "product": name, "weights": format,
+                           "activations": format!("{activations:?}").to_lowercase(), "rows": n, "cols": k,
+                           "tokens": tokens, "ms": round(s * 1e3),
+                           "gflop_per_s": round(2.0 * (n * k * tokens) as f64 / s / 1e9)})
+                );
+            }
         }
     }
+    let b = CpuBackend::default();
+    let tokens = args.tokens.last().copied().unwrap_or(256);
     let shape = AttentionShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16, scale: 0.125 };
-    let (seqs, bs) = (args.tokens, shape.block_size);
+    let (seqs, bs) = (tokens, shape.block_size);
     let per_seq = args.context.div_ceil(bs);
     // Four shared prompts of 19 blocks (304 tokens), then each sequence's own blocks.
     let shared = 19.min(per_seq);
@@ -80,19 +90,30 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// A `[n, k]` weight: Q4_1 blocks (an f16 scale and offset, then 16 bytes of nibbles)
-/// or f32, with values that vary along both axes.
+/// A `[n, k]` weight: Q4_1 blocks (an f16 scale and offset, then 16 bytes of nibbles),
+/// Q8_0 blocks (an f16 scale, then 32 signed bytes) or f32, with values that vary along
+/// both axes.
 fn weight(format: &str, n: usize, k: usize) -> HostWeight {
-    let data = if format == "f32" {
-        WeightData::F32((0..n * k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect())
-    } else {
-        let mut bytes = Vec::with_capacity(n * k / 32 * 20);
-        for blk in 0..n * k / 32 {
-            bytes.extend_from_slice(&0x2000u16.to_le_bytes()); // f16 1/128
-            bytes.extend_from_slice(&0xA000u16.to_le_bytes()); // f16 −1/128
-            bytes.extend((0..16).map(|j| ((blk * 31 + j * 7) % 256) as u8));
+    let pattern = |blk: usize, len: usize| (0..len).map(move |j| ((blk * 31 + j * 7) % 256) as u8);
+    let data = match format {
+        "q4_1" => {
+            let mut bytes = Vec::with_capacity(n * k / 32 * 20);
+            for blk in 0..n * k / 32 {
+                bytes.extend_from_slice(&0x2000u16.to_le_bytes()); // f16 1/128
+                bytes.extend_from_slice(&0xA000u16.to_le_bytes()); // f16 −1/128
+                bytes.extend(pattern(blk, 16));
+            }
+            WeightData::Blocks { ty: GgmlType::Q4_1, bytes }
         }
-        WeightData::Blocks { ty: GgmlType::Q4_1, bytes }
+        "q8_0" => {
+            let mut bytes = Vec::with_capacity(n * k / 32 * 34);
+            for blk in 0..n * k / 32 {
+                bytes.extend_from_slice(&0x1800u16.to_le_bytes()); // f16 1/512
+                bytes.extend(pattern(blk, 32));
+            }
+            WeightData::Blocks { ty: GgmlType::Q8_0, bytes }
+        }
+        _ => WeightData::F32((0..n * k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect()),
     };
     HostWeight { rows: n, cols: k, data }
 }

@@ -136,7 +136,7 @@ mod tests {
                         (0..50)
                             .map(|round| {
                                 let mut x = vec![r.rank() as f32 + round as f32, 1.0];
-                                r.all_reduce_sum(&CpuBackend, &mut x).unwrap();
+                                r.all_reduce_sum(&CpuBackend::default(), &mut x).unwrap();
                                 x
                             })
                             .collect()
@@ -156,7 +156,7 @@ mod tests {
     fn an_aborted_group_fails_the_waiting_ranks() {
         let ranks = ThreadGroup::ranks(2);
         std::thread::scope(|scope| {
-            let waiting = scope.spawn(|| ranks[0].all_reduce_sum(&CpuBackend, &mut vec![1.0]));
+            let waiting = scope.spawn(|| ranks[0].all_reduce_sum(&CpuBackend::default(), &mut vec![1.0]));
             ranks[1].abort();
             assert!(waiting.join().unwrap().is_err());
         });

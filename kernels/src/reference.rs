@@ -47,7 +47,7 @@ fn linear_matches_reference_for_decode_and_batched_shapes() {
         let w = CpuWeight::f32(randn(&mut rng, rows * cols), rows, cols);
         let x = randn(&mut rng, tokens * cols);
         let bias = randn(&mut rng, rows);
-        let got = CpuBackend.linear(&x, tokens, &w, Some(&bias)).unwrap();
+        let got = CpuBackend::exact().linear(&x, tokens, &w, Some(&bias)).unwrap();
         let want = linear_ref(&x, tokens, &w, Some(&bias));
         let err = max_abs_diff(&got, &want);
         assert!(err < 1e-4, "tokens {tokens} [{rows}x{cols}]: error {err}");
@@ -62,9 +62,9 @@ fn linear_over_quantised_rows_matches_the_dequantised_product() {
             (rng.random_range(1..80), ty.block_elems() * rng.random_range(1..5), rng.random_range(1..40));
         let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
         let dense = CpuWeight::f32(crate::quant::dequantize(ty, &bytes), rows, cols);
-        let w = CpuBackend.upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }).unwrap();
+        let w = CpuBackend::exact().upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }).unwrap();
         let x = randn(&mut rng, tokens * cols);
-        let got = CpuBackend.linear(&x, tokens, &w, None).unwrap();
+        let got = CpuBackend::exact().linear(&x, tokens, &w, None).unwrap();
         // The bound is for O(1) weights; random K-quant scales and mins make them up to ~100.
         let scale = dense.rows_f32(0, rows, &mut Vec::new()).iter().fold(1.0f32, |a, w| a.max(w.abs())) as f64;
         let err = max_abs_diff(&got, &linear_ref(&x, tokens, &dense, None));
@@ -75,7 +75,7 @@ fn linear_over_quantised_rows_matches_the_dequantised_product() {
 #[test]
 fn linear_rejects_wrong_input_size() {
     let w = CpuWeight::f32(vec![0.0; 6], 2, 3);
-    assert!(CpuBackend.linear(&vec![0.0; 5], 2, &w, None).is_err());
+    assert!(CpuBackend::exact().linear(&vec![0.0; 5], 2, &w, None).is_err());
 }
 
 #[test]
@@ -84,7 +84,7 @@ fn rms_norm_matches_reference() {
     let (rows, d) = (7, 576);
     let x = randn(&mut rng, rows * d);
     let w = randn(&mut rng, d);
-    let got = CpuBackend.rms_norm(&x, &w, 1e-5).unwrap();
+    let got = CpuBackend::exact().rms_norm(&x, &w, 1e-5).unwrap();
     let mut want = vec![0.0; rows * d];
     for r in 0..rows {
         let row = &x[r * d..(r + 1) * d];
@@ -127,7 +127,7 @@ fn rope_matches_reference_in_both_styles() {
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
         let x = randn(&mut rng, tokens * heads * hd);
         let mut got = x.clone();
-        CpuBackend.rope(&mut got, &positions, heads, hd, &inv_freq, style).unwrap();
+        CpuBackend::exact().rope(&mut got, &positions, heads, hd, &inv_freq, style).unwrap();
         // Angles up to 2048 rad in f32 carry ~1e-4 absolute phase error.
         let err = max_abs_diff(&got, &rope_ref(&x, &positions, heads, hd, &inv_freq, style));
         assert!(err < 1e-3, "{style:?}: error {err}");
@@ -139,7 +139,7 @@ fn silu_mul_matches_reference() {
     let mut rng = rng();
     let (rows, width) = (5, 100);
     let x: Vec<f32> = randn(&mut rng, rows * 2 * width).iter().map(|v| v * 8.0).collect();
-    let got = CpuBackend.silu_mul(&x, width).unwrap();
+    let got = CpuBackend::exact().silu_mul(&x, width).unwrap();
     let mut want = vec![0.0; rows * width];
     for r in 0..rows {
         for c in 0..width {
@@ -157,7 +157,7 @@ fn softmax_matches_reference_even_with_large_logits() {
     let (rows, cols) = (4, 1000);
     let x: Vec<f32> = randn(&mut rng, rows * cols).iter().map(|v| v * 80.0).collect();
     let mut got = x.clone();
-    CpuBackend.softmax(&mut got, cols).unwrap();
+    CpuBackend::exact().softmax(&mut got, cols).unwrap();
     let mut want = vec![0.0; rows * cols];
     for r in 0..rows {
         let row = &x[r * cols..(r + 1) * cols];
@@ -176,23 +176,23 @@ fn embedding_and_gather_pick_rows_and_reject_bad_ids() {
     let mut rng = rng();
     let data = randn(&mut rng, 10 * 4);
     let table = CpuWeight::f32(data.clone(), 10, 4);
-    let got = CpuBackend.embedding(&vec![3, 0, 9], &table).unwrap();
+    let got = CpuBackend::exact().embedding(&vec![3, 0, 9], &table).unwrap();
     assert_eq!(&got[0..4], &data[12..16]);
     assert_eq!(&got[4..8], &data[0..4]);
     assert_eq!(&got[8..12], &data[36..40]);
-    assert!(CpuBackend.embedding(&vec![10], &table).is_err());
-    let rows = CpuBackend.gather_rows(&got, 4, &vec![2, 0]).unwrap();
+    assert!(CpuBackend::exact().embedding(&vec![10], &table).is_err());
+    let rows = CpuBackend::exact().gather_rows(&got, 4, &vec![2, 0]).unwrap();
     assert_eq!(&rows[0..4], &got[8..12]);
     assert_eq!(&rows[4..8], &got[0..4]);
-    assert!(CpuBackend.gather_rows(&got, 4, &vec![3]).is_err());
+    assert!(CpuBackend::exact().gather_rows(&got, 4, &vec![3]).is_err());
 }
 
 #[test]
 fn split_columns_cuts_each_row_into_groups() {
     let x: Vec<f32> = (0..12).map(|v| v as f32).collect();
-    let parts = CpuBackend.split_columns(&x, &[3, 1, 2]).unwrap();
+    let parts = CpuBackend::exact().split_columns(&x, &[3, 1, 2]).unwrap();
     assert_eq!(parts, vec![vec![0.0, 1.0, 2.0, 6.0, 7.0, 8.0], vec![3.0, 9.0], vec![4.0, 5.0, 10.0, 11.0]]);
-    assert!(CpuBackend.split_columns(&x, &[5]).is_err());
+    assert!(CpuBackend::exact().split_columns(&x, &[5]).is_err());
 }
 
 /// Dense causal attention in f64 over each sequence's full K/V (no cache, no paging).
@@ -264,7 +264,7 @@ fn paged_attention_case(rng: &mut StdRng, head_dim: usize, num_heads: usize, num
         let slots: Vec<u32> = (0..context)
             .map(|p| blocks[p / shape.block_size] * shape.block_size as u32 + (p % shape.block_size) as u32)
             .collect();
-        CpuBackend.write_kv(&k, &v, &slots, &shape, &mut k_cache, &mut v_cache).unwrap();
+        CpuBackend::exact().write_kv(&k, &v, &slots, &shape, &mut k_cache, &mut v_cache).unwrap();
         let mut table = blocks.clone();
         table.resize(max_blocks, 0);
         tables.extend(table);
@@ -283,7 +283,7 @@ fn paged_attention_case(rng: &mut StdRng, head_dim: usize, num_heads: usize, num
         block_tables: &tables,
         max_blocks_per_seq: max_blocks,
     };
-    let got = CpuBackend.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap();
+    let got = CpuBackend::exact().paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap();
     let err = max_abs_diff(&got, &attention_ref(&q, &ks, &vs, &q_lens, &shape));
     assert!(err < 1e-5, "head_dim {head_dim}, {num_heads} heads over {num_kv_heads}: error {err}");
 }
@@ -301,9 +301,9 @@ fn paged_attention_rejects_tables_that_point_outside_the_cache() {
         block_tables: &tables,
         max_blocks_per_seq: 2,
     };
-    let err = CpuBackend.paged_attention(&q, &k_cache, &k_cache, &batch, &shape).unwrap_err();
+    let err = CpuBackend::exact().paged_attention(&q, &k_cache, &k_cache, &batch, &shape).unwrap_err();
     assert!(err.to_string().contains("block 5"), "{err}");
     let too_long = vec![9];
     let batch = PagedBatch::<CpuBackend> { context_lens: &too_long, ..batch };
-    assert!(CpuBackend.paged_attention(&q, &k_cache, &k_cache, &batch, &shape).is_err());
+    assert!(CpuBackend::exact().paged_attention(&q, &k_cache, &k_cache, &batch, &shape).is_err());
 }

@@ -23,9 +23,9 @@ pub enum Opened {
 /// usable GPU is an error that says why in one line.
 pub fn open(device: Device, gpu: usize) -> anyhow::Result<Opened> {
     match device {
-        Device::Cpu => Ok(Opened::Cpu(CpuBackend)),
+        Device::Cpu => Ok(Opened::Cpu(CpuBackend::default())),
         Device::Cuda => open_cuda(gpu).map_err(|e| anyhow::anyhow!("--device cuda: {e}")),
-        Device::Auto => Ok(open_cuda(gpu).unwrap_or(Opened::Cpu(CpuBackend))),
+        Device::Auto => Ok(open_cuda(gpu).unwrap_or(Opened::Cpu(CpuBackend::default()))),
     }
 }
 

@@ -75,7 +75,7 @@ fn tiny_llama(edit: impl FnOnce(&mut Vec<(&'static str, MetaValue)>, &mut Vec<Gg
 fn load(path: &Path) -> Result<Model<CpuBackend>, ModelError> {
     let file = GgufFile::open(path)?;
     let config = ModelConfig::from_gguf(&file)?;
-    Model::load(CpuBackend, config, &file)
+    Model::load(CpuBackend::default(), config, &file)
 }
 
 fn message(e: impl std::fmt::Display) -> String {

@@ -14,7 +14,7 @@ use tessera_worker::load::load_model;
 const MODEL: &str = "smollm2-135m-instruct";
 
 fn engine(config: EngineConfig) -> EngineCore<CpuBackend> {
-    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let loaded = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
     EngineCore::new(loaded.model, loaded.tokenizer, config, MODEL).unwrap()
 }
 
@@ -337,7 +337,7 @@ fn prompt_log_probabilities_are_the_models_and_the_prefix_cache_does_not_change_
     assert_eq!(cached.prompt_logprobs, uncached.prompt_logprobs);
 
     // The model's own logits for the whole prompt in one forward.
-    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let loaded = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
     let vocab = loaded.model.config.vocab_size;
     let blocks = prompt.len().div_ceil(BLOCK_TOKENS);
     let mut kv = loaded.model.new_kv_cache(blocks, BLOCK_TOKENS).unwrap();

@@ -78,7 +78,7 @@ fn gpu_logits_match_cpu_for_every_decoder_variant() {
     let root = temp_root("logits");
     for v in variants().into_iter().chain([wide()]) {
         let dir = write_model(&v, &mut rng, &root);
-        let cpu = load_model(CpuBackend, &dir).unwrap().model;
+        let cpu = load_model(CpuBackend::exact(), &dir).unwrap().model;
         let gpu = load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model;
         let vocab = cpu.config.vocab_size as u32;
         let prompt: Vec<u32> = (0..40).map(|_| rng.random_range(0..vocab.min(256))).collect();
@@ -178,8 +178,8 @@ fn gpu_engine_batches_exactly_like_solo_runs_and_reuses_prefixes() {
 fn cpu_engine_on_the_tiny_byte_model_batches_like_solo_runs_and_reuses_prefixes() {
     let root = temp_root("engine-cpu");
     let dir = write_model(&wide(), &mut rng(), &root);
-    batching_invariance(|| CpuBackend, &dir);
-    prefix_cache(|| CpuBackend, &dir);
+    batching_invariance(|| CpuBackend::default(), &dir);
+    prefix_cache(|| CpuBackend::default(), &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 
@@ -222,7 +222,7 @@ fn gpu_thinking_budget_forces_its_close_like_the_cpu() {
 fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
     let root = temp_root("thinking-cpu");
     let dir = write_model(&wide(), &mut rng(), &root);
-    thinking_budget(|| CpuBackend, &dir);
+    thinking_budget(|| CpuBackend::default(), &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 

@@ -65,7 +65,7 @@ fn schemas() -> Vec<(&'static str, Value)> {
 
 #[test]
 fn every_constrained_output_parses_and_validates_against_its_schema() {
-    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let loaded = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
     let vocab = loaded.model.config.vocab_size;
     let eos: Vec<u32> = loaded.tokenizer.eos.iter().map(|t| t.id).collect();
     let grammars = GrammarSource::new(loaded.tokenizer.json.clone(), eos, vocab);
@@ -96,7 +96,7 @@ fn every_constrained_output_parses_and_validates_against_its_schema() {
 
 #[test]
 fn outputs_near_their_limit_finish_inside_their_grammar() {
-    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let loaded = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
     let vocab = loaded.model.config.vocab_size;
     let eos: Vec<u32> = loaded.tokenizer.eos.iter().map(|t| t.id).collect();
     let grammars = GrammarSource::new(loaded.tokenizer.json.clone(), eos, vocab);

@@ -40,7 +40,7 @@ const QWEN15_Q4_K_M_LOGIT_BOUND: f32 = 0.5;
 
 fn model() -> &'static LoadedModel<CpuBackend> {
     static MODEL: OnceLock<LoadedModel<CpuBackend>> = OnceLock::new();
-    MODEL.get_or_init(|| load_model(CpuBackend, &common::qwen05_path()).unwrap_or_else(|e| panic!("{e}")))
+    MODEL.get_or_init(|| load_model(CpuBackend::default(), &common::qwen05_path()).unwrap_or_else(|e| panic!("{e}")))
 }
 
 fn json(name: &str) -> Value {
@@ -112,7 +112,7 @@ fn check_against_llama_cpp(loaded: &LoadedModel<CpuBackend>, prefix: &str, f32_b
 fn check_matrices_stay_quantised(path: &Path) {
     let file = GgufFile::open(path).unwrap();
     let config = ModelConfig::from_gguf(&file).unwrap();
-    let w = weights::load(&CpuBackend, &config, &file, Shard::WHOLE).unwrap();
+    let w = weights::load(&CpuBackend::default(), &config, &file, Shard::WHOLE).unwrap();
     assert!(w.embed.is_quantized() && w.lm_head.as_ref().is_some_and(|h| h.is_quantized()));
     for (l, layer) in w.layers.iter().enumerate() {
         for (name, m) in [("qkv", &layer.qkv), ("o", &layer.o), ("gate_up", &layer.gate_up), ("down", &layer.down)] {
@@ -164,6 +164,6 @@ fn qwen15_matches_llama_cpp_logits_and_greedy_tokens() {
     let path = model_cache::ensure(&model_cache::QWEN25_CODER_15B_INSTRUCT).unwrap_or_else(|e| panic!("{e}"));
     check_tokenizer(&path, "qwen15");
     check_matrices_stay_quantised(&path);
-    let loaded = load_model(CpuBackend, &path).unwrap_or_else(|e| panic!("{e}"));
+    let loaded = load_model(CpuBackend::default(), &path).unwrap_or_else(|e| panic!("{e}"));
     check_against_llama_cpp(&loaded, "qwen15", QWEN15_F32_LOGIT_BOUND, QWEN15_Q4_K_M_LOGIT_BOUND);
 }

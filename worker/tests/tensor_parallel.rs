@@ -35,7 +35,7 @@ fn tensor_parallel(
             .into_iter()
             .map(|rank| {
                 scope.spawn(move || {
-                    let model = Model::load_shard(CpuBackend, config.clone(), &*open(), Arc::new(rank)).unwrap();
+                    let model = Model::load_shard(CpuBackend::default(), config.clone(), &*open(), Arc::new(rank)).unwrap();
                     assert_eq!(model.config.num_heads * size, config.num_heads);
                     steps(&model, prompt, split)
                 })
@@ -67,7 +67,7 @@ fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
         write_dir(&dir, &v.config, &random_weights(&v.config, &mut rng));
         let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
         let whole =
-            steps(&Model::load(CpuBackend, config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(), &prompt, 9);
+            steps(&Model::load(CpuBackend::default(), config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(), &prompt, 9);
         let open = || Box::new(SafetensorsDir::open(&dir).unwrap()) as Box<dyn TensorSource>;
         for size in [2, 4] {
             if config.shard(size).is_err() {
@@ -119,12 +119,12 @@ fn an_engine_over_two_ranks_generates_what_one_model_generates() {
         }
         out
     };
-    let single = load_model(CpuBackend, &root).unwrap();
+    let single = load_model(CpuBackend::default(), &root).unwrap();
     let want = run(EngineCore::new(single.model, single.tokenizer, EngineConfig::default(), "tp").unwrap());
     let (config, tokenizer, source) = open(&root).unwrap();
     let ranks: Vec<Model<CpuBackend>> = ThreadGroup::ranks(2)
         .into_iter()
-        .map(|rank| Model::load_shard(CpuBackend, config.clone(), &*source, Arc::new(rank)).unwrap())
+        .map(|rank| Model::load_shard(CpuBackend::default(), config.clone(), &*source, Arc::new(rank)).unwrap())
         .collect();
     let engine = EngineCore::tensor_parallel(ranks, tokenizer, EngineConfig::default(), "tp").unwrap();
     assert_eq!(engine.config().num_heads, 2, "each rank runs half the heads");

@@ -21,7 +21,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let loaded = load_model(CpuBackend, &smollm2_path()).unwrap();
+    let loaded = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
     let eos: Vec<u32> = loaded.tokenizer.eos.iter().map(|t| t.id).collect();
     let grammars = GrammarSource::new(loaded.tokenizer.json.clone(), eos, loaded.model.config.vocab_size);
     let engine = EngineCore::new(loaded.model, loaded.tokenizer, EngineConfig::default(), "smollm2").unwrap();

@@ -9,20 +9,22 @@
 //! well was measured: the hardware prefetchers already stream them, and each block
 //! would dequantise the rows again.)
 
-use super::CpuWeight;
+use super::int8::Q8Rows;
+use super::{Activations, CpuWeight};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
-/// Weight rows a task owns: a multiple of the tile edge, few enough that their f32
-/// copy (24 × 1,536 × 4 bytes at most for this project's models) stays in L2.
-const ROWS_PER_TASK: usize = 24;
+/// Weight rows a task owns: two of `QuantRows`' groups of 16 and a multiple of the f32
+/// tile edges, few enough that their f32 copy on the exact path (32 × 1,536 × 4 bytes
+/// at most for this project's models) stays in L2.
+const ROWS_PER_TASK: usize = 32;
 
 thread_local! {
     /// Per thread: dequantised weight rows, and a task's `[rows, tokens]` results.
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>) -> Vec<f32> {
+pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>, activations: Activations) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
     if n == 0 || tokens == 0 {
         return vec![0.0; n * tokens];
@@ -30,6 +32,8 @@ pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32
     if k == 0 {
         return bias.map_or_else(|| vec![0.0; n * tokens], |b| b.repeat(tokens));
     }
+    // Rounded once here, not once a task: each row depends on itself alone.
+    let rounded = (activations == Activations::Int8 && w.has_quantized()).then(|| Q8Rows::quantize(x, k));
     let mut out = vec![0.0f32; n * tokens];
     let columns = Columns(out.as_mut_ptr(), out.len());
     (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
@@ -39,7 +43,7 @@ pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32
             // The task's rows for every token, then scattered into the tokens' rows
             // while still in cache: a few contiguous columns of each.
             block.resize(rows * tokens, 0.0);
-            w.dot_rows(first, rows, x, block, tokens, scratch);
+            w.dot_rows(first, rows, x, rounded.as_ref(), block, tokens, scratch);
             for t in 0..tokens {
                 // SAFETY: tasks own disjoint column ranges `first..first + rows`.
                 let dst = unsafe { columns.get(t * n + first, rows) };
@@ -117,15 +121,23 @@ mod tests {
             bytes.extend((0..32).map(|j| ((b * 31 + j * 7) % 255) as u8));
         }
         let data = WeightData::Blocks { ty: GgmlType::Q8_0, bytes };
-        let quantized = super::super::CpuBackend.upload_weight(HostWeight { rows, cols, data }).unwrap();
+        let quantized = super::super::CpuBackend::default().upload_weight(HostWeight { rows, cols, data }).unwrap();
         let x: Vec<f32> = (0..80 * cols).map(|_| next()).collect();
-        for w in [&dense, &quantized] {
-            let alone = linear(&x[..cols], 1, w, None);
+        for (w, activations) in [
+            (&dense, Activations::F32),
+            (&quantized, Activations::F32),
+            (&dense, Activations::Int8),
+            (&quantized, Activations::Int8),
+        ] {
+            let alone = linear(&x[..cols], 1, w, None, activations);
             for m in [2, 3, 4, 5, 8, 13, 33, 64, 80] {
-                let batch = linear(&x[..m * cols], m, w, None);
+                let batch = linear(&x[..m * cols], m, w, None, activations);
                 let same = batch[..rows].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "row 0 differs at m = {m}");
+                assert!(same, "row 0 differs at m = {m} ({activations:?})");
             }
         }
+        // The two paths do differ on quantised weights: the test above checks both.
+        let exact = linear(&x[..cols], 1, &quantized, None, Activations::F32);
+        assert_ne!(exact, linear(&x[..cols], 1, &quantized, None, Activations::Int8));
     }
 }

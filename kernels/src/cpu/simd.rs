@@ -91,6 +91,16 @@ pub(crate) fn has_avx512() -> bool {
     has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512dq")
 }
 
+/// Whether the CPU runs the AVX-512 integer dot products (`int8`): F, BW, VL, DQ and
+/// VNNI, with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512_vnni() -> bool {
+    has_avx512()
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
 /// Eight floats from `lo` in the low half of a register and eight from `hi` in the high
 /// half: the two rows (or keys) the AVX-512 paths pair in each register.
 ///

@@ -1,12 +1,8 @@
 //! A weight matrix as the CPU keeps it, and the products of a few of its rows.
 
 use super::QuantRows;
+use super::int8::Q8Rows;
 use super::tiles::dot_tile;
-
-/// Input rows up to which a product reads quantised rows directly instead of
-/// dequantising them once into a scratch buffer: below it, the scratch copy costs more
-/// than it saves.
-const FUSED_MAX_TOKENS: usize = 2;
 
 /// A row-major `[rows, cols]` matrix: quantised rows where the file had them in a
 /// format `QuantRows` reads, f32 otherwise, or groups of rows each kept its own way.
@@ -38,6 +34,15 @@ impl CpuWeight {
     pub fn stacked(parts: Vec<CpuWeight>, rows: usize, cols: usize) -> Self {
         debug_assert!(parts.iter().all(|p| p.cols == cols) && parts.iter().map(|p| p.rows).sum::<usize>() == rows);
         Self { rows, cols, storage: Storage::Stacked(parts) }
+    }
+
+    /// Whether any row is kept in a quantised format.
+    pub(super) fn has_quantized(&self) -> bool {
+        match &self.storage {
+            Storage::F32(_) => false,
+            Storage::Quantized(_) => true,
+            Storage::Stacked(parts) => parts.iter().any(CpuWeight::has_quantized),
+        }
     }
 
     /// Whether every row is kept in a quantised format (none in f32).
@@ -75,19 +80,32 @@ impl CpuWeight {
     }
 
     /// `out[r * stride + t] = row (first + r) · x_t` for `n` rows and every input row
-    /// of `x`. Every path computes the same operations, so the bits do not depend on
-    /// how many input rows there are.
-    pub fn dot_rows(&self, first: usize, n: usize, x: &[f32], out: &mut [f32], stride: usize, scratch: &mut Vec<f32>) {
-        let tokens = x.len() / self.cols;
+    /// of `x`; quantised rows take `rounded`, `x` rounded to bytes, where given. Every
+    /// path computes the same operations for any number of input rows, so the bits do
+    /// not depend on the batch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dot_rows(
+        &self,
+        first: usize,
+        n: usize,
+        x: &[f32],
+        rounded: Option<&Q8Rows>,
+        out: &mut [f32],
+        stride: usize,
+        scratch: &mut Vec<f32>,
+    ) {
         match &self.storage {
-            Storage::Quantized(q) if tokens <= FUSED_MAX_TOKENS => q.dot_rows(first, n, x, out, stride),
+            Storage::Quantized(q) => match rounded {
+                Some(r) => q.dot_rows_int8(first, n, r, out, stride),
+                None => dot_tile(self.rows_f32(first, n, scratch), x, self.cols, out, stride),
+            },
             // Each row is computed by its own part, as it would be alone.
             Storage::Stacked(parts) => {
                 for (part, local, at) in overlapping(parts, first, n) {
-                    part.dot_rows(local.start, local.len(), x, &mut out[at * stride..], stride, scratch);
+                    part.dot_rows(local.start, local.len(), x, rounded, &mut out[at * stride..], stride, scratch);
                 }
             }
-            _ => dot_tile(self.rows_f32(first, n, scratch), x, self.cols, out, stride),
+            Storage::F32(_) => dot_tile(self.rows_f32(first, n, scratch), x, self.cols, out, stride),
         }
     }
 }
@@ -137,11 +155,11 @@ mod tests {
             // Rows 3..19 cross both boundaries.
             let (first, n) = (3, 16);
             let mut got = vec![0.0f32; n * tokens];
-            stack.dot_rows(first, n, &x, &mut got, tokens, &mut Vec::new());
+            stack.dot_rows(first, n, &x, None, &mut got, tokens, &mut Vec::new());
             let mut want = Vec::new();
             for (p, local) in [(0, 3..7), (1, 0..5), (2, 0..7)] {
                 let mut o = vec![0.0f32; local.len() * tokens];
-                parts[p].dot_rows(local.start, local.len(), &x, &mut o, tokens, &mut Vec::new());
+                parts[p].dot_rows(local.start, local.len(), &x, None, &mut o, tokens, &mut Vec::new());
                 want.extend(o);
             }
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

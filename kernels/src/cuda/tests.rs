@@ -56,12 +56,12 @@ fn gpu_linear_matches_cpu_with_and_without_bias() {
         let x = randn(&mut rng, tokens * cols);
         let bias = randn(&mut rng, rows);
         let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
-        let cw = CpuBackend.upload_weight(hw()).unwrap();
+        let cw = CpuBackend::exact().upload_weight(hw()).unwrap();
         let gw = g.upload_weight(hw()).unwrap();
-        let want = CpuBackend.linear(&x, tokens, &cw, Some(&bias)).unwrap();
+        let want = CpuBackend::exact().linear(&x, tokens, &cw, Some(&bias)).unwrap();
         let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, Some(&g.upload(&bias).unwrap())).unwrap();
         check(&format!("linear {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want);
-        let want = CpuBackend.linear(&x, tokens, &cw, None).unwrap();
+        let want = CpuBackend::exact().linear(&x, tokens, &cw, None).unwrap();
         let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
         check("linear without bias", &g.download(&got).unwrap(), &want);
     }
@@ -75,12 +75,12 @@ fn gpu_norms_and_residual_match_cpu() {
     let x = randn(&mut rng, rows * dim);
     let y = randn(&mut rng, rows * dim);
     let w = randn(&mut rng, dim);
-    let want = CpuBackend.rms_norm(&x, &w, 1e-5).unwrap();
+    let want = CpuBackend::exact().rms_norm(&x, &w, 1e-5).unwrap();
     let got = g.rms_norm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), 1e-5).unwrap();
     check("rms_norm", &g.download(&got).unwrap(), &want);
 
     let mut h_cpu = x.clone();
-    let want = CpuBackend.add_rms_norm(&mut h_cpu, &y, &w, 1e-5).unwrap();
+    let want = CpuBackend::exact().add_rms_norm(&mut h_cpu, &y, &w, 1e-5).unwrap();
     let mut h = g.upload(&x).unwrap();
     let got = g.add_rms_norm(&mut h, &g.upload(&y).unwrap(), &g.upload(&w).unwrap(), 1e-5).unwrap();
     check("add_rms_norm", &g.download(&got).unwrap(), &want);
@@ -102,7 +102,7 @@ fn gpu_rope_matches_cpu_in_both_styles_at_long_positions() {
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
         let x = randn(&mut rng, tokens * heads * head_dim);
         let mut want = x.clone();
-        CpuBackend.rope(&mut want, &positions, heads, head_dim, &inv_freq, style).unwrap();
+        CpuBackend::exact().rope(&mut want, &positions, heads, head_dim, &inv_freq, style).unwrap();
         let mut got = g.upload(&x).unwrap();
         g.rope(&mut got, &g.upload_index(&positions).unwrap(), heads, head_dim, &g.upload(&inv_freq).unwrap(), style)
             .unwrap();
@@ -117,18 +117,18 @@ fn gpu_elementwise_and_row_ops_match_cpu() {
     let (rows, width) = (rng.random_range(1..50), rng.random_range(1..600));
     let gate_up = randn(&mut rng, rows * 2 * width);
     let got = g.silu_mul(&g.upload(&gate_up).unwrap(), width).unwrap();
-    check("silu_mul", &g.download(&got).unwrap(), &CpuBackend.silu_mul(&gate_up, width).unwrap());
+    check("silu_mul", &g.download(&got).unwrap(), &CpuBackend::exact().silu_mul(&gate_up, width).unwrap());
 
     let x: Vec<f32> = randn(&mut rng, rows * width).iter().map(|v| v * 8.0).collect();
     let mut want = x.clone();
-    CpuBackend.softmax(&mut want, width).unwrap();
+    CpuBackend::exact().softmax(&mut want, width).unwrap();
     let mut got = g.upload(&x).unwrap();
     g.softmax(&mut got, width).unwrap();
     check("softmax", &g.download(&got).unwrap(), &want);
 
     let widths = [rng.random_range(1..90), rng.random_range(1..90), rng.random_range(1..90)];
     let x = randn(&mut rng, rows * widths.iter().sum::<usize>());
-    let want = CpuBackend.split_columns(&x, &widths).unwrap();
+    let want = CpuBackend::exact().split_columns(&x, &widths).unwrap();
     let got = g.split_columns(&g.upload(&x).unwrap(), &widths).unwrap();
     for (got, want) in got.iter().zip(&want) {
         assert_eq!(&g.download(got).unwrap(), want, "split_columns copies exactly");
@@ -136,7 +136,7 @@ fn gpu_elementwise_and_row_ops_match_cpu() {
 
     let pick: Vec<u32> = (0..7).map(|_| rng.random_range(0..rows as u32)).collect();
     let got = g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&pick).unwrap()).unwrap();
-    let want = CpuBackend.gather_rows(&x, widths.iter().sum(), &pick).unwrap();
+    let want = CpuBackend::exact().gather_rows(&x, widths.iter().sum(), &pick).unwrap();
     assert_eq!(g.download(&got).unwrap(), want, "gather_rows copies exactly");
     assert!(
         g.gather_rows(&g.upload(&x).unwrap(), widths.iter().sum(), &g.upload_index(&[rows as u32]).unwrap()).is_err()
@@ -147,7 +147,7 @@ fn gpu_elementwise_and_row_ops_match_cpu() {
     let hw = || HostWeight { rows: vocab, cols: dim, data: WeightData::F32(table.clone()) };
     let ids: Vec<u32> = (0..11).map(|_| rng.random_range(0..vocab as u32)).collect();
     let got = g.embedding(&g.upload_index(&ids).unwrap(), &g.upload_weight(hw()).unwrap()).unwrap();
-    let want = CpuBackend.embedding(&ids, &CpuBackend.upload_weight(hw()).unwrap()).unwrap();
+    let want = CpuBackend::exact().embedding(&ids, &CpuBackend::exact().upload_weight(hw()).unwrap()).unwrap();
     assert_eq!(g.download(&got).unwrap(), want, "embedding copies exactly");
     let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
     assert!(err.is_err(), "an id past the vocabulary is refused");
@@ -208,7 +208,7 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         let v = randn(rng, context * w);
         let slots: Vec<u32> =
             (0..context).map(|p| blocks[p / block_size] * block_size as u32 + (p % block_size) as u32).collect();
-        CpuBackend.write_kv(&k, &v, &slots, shape, &mut k_cpu, &mut v_cpu).unwrap();
+        CpuBackend::exact().write_kv(&k, &v, &slots, shape, &mut k_cpu, &mut v_cpu).unwrap();
         let (kg, vg, sg) = (g.upload(&k).unwrap(), g.upload(&v).unwrap(), g.upload_index(&slots).unwrap());
         g.write_kv(&kg, &vg, &sg, shape, &mut k_gpu, &mut v_gpu).unwrap();
         let mut table = blocks;
@@ -229,7 +229,7 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         block_tables: &tables,
         max_blocks_per_seq: max_blocks,
     };
-    let want = CpuBackend.paged_attention(&q, &k_cpu, &v_cpu, &cpu_batch, shape).unwrap();
+    let want = CpuBackend::exact().paged_attention(&q, &k_cpu, &v_cpu, &cpu_batch, shape).unwrap();
     let (gs, gc, gt) =
         (g.upload_index(&starts).unwrap(), g.upload_index(&ctx).unwrap(), g.upload_index(&tables).unwrap());
     let gpu_batch = PagedBatch::<CudaBackend> {

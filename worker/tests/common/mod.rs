@@ -27,7 +27,7 @@ pub fn qwen05_path() -> PathBuf {
 #[allow(dead_code)] // each test binary uses its own subset of these helpers
 pub fn smollm2() -> &'static LoadedModel<CpuBackend> {
     static MODEL: OnceLock<LoadedModel<CpuBackend>> = OnceLock::new();
-    MODEL.get_or_init(|| load_model(CpuBackend, &smollm2_path()).unwrap_or_else(|e| panic!("{e}")))
+    MODEL.get_or_init(|| load_model(CpuBackend::default(), &smollm2_path()).unwrap_or_else(|e| panic!("{e}")))
 }
 
 /// `serve`'s settings for the real model on the CPU with a KV cache of `kv_cache_bytes`.

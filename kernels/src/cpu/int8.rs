@@ -1,0 +1,332 @@
+//! Products of quantised weight rows with inputs rounded to 8 bits, as llama.cpp runs
+//! its quantised formats: each input row is cut into blocks of 32 and each block
+//! rounded to signed bytes with a scale of its own, so a block's products are integer
+//! dot products and the floats come in once a block, not once a weight. On AVX-512
+//! VNNI one `vpdpbusd` multiplies 4 weights of 16 rows (`QuantRows`' interleaved
+//! groups) by the same 4 inputs, broadcast: 64 multiply-adds, and the 16 lanes are the
+//! 16 rows' sums, so nothing is ever added across lanes.
+//!
+//! Each output, row `r` · input row `t`, is this chain and no other, whatever is
+//! computed beside it (batch invariance) and on every build (the AVX-512 path and the
+//! portable one agree bit for bit): for each block `b`, the exact integer sum `S` of
+//! its 32 products (two, `S₀` and `S₁`, for `BytesHalves`' half-blocks), then, into
+//! accumulator `b mod 2`,
+//!
+//! - `Nibbles`: `acc = fma(S, d_w·d_x, acc)`, then `acc = fma(m_w, d_x·Σq, acc)`;
+//! - `Bytes`: `acc = fma(S, d_w·d_x, acc)`;
+//! - `BytesHalves`: `acc = fma(S₀, d_w₀·d_x, acc)`, then `acc = fma(S₁, d_w₁·d_x, acc)`;
+//!
+//! and the output is `acc₀ + acc₁`. A row's rounding depends on that row alone.
+//!
+//! Accuracy: rounding moves each input by at most half its block's scale, so a product
+//! is off by at most Σ|w|·d_x/2 over its blocks (tested below), the error llama.cpp's
+//! CPU path makes on the same files.
+
+use super::quant_rows::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout};
+use super::simd::multiversion;
+
+/// Input rows rounded to bytes, block by block.
+#[derive(Debug, Clone)]
+pub(crate) struct Q8Rows {
+    blocks_per_row: usize,
+    /// `k` per row.
+    qs: Vec<i8>,
+    /// Per row and block: the block's scale.
+    d: Vec<f32>,
+    /// Per row and block: scale · Σq, the block's sum for `Nibbles`' offsets.
+    sums: Vec<f32>,
+    /// Per row and half-block: −128 · Σq, which turns products with signed weights
+    /// stored as unsigned `w + 128` back into `w · q`.
+    offsets: Vec<i32>,
+}
+
+impl Q8Rows {
+    /// `x`'s rows of `k` (a multiple of 32), each block scaled so its largest magnitude
+    /// becomes 127, rounded half to even.
+    pub(crate) fn quantize(x: &[f32], k: usize) -> Self {
+        assert!(k % BLOCK == 0 && k > 0 && x.len() % k == 0, "rows of whole blocks");
+        let blocks = x.len() / BLOCK;
+        let mut q = Self {
+            blocks_per_row: k / BLOCK,
+            qs: vec![0; x.len()],
+            d: vec![0.0; blocks],
+            sums: vec![0.0; blocks],
+            offsets: vec![0; 2 * blocks],
+        };
+        quantize_blocks(x, &mut q.qs, &mut q.d, &mut q.sums, &mut q.offsets);
+        q
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.d.len() / self.blocks_per_row
+    }
+}
+
+multiversion! {
+    fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [f32], offsets: &mut [i32]) -> () {
+        for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
+            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let q = &mut qs[b * BLOCK..(b + 1) * BLOCK];
+            for (q, v) in q.iter_mut().zip(xs) {
+                *q = (v * inv).round_ties_even() as i8;
+            }
+            let half = |h: usize| q[16 * h..16 * (h + 1)].iter().map(|&v| v as i32).sum::<i32>();
+            let (lo, hi) = (half(0), half(1));
+            d[b] = scale;
+            sums[b] = scale * (lo + hi) as f32;
+            offsets[2 * b] = -128 * lo;
+            offsets[2 * b + 1] = -128 * hi;
+        }
+    }
+}
+
+/// `out[i * stride + t] = row i · input t` for the group's 16 rows and every row of `x`.
+pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) {
+    let (bpr, tokens) = (g.blocks_per_row, x.rows());
+    assert_eq!(x.blocks_per_row, bpr, "inputs and weights of different widths");
+    assert!(tokens <= stride && out.len() >= (GROUP_ROWS - 1) * stride + tokens, "output too small");
+    let scales = g.layout.scales();
+    assert!(
+        g.qs.len() == bpr * GROUP_ROWS * g.layout.q_len()
+            && g.d.len() == bpr * GROUP_ROWS * scales
+            && (g.layout != Layout::Nibbles || g.m.len() == bpr * GROUP_ROWS)
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx512_vnni() {
+        // SAFETY: the CPU has the features the AVX-512 path is compiled for; the
+        // lengths are as asserted above.
+        unsafe { avx512::dot_group(g, x, out, stride) };
+        return;
+    }
+    portable_group(g.layout, bpr, g.qs, g.d, g.m, x, out, stride);
+}
+
+multiversion! {
+    fn portable_group(layout: Layout, bpr: usize, qs: &[u8], d: &[f32], m: &[f32], x: &Q8Rows, out: &mut [f32], stride: usize) -> () {
+        let (q_len, scales) = (layout.q_len(), layout.scales());
+        for t in 0..x.rows() {
+            for i in 0..GROUP_ROWS {
+                let mut acc = [0.0f32; 2];
+                for b in 0..bpr {
+                    let at = t * bpr + b;
+                    let xq = &x.qs[at * BLOCK..(at + 1) * BLOCK];
+                    let chunks = &qs[b * GROUP_ROWS * q_len..(b + 1) * GROUP_ROWS * q_len];
+                    let ds = &d[b * GROUP_ROWS * scales..(b + 1) * GROUP_ROWS * scales];
+                    // Weight `4c + p` of row i, as stored (`w + 128` for bytes).
+                    let quad = |c: usize, p: usize| chunks[c * CHUNK + 4 * i + p] as i32;
+                    let (dx, a) = (x.d[at], &mut acc[b % 2]);
+                    match layout {
+                        Layout::Nibbles => {
+                            let mut s = 0;
+                            for c in 0..4 {
+                                for p in 0..4 {
+                                    s += (quad(c, p) & 0xF) * xq[4 * c + p] as i32;
+                                    s += (quad(c, p) >> 4) * xq[16 + 4 * c + p] as i32;
+                                }
+                            }
+                            *a = (s as f32).mul_add(ds[i] * dx, *a);
+                            *a = m[b * GROUP_ROWS + i].mul_add(x.sums[at], *a);
+                        }
+                        Layout::Bytes | Layout::BytesHalves => {
+                            let mut s = [x.offsets[2 * at], x.offsets[2 * at + 1]];
+                            for c in 0..8 {
+                                for p in 0..4 {
+                                    s[c / 4] += quad(c, p) * xq[4 * c + p] as i32;
+                                }
+                            }
+                            if layout == Layout::Bytes {
+                                *a = ((s[0] + s[1]) as f32).mul_add(ds[i] * dx, *a);
+                            } else {
+                                *a = (s[0] as f32).mul_add(ds[i] * dx, *a);
+                                *a = (s[1] as f32).mul_add(ds[GROUP_ROWS + i] * dx, *a);
+                            }
+                        }
+                    }
+                }
+                out[i * stride + t] = acc[0] + acc[1];
+            }
+        }
+    }
+}
+
+/// The group's 16 rows in the 16 lanes of each register, up to `INPUTS` input rows at
+/// a time sharing every chunk loaded (and unpacked).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout, Q8Rows};
+    use std::arch::x86_64::*;
+
+    const INPUTS: usize = 4;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) {
+        let tokens = x.rows();
+        let mut t = 0;
+        while t < tokens {
+            let tt = (tokens - t).min(INPUTS);
+            match tt {
+                4 => micro::<4>(g, x, t, out, stride),
+                3 => micro::<3>(g, x, t, out, stride),
+                2 => micro::<2>(g, x, t, out, stride),
+                _ => micro::<1>(g, x, t, out, stride),
+            }
+            t += tt;
+        }
+    }
+
+    /// The 16 rows against inputs `t0..t0 + T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    #[inline]
+    fn micro<const T: usize>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
+        let (layout, bpr) = (g.layout, g.blocks_per_row);
+        let (q_len, scales) = (layout.q_len(), layout.scales());
+        assert!(x.rows() >= t0 + T && out.len() >= (GROUP_ROWS - 1) * stride + t0 + T);
+        // SAFETY (all loads below): block b < bpr of the group's chunks, scales and
+        // offsets (lengths checked by `dot_group`'s caller), and of input rows
+        // t0 + t < x.rows(); 4-byte input reads at 4c < 32 within a block.
+        unsafe {
+            let nibble = _mm512_set1_epi8(0x0F);
+            let zero = _mm512_setzero_si512();
+            let mut acc = [[_mm512_setzero_ps(); 2]; T];
+            for b in 0..bpr {
+                let chunks = g.qs.as_ptr().add(b * GROUP_ROWS * q_len);
+                let mut w = [zero; 8];
+                if layout == Layout::Nibbles {
+                    for c in 0..4 {
+                        let v = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
+                        w[c] = _mm512_and_si512(v, nibble);
+                        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    }
+                } else {
+                    for (c, w) in w.iter_mut().enumerate() {
+                        *w = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
+                    }
+                }
+                let ds = g.d.as_ptr().add(b * GROUP_ROWS * scales);
+                let dw = [_mm512_loadu_ps(ds), if scales == 2 { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { _mm512_setzero_ps() }];
+                let e = b % 2;
+                for t in 0..T {
+                    let at = (t0 + t) * x.blocks_per_row + b;
+                    let xq = x.qs.as_ptr().add(at * BLOCK) as *const i32;
+                    let xb = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
+                    let dx = _mm512_set1_ps(*x.d.get_unchecked(at));
+                    let a = &mut acc[t][e];
+                    match layout {
+                        Layout::Nibbles => {
+                            let (mut s0, mut s1) = (zero, zero);
+                            for c in (0..8).step_by(2) {
+                                s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
+                                s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
+                            }
+                            let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                            *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw[0], dx), *a);
+                            let m = _mm512_loadu_ps(g.m.as_ptr().add(b * GROUP_ROWS));
+                            *a = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a);
+                        }
+                        Layout::Bytes | Layout::BytesHalves => {
+                            let mut s0 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at));
+                            let mut s1 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at + 1));
+                            for c in 0..4 {
+                                s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
+                                s1 = _mm512_dpbusd_epi32(s1, w[c + 4], xb(c + 4));
+                            }
+                            if layout == Layout::Bytes {
+                                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                                *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw[0], dx), *a);
+                            } else {
+                                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), *a);
+                                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), *a);
+                            }
+                        }
+                    }
+                }
+            }
+            for (t, acc) in acc.iter().enumerate() {
+                let mut rows = [0.0f32; GROUP_ROWS];
+                _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(acc[0], acc[1]));
+                for (i, v) in rows.into_iter().enumerate() {
+                    out[i * stride + t0 + t] = v;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::QuantRows;
+    use crate::cpu::quant_rows::tests::{FORMATS, random_blocks};
+    use crate::quant::dequantize;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn rounding_keeps_each_input_within_half_its_block_scale() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let k = 96;
+        let mut x: Vec<f32> = (0..2 * k).map(|_| rng.random_range(-3.0..3.0)).collect();
+        x[k..k + 32].fill(0.0);
+        let q = Q8Rows::quantize(&x, k);
+        for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
+            let d = q.d[b];
+            let mut total = 0;
+            for (j, v) in xs.iter().enumerate() {
+                let got = q.qs[b * BLOCK + j];
+                total += got as i32;
+                assert!((got as f32 * d - v).abs() <= d / 2.0 * (1.0 + 1e-6), "block {b} element {j}");
+            }
+            assert!(xs.iter().all(|v| *v == 0.0) || q.qs[b * BLOCK..(b + 1) * BLOCK].iter().any(|v| v.abs() == 127));
+            assert_eq!(q.sums[b], d * total as f32);
+            assert_eq!(q.offsets[2 * b] + q.offsets[2 * b + 1], -128 * total);
+        }
+        assert_eq!(q.d[3], 0.0, "the all-zero block");
+    }
+
+    /// Each format against f64 on the dequantised weights and the unrounded inputs,
+    /// within the rounding bound of the header; every build and every tiling gives
+    /// the same bits as one row against one input.
+    #[test]
+    fn products_are_within_the_rounding_bound_and_the_same_bits_in_any_tile() {
+        let seed: u64 = StdRng::from_os_rng().random();
+        eprintln!("random seed {seed}");
+        let mut rng = StdRng::seed_from_u64(seed);
+        // 9 blocks a row (an odd number: the two accumulators differ); 21 rows, one
+        // group of 16 and a padded one; 6 inputs, a tile of 4 and one of 2.
+        let (rows, k, tokens) = (21, 9 * BLOCK, 6);
+        for ty in FORMATS {
+            let cols = if ty.block_elems() == 256 { 2 * 256 } else { k };
+            let bytes = random_blocks(&mut rng, ty, rows * cols);
+            let w = QuantRows::from_blocks(ty, &bytes, cols).unwrap();
+            let dense = dequantize(ty, &bytes);
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let q = Q8Rows::quantize(&x, cols);
+            let mut all = vec![0.0f32; rows * tokens];
+            w.dot_rows_int8(0, rows, &q, &mut all, tokens);
+            for r in 0..rows {
+                for t in 0..tokens {
+                    let (wr, xr) = (&dense[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let bound: f64 = wr
+                        .iter()
+                        .enumerate()
+                        .map(|(j, a)| a.abs() as f64 * q.d[(t * cols + j) / BLOCK] as f64 / 2.0)
+                        .sum::<f64>()
+                        * 1.001
+                        + 1e-4 * wr.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>();
+                    let got = all[r * tokens + t] as f64;
+                    assert!((got - exact).abs() <= bound, "{ty:?} row {r} input {t}: {got} vs {exact} (bound {bound})");
+                    // One row against one input, portably: the same bits.
+                    let one = Q8Rows::quantize(xr, cols);
+                    let mut alone = [0.0f32];
+                    super::super::simd::capped(super::super::simd::Isa::Portable, || {
+                        w.dot_rows_int8(r, 1, &one, &mut alone, 1)
+                    });
+                    assert_eq!(alone[0].to_bits(), all[r * tokens + t].to_bits(), "{ty:?} row {r} input {t} alone");
+                }
+            }
+        }
+    }
+}
