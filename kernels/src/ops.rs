@@ -124,6 +124,15 @@ pub trait Backend: Send + Sync {
     /// Runs a captured graph (asynchronously, like any op).
     fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
+    /// Runs `f`, one forward step's ops, where this backend runs them best: the CPU
+    /// backend runs the step on its thread pool, so that each of the step's hundreds of
+    /// parallel products forks from a pool thread — whose partner is still awake from
+    /// the last one — instead of waking the pool from outside and sleeping until it is
+    /// done.
+    fn step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// Each row's token picked from `logits` (`[rows.len(), vocab]`) on the device; None
     /// where the backend leaves sampling to the host (the CPU, whose logits are host
     /// memory).

@@ -122,6 +122,10 @@ impl Backend for CpuBackend {
         Err(KernelError::shape("replay", "the CPU backend records no graphs"))
     }
 
+    fn step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| f())
+    }
+
     fn embedding(&self, ids: &Vec<u32>, table: &CpuWeight) -> Result<Vec<f32>> {
         elementwise::embedding(ids, table)
     }

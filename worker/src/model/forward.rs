@@ -217,6 +217,21 @@ impl<B: Backend> Model<B> {
         max_blocks: usize,
         kv: &mut KvCache<B>,
     ) -> Result<Option<B::Buffer>, ModelError> {
+        match self.comm {
+            // A tensor-parallel rank stays on its own thread: on a shared pool, a rank
+            // waiting in an all-reduce could be handed another rank's step to run.
+            Some(_) => self.run_layers(d, num_seqs, max_blocks, kv),
+            None => self.backend.step(|| self.run_layers(d, num_seqs, max_blocks, kv)),
+        }
+    }
+
+    fn run_layers(
+        &self,
+        d: &DeviceFlat<B>,
+        num_seqs: usize,
+        max_blocks: usize,
+        kv: &mut KvCache<B>,
+    ) -> Result<Option<B::Buffer>, ModelError> {
         let (b, w, c) = (&self.backend, &self.weights, &self.config);
         let shape = self.attention_shape(kv.block_size);
         let tokens = d.tokens;
