@@ -62,7 +62,9 @@ fn linear_over_quantised_rows_matches_the_dequantised_product() {
             (rng.random_range(1..80), ty.block_elems() * rng.random_range(1..5), rng.random_range(1..40));
         let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
         let dense = CpuWeight::f32(crate::quant::dequantize(ty, &bytes), rows, cols);
-        let w = CpuBackend::exact().upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }).unwrap();
+        let w = CpuBackend::exact()
+            .upload_weight(HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } })
+            .unwrap();
         let x = randn(&mut rng, tokens * cols);
         let got = CpuBackend::exact().linear(&x, tokens, &w, None).unwrap();
         // The bound is for O(1) weights; random K-quant scales and mins make them up to ~100.

@@ -262,6 +262,42 @@ class Completions(unittest.TestCase):
         streamed = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
         self.assertEqual(streamed, [chat.model_extra["prompt_logprobs"]], "once, in a chunk of its own")
 
+    def test_vllm_sampling_extensions_as_benchmark_clients_send_them(self):
+        # ignore_eos: exactly max_tokens, past the end of the turn that a strong bias
+        # forces at once; without it the reply ends there.
+        end = "2"  # SmolLM2's <|im_end|>
+        ask = dict(model=MODEL, messages=HELLO, max_tokens=12, temperature=0, logit_bias={end: 100})
+        self.assertEqual(client().chat.completions.create(**ask).usage.completion_tokens, 1)
+        fixed = client().chat.completions.create(**ask, extra_body={"ignore_eos": True})
+        self.assertEqual((fixed.usage.completion_tokens, fixed.choices[0].finish_reason), (12, "length"))
+        # ... and kept in the text when special tokens are not skipped.
+        shown = client().chat.completions.create(**ask, extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                                   "spaces_between_special_tokens": False})
+        self.assertEqual(shown.choices[0].message.content, "<|im_end|>" * 12)
+        # min_tokens holds the end back; stop_token_ids ends on a token of our choosing.
+        held = client().chat.completions.create(**ask, extra_body={"min_tokens": 5})
+        self.assertEqual(held.usage.completion_tokens, 6)
+        prompt = "1, 2, 3, 4, 5,"
+        seven = client().completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                            extra_body={"stop_token_ids": [39]})  # "7"
+        self.assertEqual((seven.choices[0].text, seven.choices[0].finish_reason), (" 6, ", "stop"))
+        kept = client().completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=["8,"],
+                                           extra_body={"include_stop_str_in_output": True})
+        self.assertEqual(kept.choices[0].text, " 6, 7, 8,")
+        # Streamed with ignore_eos, as vLLM's benchmark client sends it (read leniently:
+        # a streamed choice's finish_reason is null until it finishes, see below).
+        chunks = list(loose_client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}))
+        self.assertEqual(chunks[-1].usage.completion_tokens, 24)
+        # Strictly typed and bounded, in the API's own error shape.
+        for extra, param in [({"ignore_eos": "yes"}, "ignore_eos"), ({"min_tokens": -1}, "min_tokens"),
+                             ({"min_tokens": 13}, "min_tokens"), ({"stop_token_ids": [49152]}, "stop_token_ids[0]"),
+                             ({"skip_special_tokens": 1}, "skip_special_tokens")]:
+            with self.assertRaises(openai.BadRequestError) as e:
+                client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, extra_body=extra)
+            self.assertEqual(e.exception.body["param"], param, extra)
+
     def test_default_max_tokens_is_16_and_streams_end_with_usage(self):
         r = client().completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
         self.assertLessEqual(r.usage.completion_tokens, 16)

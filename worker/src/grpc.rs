@@ -110,6 +110,9 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> 
         stop_token_ids: r.stop_token_ids,
         stop: r.stop,
         ignore_eos: r.ignore_eos,
+        min_tokens: r.min_tokens as usize,
+        include_stop_str_in_output: r.include_stop_str_in_output,
+        skip_special_tokens: !r.keep_special_tokens,
         n: r.n.max(1) as usize,
         grammar,
         thinking: r.thinking.map(|t| ThinkingBudget {

@@ -91,7 +91,9 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                 // One thread per rank, summing through the in-process all-reduce.
                 ThreadGroup::ranks(tp)
                     .into_iter()
-                    .map(|rank| Ok(Model::load_shard(CpuBackend::default(), model_config.clone(), source, Arc::new(rank))?))
+                    .map(|rank| {
+                        Ok(Model::load_shard(CpuBackend::default(), model_config.clone(), source, Arc::new(rank))?)
+                    })
                     .collect()
             },
             |_| {

@@ -189,6 +189,51 @@ fn stop_strings_and_stop_tokens_end_generation() {
 }
 
 #[test]
+fn vllm_extensions_min_tokens_kept_stops_and_special_tokens() {
+    let mut e = engine(EngineConfig::default());
+    let p = e.tokenizer().encode("1, 2, 3, 4, 5,").unwrap();
+    let seven = e.tokenizer().encode("7").unwrap()[0];
+    // Alone, the stop token ends the output at its fourth token and "7," at its third
+    // (`stop_strings_and_stop_tokens_end_generation`); with min_tokens 6 neither may.
+    e.add_request(Request { stop_token_ids: vec![seven], min_tokens: 6, ..Request::greedy(1, p.clone(), 60) }).unwrap();
+    let out = run_all(&mut e).remove(&1).unwrap();
+    assert!(out.tokens.len() > 6 && !out.tokens[..6].contains(&seven), "{:?}", out.text);
+    e.add_request(Request { stop: vec!["7,".into()], min_tokens: 6, ..Request::greedy(6, p.clone(), 60) }).unwrap();
+    let out = run_all(&mut e).remove(&6).unwrap();
+    assert!(out.text.starts_with(" 6, 7, 8,") && !out.text.ends_with("7,"), "{:?}", out.text);
+    assert_eq!(out.finish, Some(FinishReason::Stop), "{:?}", out.text);
+    // The matched stop string kept at the end.
+    e.add_request(Request {
+        stop: vec!["8,".into()],
+        include_stop_str_in_output: true,
+        ..Request::greedy(2, p.clone(), 30)
+    })
+    .unwrap();
+    assert_eq!(run_all(&mut e).remove(&2).unwrap().text, " 6, 7, 8,");
+    // End-of-sequence, pushed to the top by a bias, is banned until min_tokens.
+    let end = e.tokenizer().inner().token_to_id("<|im_end|>").unwrap();
+    let biased = SamplingParams { logit_bias: vec![(end, 100.0)], ..SamplingParams::greedy() };
+    e.add_request(Request { params: biased.clone(), min_tokens: 3, ..Request::greedy(3, p.clone(), 8) }).unwrap();
+    let out = run_all(&mut e).remove(&3).unwrap();
+    assert_eq!(out.tokens.len(), 4);
+    assert!(!out.tokens[..3].contains(&end) && out.tokens[3] == end);
+    assert_eq!(out.finish, Some(FinishReason::Stop));
+    // Past the end with ignore_eos: the marker's text shows only when special tokens
+    // are kept.
+    let past_end = |id: u64, skip: bool| Request {
+        params: biased.clone(),
+        ignore_eos: true,
+        skip_special_tokens: skip,
+        ..Request::greedy(id, p.clone(), 2)
+    };
+    e.add_request(past_end(4, false)).unwrap();
+    e.add_request(past_end(5, true)).unwrap();
+    let mut outs = run_all(&mut e);
+    assert_eq!(outs.remove(&4).unwrap().text, "<|im_end|><|im_end|>");
+    assert_eq!(outs.remove(&5).unwrap().text, "");
+}
+
+#[test]
 fn bad_requests_are_refused_with_a_reason() {
     let mut e = engine(EngineConfig::default());
     let ctx = e.config().context_length;

@@ -178,8 +178,8 @@ fn gpu_engine_batches_exactly_like_solo_runs_and_reuses_prefixes() {
 fn cpu_engine_on_the_tiny_byte_model_batches_like_solo_runs_and_reuses_prefixes() {
     let root = temp_root("engine-cpu");
     let dir = write_model(&wide(), &mut rng(), &root);
-    batching_invariance(|| CpuBackend::default(), &dir);
-    prefix_cache(|| CpuBackend::default(), &dir);
+    batching_invariance(CpuBackend::default, &dir);
+    prefix_cache(CpuBackend::default, &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 
@@ -222,7 +222,7 @@ fn gpu_thinking_budget_forces_its_close_like_the_cpu() {
 fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
     let root = temp_root("thinking-cpu");
     let dir = write_model(&wide(), &mut rng(), &root);
-    thinking_budget(|| CpuBackend::default(), &dir);
+    thinking_budget(CpuBackend::default, &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 

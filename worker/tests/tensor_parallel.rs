@@ -35,7 +35,8 @@ fn tensor_parallel(
             .into_iter()
             .map(|rank| {
                 scope.spawn(move || {
-                    let model = Model::load_shard(CpuBackend::default(), config.clone(), &*open(), Arc::new(rank)).unwrap();
+                    let model =
+                        Model::load_shard(CpuBackend::default(), config.clone(), &*open(), Arc::new(rank)).unwrap();
                     assert_eq!(model.config.num_heads * size, config.num_heads);
                     steps(&model, prompt, split)
                 })
@@ -66,8 +67,11 @@ fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
         let dir = root.join(v.name);
         write_dir(&dir, &v.config, &random_weights(&v.config, &mut rng));
         let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
-        let whole =
-            steps(&Model::load(CpuBackend::default(), config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(), &prompt, 9);
+        let whole = steps(
+            &Model::load(CpuBackend::default(), config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(),
+            &prompt,
+            9,
+        );
         let open = || Box::new(SafetensorsDir::open(&dir).unwrap()) as Box<dyn TensorSource>;
         for size in [2, 4] {
             if config.shard(size).is_err() {

@@ -105,6 +105,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     let (stream, include_usage) = params::stream(&mut f)?;
     let n = params::n(&mut f)?;
     let stop = params::stop(&mut f)?;
+    let extensions = params::extensions(&mut f, model.replica.vocab_size())?;
     sampling.logprobs = params::chat_logprobs(&mut f)?;
     let prompt_logprobs = params::prompt_logprobs(&mut f)?;
     let logprobs = sampling.logprobs.is_some();
@@ -159,6 +160,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     let max_param = if max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens =
         params::max_tokens(model, prepared.prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
+    params::check_min_tokens(&extensions, max_tokens, max_param)?;
     let thinking = chat::budget::for_worker(model, &prepared, budget, max_tokens, max_param)?;
     Ok(ChatRequest {
         generation: Generation {
@@ -171,6 +173,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
             prompt_param: "messages",
             thinking,
             prompt_logprobs,
+            extensions,
         },
         reading: prepared.reading,
         named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),

@@ -137,6 +137,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     let (stream, include_usage) = params::stream(&mut f)?;
     let n = params::n(&mut f)?;
     let stop = params::stop(&mut f)?;
+    let extensions = params::extensions(&mut f, model.replica.vocab_size())?;
     let echo = f.bool("echo", false)?;
     let logprobs = params::legacy_logprobs(&mut f)?;
     let prompt_logprobs = params::prompt_logprobs(&mut f)?;
@@ -165,6 +166,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
     }
     let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
     let max_tokens = params::max_tokens(model, longest, Some(max_tokens), "prompt")?;
+    params::check_min_tokens(&extensions, max_tokens, "max_tokens")?;
     Ok(CompletionRequest {
         prompts,
         template: Generation {
@@ -177,6 +179,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
             prompt_param: "prompt",
             thinking: None,
             prompt_logprobs: scored,
+            extensions,
         },
         echo,
         logprobs,

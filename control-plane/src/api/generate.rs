@@ -27,6 +27,8 @@ pub struct Generation {
     pub thinking: Option<pb::ThinkingBudget>,
     /// Score the prompt's tokens, with this many alternatives each.
     pub prompt_logprobs: Option<u32>,
+    /// vLLM's sampling extensions.
+    pub extensions: super::params::Extensions,
 }
 
 pub struct Output {
@@ -79,13 +81,16 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         prompt_token_ids: g.prompt,
         sampling: Some(g.sampling),
         max_tokens: g.max_tokens,
-        stop_token_ids: Vec::new(),
+        stop_token_ids: g.extensions.stop_token_ids,
         stop: g.stop,
-        ignore_eos: false,
+        ignore_eos: g.extensions.ignore_eos,
         n: g.n,
         grammar,
         thinking: g.thinking,
         prompt_logprobs: g.prompt_logprobs,
+        min_tokens: g.extensions.min_tokens,
+        include_stop_str_in_output: g.extensions.include_stop_str_in_output,
+        keep_special_tokens: !g.extensions.skip_special_tokens,
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids);

@@ -103,6 +103,71 @@ pub fn stop<'a>(f: &mut Fields<'a>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
+/// vLLM's sampling extensions, which its benchmark clients (and NVIDIA's) send.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Extensions {
+    /// Keep generating past the end-of-sequence token (fixed output lengths).
+    pub ignore_eos: bool,
+    /// End tokens and stop strings take effect only after this many tokens.
+    pub min_tokens: u32,
+    /// More tokens that end the output, like end-of-sequence.
+    pub stop_token_ids: Vec<u32>,
+    /// A matched stop string stays at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Special tokens' text is left out of the output (the default).
+    pub skip_special_tokens: bool,
+}
+
+/// `ignore_eos`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
+/// `skip_special_tokens` and `spaces_between_special_tokens`, typed and bounded as
+/// strictly as OpenAI's own parameters. `spaces_between_special_tokens` is read and
+/// has no effect: it changes only what vLLM's slow (Python) tokenizers join, and every
+/// tokenizer here is a fast one.
+pub fn extensions<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<Extensions, ApiError> {
+    let ignore_eos = f.bool("ignore_eos", false)?;
+    let min_tokens = f.integer("min_tokens", Some(0), Some(u32::MAX as i64))?.unwrap_or(0) as u32;
+    let stop_token_ids = match f.raw("stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let param = format!("stop_token_ids[{i}]");
+                let id = v
+                    .as_i64()
+                    .filter(|_| v.is_i64() || v.is_u64())
+                    .ok_or_else(|| ApiError::invalid_type(param.clone(), "an integer"))?;
+                if !(0..vocab as i64).contains(&id) {
+                    return Err(ApiError::invalid_value(
+                        param,
+                        format!("Invalid 'stop_token_ids': token id {id} is outside the vocabulary of {vocab} tokens."),
+                    ));
+                }
+                Ok(id as u32)
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid_type("stop_token_ids", "an array")),
+    };
+    let include_stop_str_in_output = f.bool("include_stop_str_in_output", false)?;
+    let skip_special_tokens = f.bool("skip_special_tokens", true)?;
+    f.bool("spaces_between_special_tokens", true)?;
+    Ok(Extensions { ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens })
+}
+
+/// `min_tokens` no larger than the completion's budget, as vLLM requires.
+pub fn check_min_tokens(ext: &Extensions, max_tokens: u32, max_param: &str) -> Result<(), ApiError> {
+    if ext.min_tokens > max_tokens {
+        return Err(ApiError::invalid_value(
+            "min_tokens",
+            format!(
+                "Invalid 'min_tokens': {} is more than '{max_param}' ({max_tokens}); it must be less than or equal to it.",
+                ext.min_tokens
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `stream` and `stream_options.include_usage`.
 pub fn stream<'a>(f: &mut Fields<'a>) -> Result<(bool, bool), ApiError> {
     let stream = f.bool("stream", false)?;
@@ -237,6 +302,44 @@ mod tests {
         .unwrap();
         assert_eq!(s.logit_bias[&999], -100.0);
         assert_eq!(parse(json!({"top_k": 0})).unwrap().top_k, -1, "0 also disables top_k");
+    }
+
+    #[test]
+    fn vllm_extensions_are_read_typed_and_bounded() {
+        let read = |body: Value| {
+            let mut f = Fields::new(&body).unwrap();
+            let ext = extensions(&mut f, 1000);
+            ext.and_then(|e| f.finish().map(|_| e))
+        };
+        let all = read(json!({"ignore_eos": true, "min_tokens": 4, "stop_token_ids": [2, 999],
+            "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false}))
+        .unwrap();
+        assert_eq!(
+            all,
+            Extensions {
+                ignore_eos: true,
+                min_tokens: 4,
+                stop_token_ids: vec![2, 999],
+                include_stop_str_in_output: true,
+                skip_special_tokens: false,
+            }
+        );
+        assert_eq!(read(json!({})).unwrap(), Extensions { skip_special_tokens: true, ..Extensions::default() });
+        let refused = |body: Value| read(body).unwrap_err().body()["error"]["param"].as_str().unwrap_or("").to_string();
+        assert_eq!(refused(json!({"ignore_eos": "yes"})), "ignore_eos");
+        assert_eq!(refused(json!({"min_tokens": -1})), "min_tokens");
+        assert_eq!(refused(json!({"min_tokens": 1.5})), "min_tokens");
+        assert_eq!(refused(json!({"stop_token_ids": 5})), "stop_token_ids");
+        assert_eq!(refused(json!({"stop_token_ids": [1, 1000]})), "stop_token_ids[1]");
+        assert_eq!(refused(json!({"stop_token_ids": [-1]})), "stop_token_ids[0]");
+        assert_eq!(refused(json!({"stop_token_ids": ["7"]})), "stop_token_ids[0]");
+        assert_eq!(refused(json!({"skip_special_tokens": 0})), "skip_special_tokens");
+        assert_eq!(refused(json!({"spaces_between_special_tokens": "no"})), "spaces_between_special_tokens");
+        let four = Extensions { min_tokens: 4, ..Extensions::default() };
+        assert!(check_min_tokens(&four, 4, "max_tokens").is_ok());
+        let e = check_min_tokens(&four, 3, "max_completion_tokens").unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "min_tokens");
+        assert!(e.body()["error"]["message"].as_str().unwrap().contains("max_completion_tokens"));
     }
 
     #[test]

@@ -149,6 +149,8 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             prompt_param: "input",
             thinking,
             prompt_logprobs: None,
+            // The Responses API has no vLLM extensions.
+            extensions: Default::default(),
         },
         reading: prepared.reading,
         instructions,

@@ -44,7 +44,7 @@ impl Q8Rows {
     /// `x`'s rows of `k` (a multiple of 32), each block scaled so its largest magnitude
     /// becomes 127, rounded half to even.
     pub(crate) fn quantize(x: &[f32], k: usize) -> Self {
-        assert!(k % BLOCK == 0 && k > 0 && x.len() % k == 0, "rows of whole blocks");
+        assert!(k.is_multiple_of(BLOCK) && k > 0 && x.len().is_multiple_of(k), "rows of whole blocks");
         let blocks = x.len() / BLOCK;
         let mut q = Self {
             blocks_per_row: k / BLOCK,
@@ -100,11 +100,12 @@ pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usiz
         unsafe { avx512::dot_group(g, x, out, stride) };
         return;
     }
-    portable_group(g.layout, bpr, g.qs, g.d, g.m, x, out, stride);
+    portable_group(g, x, out, stride);
 }
 
 multiversion! {
-    fn portable_group(layout: Layout, bpr: usize, qs: &[u8], d: &[f32], m: &[f32], x: &Q8Rows, out: &mut [f32], stride: usize) -> () {
+    fn portable_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) -> () {
+        let (layout, bpr, qs, d, m) = (g.layout, g.blocks_per_row, g.qs, g.d, g.m);
         let (q_len, scales) = (layout.q_len(), layout.scales());
         for t in 0..x.rows() {
             for i in 0..GROUP_ROWS {
@@ -205,7 +206,10 @@ mod avx512 {
                     }
                 }
                 let ds = g.d.as_ptr().add(b * GROUP_ROWS * scales);
-                let dw = [_mm512_loadu_ps(ds), if scales == 2 { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { _mm512_setzero_ps() }];
+                let dw = [
+                    _mm512_loadu_ps(ds),
+                    if scales == 2 { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { _mm512_setzero_ps() },
+                ];
                 let e = b % 2;
                 for t in 0..T {
                     let at = (t0 + t) * x.blocks_per_row + b;

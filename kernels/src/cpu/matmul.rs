@@ -24,7 +24,13 @@ thread_local! {
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-pub(super) fn linear(x: &[f32], tokens: usize, w: &CpuWeight, bias: Option<&[f32]>, activations: Activations) -> Vec<f32> {
+pub(super) fn linear(
+    x: &[f32],
+    tokens: usize,
+    w: &CpuWeight,
+    bias: Option<&[f32]>,
+    activations: Activations,
+) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
     if n == 0 || tokens == 0 {
         return vec![0.0; n * tokens];

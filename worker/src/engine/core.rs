@@ -68,6 +68,12 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Keep going past the model's end-of-sequence token.
     pub ignore_eos: bool,
+    /// End tokens and stop strings take effect only after this many output tokens.
+    pub min_tokens: usize,
+    /// A matched stop string stays at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Special tokens' text is left out of the output.
+    pub skip_special_tokens: bool,
     /// Completions of the same prompt; they share the prompt's KV blocks.
     pub n: usize,
     /// The grammar the output must match, compiled (`Grammars::matcher`); each of the
@@ -90,6 +96,9 @@ impl Request {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
             n: 1,
             grammar: None,
             thinking: None,
@@ -166,6 +175,8 @@ struct RequestState {
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
+    /// End tokens are banned, and stop strings not looked for, before this many tokens.
+    min_tokens: usize,
     thinking: Option<Thinking>,
     /// Alternatives per scored prompt token, for the completion that scores the prompt.
     prompt_logprobs: Option<u32>,
@@ -332,10 +343,14 @@ impl<B: Backend> EngineCore<B> {
                     request: req.id,
                     index,
                     sampler,
-                    detok: Detokenizer::new(&req.prompt, req.stop.clone()),
+                    detok: Detokenizer::new(&req.prompt, req.stop.clone())
+                        .stops_after(req.min_tokens)
+                        .keeping_stop(req.include_stop_str_in_output)
+                        .skipping_special(req.skip_special_tokens),
                     max_tokens: req.max_tokens,
                     stop_token_ids: req.stop_token_ids.clone(),
                     ignore_eos: req.ignore_eos,
+                    min_tokens: req.min_tokens,
                     thinking: req.thinking.clone().map(Thinking::new),
                     // The first completion scores the prompt; the others find it cached.
                     prompt_logprobs: req.prompt_logprobs.filter(|_| index == 0),
@@ -464,6 +479,7 @@ impl<B: Backend> EngineCore<B> {
         for s in step.scheduled.iter().filter(|s| s.sample) {
             let (Some(r), Some(seq)) = (self.requests.get_mut(&s.id), self.scheduler.get(s.id)) else { continue };
             let mut rule = r.thinking.as_mut().map(Thinking::rule).unwrap_or_default();
+            rule.ends_banned |= seq.num_output() < r.min_tokens;
             let answering = !r.thinking.as_ref().is_some_and(Thinking::inside);
             let remaining = r.max_tokens.saturating_sub(seq.num_output()).min(context - seq.tokens.len());
             if r.sampler.constraint.is_some() && answering && remaining <= FINISH_WATCH {

@@ -30,6 +30,13 @@ pub struct Detokenizer {
     /// Decoded but not yet emitted (a possible stop-string prefix).
     held: String,
     stopped: bool,
+    /// Output tokens pushed so far, and how many come before stop strings count.
+    pushed: usize,
+    stops_after: usize,
+    /// A matched stop string is emitted with the text before it.
+    keep_stop: bool,
+    /// Special tokens decode to nothing.
+    skip_special: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +53,30 @@ impl Detokenizer {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             stopped: false,
+            pushed: 0,
+            stops_after: 0,
+            keep_stop: false,
+            skip_special: true,
         }
+    }
+
+    /// Stop strings count only in text from the `n`th output token on (vLLM's
+    /// `min_tokens`): earlier text is sent as it comes.
+    pub fn stops_after(mut self, n: usize) -> Self {
+        self.stops_after = n;
+        self
+    }
+
+    /// A matched stop string is sent, at the end of the text.
+    pub fn keeping_stop(mut self, keep: bool) -> Self {
+        self.keep_stop = keep;
+        self
+    }
+
+    /// Whether special tokens (end-of-turn markers and the like) decode to nothing.
+    pub fn skipping_special(mut self, skip: bool) -> Self {
+        self.skip_special = skip;
+        self
     }
 
     /// Adds one generated token and returns the text it completes.
@@ -55,7 +85,9 @@ impl Detokenizer {
             return Ok(Delta::default());
         }
         self.tokens.push(token);
-        let decode = |ids: &[u32]| tokenizer.decode(ids, true).map_err(|e| DetokenizeError(e.to_string()));
+        self.pushed += 1;
+        let skip = self.skip_special;
+        let decode = |ids: &[u32]| tokenizer.decode(ids, skip).map_err(|e| DetokenizeError(e.to_string()));
         let before = decode(&self.tokens[self.prefix_offset..self.read_offset])?;
         let after = decode(&self.tokens[self.prefix_offset..])?;
         // An unfinished character decodes as U+FFFD: wait for the bytes that finish it.
@@ -78,10 +110,16 @@ impl Detokenizer {
     }
 
     fn release(&mut self, new: String) -> Delta {
+        if self.pushed < self.stops_after {
+            // Too early for stop strings: whatever was held goes out with the new text.
+            let text = std::mem::take(&mut self.held) + &new;
+            return Delta { text, stopped_on: None };
+        }
         self.held.push_str(&new);
         if let Some((at, stop)) = self.first_stop() {
             self.stopped = true;
-            let text = self.held[..at].to_string();
+            let end = if self.keep_stop { at + stop.len() } else { at };
+            let text = self.held[..end].to_string();
             self.held.clear();
             return Delta { text, stopped_on: Some(stop) };
         }
