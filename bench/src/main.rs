@@ -11,6 +11,7 @@ mod gpu;
 mod grammar;
 mod kernels;
 mod metrics_cost;
+mod peer;
 mod serve;
 
 use anyhow::Result;
@@ -42,7 +43,8 @@ enum Command {
     /// `tessera` and `tessera-worker` binaries).
     Gateway(gateway::Args),
     /// A serving load generator against a multi-replica `tessera serve`: tenants with
-    /// long system prompts of their own, cache-aware routing against round-robin.
+    /// long system prompts of their own, cache-aware routing against round-robin; or,
+    /// with `--peer llama-server`, one replica against llama.cpp's server on the same load.
     Serve(serve::Args),
     /// Requests per second through `tessera serve` with metrics on against off.
     Metrics(metrics_cost::Args),

@@ -9,6 +9,9 @@
 //! tenant, so its cache thrashes; cache-aware routing keeps each tenant on the replicas
 //! holding its prefix.
 //!
+//! With `--peer llama-server` it runs the peer comparison instead (`peer`): one
+//! replica, the same load against llama.cpp's server, level by level.
+//!
 //! Per policy: prefix hit rate (cached prompt tokens over prompt tokens, from each
 //! response's usage), time to first token, time per output token after the first, the
 //! gaps between streamed tokens (ITL), output tokens per second, p50 and p99; and the
@@ -50,6 +53,30 @@ pub struct Args {
     /// The policies to compare, in this order.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Routing::CacheAware, Routing::RoundRobin])]
     routing: Vec<Routing>,
+    /// Instead of comparing routing policies: the same load against this peer, one
+    /// after the other, level by level (`peer`).
+    #[arg(long, value_enum)]
+    peer: Option<Peer>,
+    /// The peer's binary (default: where bench/peer/build-llama-server.sh builds it).
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
+    /// Concurrency levels of the peer comparison.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16])]
+    concurrency: Vec<usize>,
+    /// Requests per level of the peer comparison.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Output tokens of each request of the peer comparison (exact: `ignore_eos`).
+    #[arg(long, default_value_t = 128)]
+    output_tokens: u32,
+    /// The peer's threads (`-t`, `-tb`); Tessera uses every core.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Peer {
+    LlamaServer,
 }
 
 /// One request as the client saw it.
@@ -66,6 +93,16 @@ struct Sample {
 
 pub fn run(args: Args) -> Result<()> {
     let tessera = api::tessera_binary(args.tessera.clone())?;
+    if let Some(Peer::LlamaServer) = args.peer {
+        return crate::peer::run(crate::peer::PeerArgs {
+            tessera: &tessera,
+            llama_server: args.llama_server.clone(),
+            concurrency: &args.concurrency,
+            requests: args.requests,
+            max_tokens: args.output_tokens,
+            threads: args.threads,
+        });
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut policies = Vec::new();
     for &routing in &args.routing {

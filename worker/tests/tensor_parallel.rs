@@ -1,7 +1,10 @@
 //! Tensor parallelism on the CPU backend, one thread per rank with the in-process
 //! all-reduce: n ranks give the logits of one, on tiny random models of the decoder
 //! variants (f32 weights, sizes 2 and 4) and on the real SmolLM2 (Q4_1 blocks cut at
-//! block boundaries, size 3), through a prefill and single-token decodes.
+//! block boundaries, size 3), through a prefill and single-token decodes. On the exact
+//! path: the served one rounds each product's inputs to bytes, where a value that the
+//! ranks' other order of sums moves across a rounding boundary changes a whole step
+//! of the quantum, so the tolerance here would measure rounding, not parallelism.
 
 mod common;
 mod tiny_models;
@@ -36,7 +39,7 @@ fn tensor_parallel(
             .map(|rank| {
                 scope.spawn(move || {
                     let model =
-                        Model::load_shard(CpuBackend::default(), config.clone(), &*open(), Arc::new(rank)).unwrap();
+                        Model::load_shard(CpuBackend::exact(), config.clone(), &*open(), Arc::new(rank)).unwrap();
                     assert_eq!(model.config.num_heads * size, config.num_heads);
                     steps(&model, prompt, split)
                 })
@@ -68,7 +71,7 @@ fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
         write_dir(&dir, &v.config, &random_weights(&v.config, &mut rng));
         let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
         let whole = steps(
-            &Model::load(CpuBackend::default(), config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(),
+            &Model::load(CpuBackend::exact(), config.clone(), &SafetensorsDir::open(&dir).unwrap()).unwrap(),
             &prompt,
             9,
         );
@@ -89,7 +92,7 @@ fn two_and_four_ranks_compute_the_logits_of_one_on_every_variant() {
 fn three_ranks_of_smollm2_compute_its_logits() {
     let path = common::smollm2_path();
     let config = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
-    let whole_model = &common::smollm2().model;
+    let whole_model = &common::smollm2_exact().model;
     let prompt: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 260, 1345, 30, 2, 198, 1, 520];
     let whole = steps(whole_model, &prompt, 10);
     let open = || Box::new(GgufFile::open(&path).unwrap()) as Box<dyn TensorSource>;
@@ -123,12 +126,12 @@ fn an_engine_over_two_ranks_generates_what_one_model_generates() {
         }
         out
     };
-    let single = load_model(CpuBackend::default(), &root).unwrap();
+    let single = load_model(CpuBackend::exact(), &root).unwrap();
     let want = run(EngineCore::new(single.model, single.tokenizer, EngineConfig::default(), "tp").unwrap());
     let (config, tokenizer, source) = open(&root).unwrap();
     let ranks: Vec<Model<CpuBackend>> = ThreadGroup::ranks(2)
         .into_iter()
-        .map(|rank| Model::load_shard(CpuBackend::default(), config.clone(), &*source, Arc::new(rank)).unwrap())
+        .map(|rank| Model::load_shard(CpuBackend::exact(), config.clone(), &*source, Arc::new(rank)).unwrap())
         .collect();
     let engine = EngineCore::tensor_parallel(ranks, tokenizer, EngineConfig::default(), "tp").unwrap();
     assert_eq!(engine.config().num_heads, 2, "each rank runs half the heads");

@@ -30,6 +30,14 @@ pub fn smollm2() -> &'static LoadedModel<CpuBackend> {
     MODEL.get_or_init(|| load_model(CpuBackend::default(), &smollm2_path()).unwrap_or_else(|e| panic!("{e}")))
 }
 
+/// SmolLM2 on the CPU's exact path (inputs of quantised products kept f32): the
+/// reference that other implementations are compared with.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub fn smollm2_exact() -> &'static LoadedModel<CpuBackend> {
+    static MODEL: OnceLock<LoadedModel<CpuBackend>> = OnceLock::new();
+    MODEL.get_or_init(|| load_model(CpuBackend::exact(), &smollm2_path()).unwrap_or_else(|e| panic!("{e}")))
+}
+
 /// `serve`'s settings for the real model on the CPU with a KV cache of `kv_cache_bytes`.
 #[allow(dead_code)] // each test binary uses its own subset of these helpers
 pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
