@@ -73,6 +73,8 @@ pub fn run(args: Args) -> Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         num_blocks: args.num_blocks,
+        // Offline throughput: no stream waits on a step, so prompts are not paced.
+        prompt_step_percent: 0,
         ..EngineConfig::default()
     };
     let new_engine = || -> Result<EngineCore<CpuBackend>> {

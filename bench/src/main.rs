@@ -2,6 +2,7 @@
 
 mod api;
 mod billing;
+mod burst;
 mod console;
 mod engine;
 mod forward;

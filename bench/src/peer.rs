@@ -38,7 +38,7 @@ pub struct PeerArgs<'a> {
 }
 
 /// The catalog model served by SmolLM2-135M-Instruct, the file both servers load.
-const MODEL: &str = "vendor-c/model-c";
+pub(crate) const MODEL: &str = "vendor-c/model-c";
 
 pub fn run(args: PeerArgs<'_>) -> Result<()> {
     let llama = llama_server(args.llama_server.clone())?;
@@ -85,10 +85,10 @@ pub fn run(args: PeerArgs<'_>) -> Result<()> {
 }
 
 /// An OpenAI-compatible endpoint on the loopback.
-struct Target {
-    port: u16,
-    key: String,
-    model: String,
+pub(crate) struct Target {
+    pub port: u16,
+    pub key: String,
+    pub model: String,
 }
 
 /// `c` clients in a closed loop until `n` requests are answered; the level's figures.
@@ -122,15 +122,15 @@ async fn level(target: &Target, c: usize, n: usize, max_tokens: u32) -> Result<s
 }
 
 /// One request as the client saw it.
-struct Sample {
+pub(crate) struct Sample {
     ttft: Duration,
-    itl: Vec<Duration>,
+    pub itl: Vec<Duration>,
     tpot: Option<Duration>,
     prompt_tokens: u64,
     completion_tokens: u64,
 }
 
-async fn request(target: &Target, system: &str, user: &str, max_tokens: u32) -> Result<Sample> {
+pub(crate) async fn request(target: &Target, system: &str, user: &str, max_tokens: u32) -> Result<Sample> {
     let body = json!({
         "model": target.model,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -156,7 +156,7 @@ async fn request(target: &Target, system: &str, user: &str, max_tokens: u32) -> 
     })
 }
 
-fn summary(samples: &[Sample], wall_s: f64) -> serde_json::Map<String, Value> {
+pub(crate) fn summary(samples: &[Sample], wall_s: f64) -> serde_json::Map<String, Value> {
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let ttft: Vec<f64> = samples.iter().map(|s| ms(&s.ttft)).collect();
     let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot.as_ref().map(ms)).collect();
@@ -187,7 +187,7 @@ const WORDS: [&str; 32] = [
 ];
 
 /// `n` words drawn from `seed`.
-fn words(seed: u64, n: usize) -> String {
+pub(crate) fn words(seed: u64, n: usize) -> String {
     let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
     let mut text = String::new();
     for _ in 0..n {
@@ -199,12 +199,12 @@ fn words(seed: u64, n: usize) -> String {
 }
 
 /// System prompt `s` of the 4: about 100 tokens.
-fn system_prompt(s: usize) -> String {
+pub(crate) fn system_prompt(s: usize) -> String {
     format!("You are support assistant {s}. Keep to these rules:{}", words(s as u64, 85))
 }
 
 /// Request `i`'s question at concurrency `c`: about 110 tokens of its own.
-fn question(c: usize, i: usize) -> String {
+pub(crate) fn question(c: usize, i: usize) -> String {
     format!("Ticket {c}-{i}: a customer writes about{}. Answer them.", words(((c as u64) << 32) | i as u64, 95))
 }
 

@@ -72,6 +72,19 @@ pub struct Args {
     /// The peer's threads (`-t`, `-tb`); Tessera uses every core.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Instead of comparing routing policies: streams with and without a burst of long
+    /// prompts arriving (`burst`), ITL p50 and p99 of each.
+    #[arg(long)]
+    burst: bool,
+    /// Long prompts in the burst.
+    #[arg(long, default_value_t = 4)]
+    burst_prompts: usize,
+    /// Tokens of each long prompt (about).
+    #[arg(long, default_value_t = 4000)]
+    burst_tokens: usize,
+    /// Streaming clients beside the burst.
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -93,6 +106,16 @@ struct Sample {
 
 pub fn run(args: Args) -> Result<()> {
     let tessera = api::tessera_binary(args.tessera.clone())?;
+    if args.burst {
+        return crate::burst::run(crate::burst::BurstArgs {
+            tessera: &tessera,
+            streams: args.streams,
+            requests_per_stream: 2,
+            max_tokens: args.output_tokens,
+            burst: args.burst_prompts,
+            burst_tokens: args.burst_tokens,
+        });
+    }
     if let Some(Peer::LlamaServer) = args.peer {
         return crate::peer::run(crate::peer::PeerArgs {
             tessera: &tessera,

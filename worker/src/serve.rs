@@ -1,7 +1,7 @@
 //! `tessera-worker serve`: load a model, start the engine thread, serve gRPC.
 
 use crate::device;
-use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, EngineConfig, EngineCore};
+use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore};
 use crate::engine::runner::EngineHandle;
 use crate::grpc::{WorkerServer, WorkerService};
 use crate::load;
@@ -64,6 +64,11 @@ pub struct ServeConfig {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// While others decode, a step with prompt chunks takes at most this percentage of
+    /// a decode step's time, measured as the engine runs; 0: only
+    /// --max-num-batched-tokens bounds it.
+    #[arg(long, default_value_t = DEFAULT_PROMPT_STEP_PERCENT)]
+    pub prompt_step_percent: u32,
 }
 
 /// Loads the model on the chosen device and starts the engine; returns the service
@@ -170,6 +175,7 @@ fn build<B: Backend + 'static>(
         max_num_seqs: config.max_num_seqs,
         num_blocks,
         graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
+        prompt_step_percent: config.prompt_step_percent,
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;

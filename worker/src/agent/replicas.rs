@@ -141,6 +141,7 @@ impl Replicas {
             no_metrics: false,
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
+            prompt_step_percent: crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
         };
         let (stop, stopped) = watch::channel(false);
         let drain = (self.template.drain_grace, self.template.drain_deadline);

@@ -6,6 +6,7 @@
 use super::detokenizer::Detokenizer;
 use super::executor::Executor;
 use super::grammar::Constraint;
+use super::pacing::Pacer;
 use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, sample_batch, score_rows};
 use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
@@ -13,6 +14,7 @@ use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
 use std::collections::HashMap;
+use std::time::Instant;
 use tessera_kernels::Backend;
 use tessera_kernels::pick::PickRow;
 use tessera_proto::block_hash::BlockHasher;
@@ -35,7 +37,15 @@ pub struct EngineConfig {
     /// Decode batch sizes captured as graphs at start-up where the backend can (CUDA);
     /// a decode batch runs padded to the nearest one at or above it.
     pub graph_batch_sizes: Vec<usize>,
+    /// While others decode, a step with prompt chunks takes at most this percentage of
+    /// a decode step's time (measured; `pacing`); 0: only `max_num_batched_tokens`.
+    pub prompt_step_percent: u32,
 }
+
+/// A step with prompt chunks takes at most three decode steps' time: the gap between
+/// two tokens of a stream stays within 4× its median (issue 25's bound) with room for
+/// the noise of step times.
+pub const DEFAULT_PROMPT_STEP_PERCENT: u32 = 300;
 
 /// vLLM's default capture sizes, up to 256.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 11] = [1, 2, 4, 8, 16, 24, 32, 64, 128, 192, 256];
@@ -54,6 +64,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             num_blocks: 2048,
             graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
+            prompt_step_percent: DEFAULT_PROMPT_STEP_PERCENT,
         }
     }
 }
@@ -205,6 +216,8 @@ pub struct EngineCore<B: Backend> {
     eos: Vec<u32>,
     stats: EngineStats,
     last_step: StepSummary,
+    /// How many prompt tokens a step may take while others decode.
+    pacer: Pacer,
 }
 
 /// What the last step computed, for the engine's metrics.
@@ -265,6 +278,7 @@ impl<B: Backend> EngineCore<B> {
             eos,
             stats: EngineStats::default(),
             last_step: StepSummary::default(),
+            pacer: Pacer::new(config.prompt_step_percent),
         })
     }
 
@@ -461,7 +475,7 @@ impl<B: Backend> EngineCore<B> {
     /// Runs one forward over the scheduled batch and returns each sampled sequence's
     /// output. Returns nothing when there is no work.
     pub fn step(&mut self) -> Result<Vec<Output>, EngineError> {
-        let step = self.scheduler.schedule();
+        let step = self.scheduler.schedule_paced(self.pacer.prompt_tokens(self.scheduler.decoding()));
         self.stats.preemptions += step.preempted.len() as u64;
         let mut requests: Vec<SeqId> =
             step.scheduled.iter().filter_map(|s| self.requests.get(&s.id).map(|r| r.request)).collect();
@@ -508,6 +522,7 @@ impl<B: Backend> EngineCore<B> {
                 .map(|s| self.requests.get_mut(&s.id).and_then(|r| r.sampler.device_row()))
                 .collect()
         };
+        let started = Instant::now();
         let forwarded = {
             let inputs: Vec<SeqInput<'_>> = step
                 .scheduled
@@ -528,6 +543,9 @@ impl<B: Backend> EngineCore<B> {
                 None => Forwarded::Logits(self.exec.forward(&inputs)?),
             }
         };
+        let decodes = step.scheduled.iter().filter(|s| s.len == 1).count();
+        let prompt_tokens = step.scheduled.iter().filter(|s| s.len > 1).map(|s| s.len).sum();
+        self.pacer.observe(started.elapsed(), decodes, prompt_tokens);
         let forwarded = match forwarded {
             Forwarded::Logits(all) if scoring_any => Forwarded::Logits(self.score_prompts(&step, &scoring, all)),
             other => other,

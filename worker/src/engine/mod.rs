@@ -10,6 +10,7 @@ pub mod core;
 pub mod detokenizer;
 pub mod executor;
 pub mod grammar;
+pub mod pacing;
 pub mod runner;
 pub mod sampler;
 pub mod scheduler;

@@ -117,12 +117,32 @@ impl Scheduler {
 
     /// Plans the next forward.
     pub fn schedule(&mut self) -> Step {
+        self.schedule_paced(usize::MAX)
+    }
+
+    /// Whether a running sequence has a single token to run: a decode.
+    pub fn decoding(&self) -> bool {
+        self.running.iter().any(|id| self.seqs[id].num_pending() == 1)
+    }
+
+    /// Plans the next forward with prompt chunks (sequences with more than one token to
+    /// run) taking at most `prompt_tokens` of the budget between them; decodes are never
+    /// held back by it (`pacing`).
+    pub fn schedule_paced(&mut self, prompt_tokens: usize) -> Step {
         let mut step = Step::default();
         let mut budget = self.config.max_num_batched_tokens;
+        let mut prompt_left = prompt_tokens.max(1);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let n = self.seqs[&id].num_pending().min(budget);
+            let pending = self.seqs[&id].num_pending();
+            let chunk = pending > 1;
+            let n = pending.min(budget).min(if chunk { prompt_left } else { usize::MAX });
+            if n == 0 {
+                // A prompt whose chunk waits for the next step.
+                i += 1;
+                continue;
+            }
             // Make room, preempting from the back; possibly this sequence itself, unless
             // it runs alone: preempting it would free nothing for anyone.
             let scheduled = loop {
@@ -146,10 +166,14 @@ impl Scheduler {
             }
             step.scheduled.push(self.plan(id, n));
             budget -= n;
+            if chunk {
+                prompt_left -= n;
+            }
             i += 1;
         }
         if step.preempted.is_empty() {
-            self.admit(&mut budget, &mut step);
+            let mut admitting = budget.min(prompt_left);
+            self.admit(&mut admitting, &mut step);
         }
         step
     }
@@ -308,6 +332,33 @@ mod tests {
         let lens: Vec<(usize, usize, bool)> =
             (0..4).map(|_| run(&mut s).scheduled.iter().map(|x| (x.start, x.len, x.sample)).next().unwrap()).collect();
         assert_eq!(lens, vec![(0, 64, false), (64, 64, false), (128, 22, true), (150, 1, true)]);
+    }
+
+    #[test]
+    fn paced_steps_cap_prompt_chunks_but_never_decodes() {
+        let mut s = sched(512, 8, 100);
+        for id in 1..=3 {
+            s.add(Sequence::new(id, prompt(10, id as u32)));
+        }
+        let step = s.schedule();
+        s.complete(&step);
+        for x in &step.scheduled {
+            s.append(x.id, 1);
+        }
+        assert!(s.decoding());
+        // Two long prompts arrive: 24 prompt tokens between them, the three decodes too.
+        s.add(Sequence::new(4, prompt(100, 4)));
+        s.add(Sequence::new(5, prompt(100, 5)));
+        let step = s.schedule_paced(24);
+        let lens: Vec<(SeqId, usize)> = step.scheduled.iter().map(|x| (x.id, x.len)).collect();
+        assert_eq!(lens, vec![(1, 1), (2, 1), (3, 1), (4, 24)]);
+        s.complete(&step);
+        for x in step.scheduled.iter().filter(|x| x.sample) {
+            s.append(x.id, 1);
+        }
+        // Next step: the running prompt's next chunk first, then the waiting one's.
+        let lens: Vec<(SeqId, usize)> = s.schedule_paced(30).scheduled.iter().map(|x| (x.id, x.len)).collect();
+        assert_eq!(lens, vec![(1, 1), (2, 1), (3, 1), (4, 30)]);
     }
 
     #[test]
