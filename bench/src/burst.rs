@@ -47,7 +47,12 @@ pub fn run(args: BurstArgs<'_>) -> Result<()> {
 
 /// The streams' requests, with the burst half a second in when `burst`; the streams'
 /// figures (the burst's own requests are not in them).
-async fn phase(target: &Target, args: &BurstArgs<'_>, round_no: usize, burst: bool) -> Result<serde_json::Map<String, Value>> {
+async fn phase(
+    target: &Target,
+    args: &BurstArgs<'_>,
+    round_no: usize,
+    burst: bool,
+) -> Result<serde_json::Map<String, Value>> {
     peer::request(target, &peer::system_prompt(0), "Say hello.", 4).await?;
     let start = Instant::now();
     let streams: Vec<_> = (0..args.streams)
@@ -72,7 +77,8 @@ async fn phase(target: &Target, args: &BurstArgs<'_>, round_no: usize, burst: bo
                 // A load generator's schedule, not synchronisation: the streams are under
                 // way by then.
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let text = format!("Summarise this log:{}", peer::words(1_000_000 + (round_no * 100 + b) as u64, words));
+                let text =
+                    format!("Summarise this log:{}", peer::words(1_000_000 + (round_no * 100 + b) as u64, words));
                 let body = json!({
                     "model": t.model,
                     "messages": [{"role": "user", "content": text}],

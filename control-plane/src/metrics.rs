@@ -38,8 +38,30 @@ pub const SUPPLY_STATE: &str = "tessera_supply_state";
 /// The replicas' load behind that state, 0 to 1.
 pub const SUPPLY_LOAD: &str = "tessera_supply_load_ratio";
 
+/// The endpoint's latency, by `model` and `endpoint` (chat.completions, completions,
+/// responses), as a client streaming the reply sees it (the names follow vLLM's
+/// `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+/// `vllm:e2e_request_latency_seconds` and NVIDIA Dynamo's frontend metrics): from the
+/// request's arrival to its first token,
+pub const TIME_TO_FIRST_TOKEN: &str = "tessera_time_to_first_token_seconds";
+/// between two tokens (each delta's gap over its tokens),
+pub const INTER_TOKEN_LATENCY: &str = "tessera_inter_token_latency_seconds";
+/// from arrival to the end of the reply,
+pub const REQUEST_DURATION: &str = "tessera_request_duration_seconds";
+/// and the tokens of each request's prompt and output.
+pub const REQUEST_PROMPT_TOKENS: &str = "tessera_request_prompt_tokens";
+pub const REQUEST_OUTPUT_TOKENS: &str = "tessera_request_output_tokens";
+
 /// Latency buckets, seconds: 5 ms to 2 minutes.
 const SECONDS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Inter-token buckets, seconds: 1 ms to 2.5 s (vLLM's, from 1 ms).
+const ITL_SECONDS: [f64; 16] =
+    [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5];
+/// Token-count buckets: 1 to 128 Ki, doubling.
+const TOKENS: [f64; 18] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
+    65536.0, 131072.0,
+];
 
 /// The process's recorder, installed on first use. In a process that already has
 /// another global recorder (tests running several servers) the handle still renders
@@ -49,6 +71,8 @@ pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(INTER_TOKEN_LATENCY.into()), &ITL_SECONDS))
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_tokens".into()), &TOKENS))
             .expect("non-empty buckets")
             .build_recorder();
         let handle = recorder.handle();
@@ -85,4 +109,21 @@ fn describe() {
     describe_counter!(SETTLEMENT_FAILURES, "Settlements that failed every retry.");
     describe_gauge!(SUPPLY_STATE, "Supply state by model: 0 low, 1 medium, 2 high, 3 surplus.");
     describe_gauge!(SUPPLY_LOAD, "The replicas' load behind the supply state, 0 to 1.");
+    describe_histogram!(
+        TIME_TO_FIRST_TOKEN,
+        Unit::Seconds,
+        "From a request's arrival to its first token, by model and endpoint."
+    );
+    describe_histogram!(
+        INTER_TOKEN_LATENCY,
+        Unit::Seconds,
+        "Between two output tokens of a reply, by model and endpoint."
+    );
+    describe_histogram!(
+        REQUEST_DURATION,
+        Unit::Seconds,
+        "From a request's arrival to the end of its reply, by model and endpoint."
+    );
+    describe_histogram!(REQUEST_PROMPT_TOKENS, Unit::Count, "Prompt tokens of each request, by model and endpoint.");
+    describe_histogram!(REQUEST_OUTPUT_TOKENS, Unit::Count, "Output tokens of each request, by model and endpoint.");
 }

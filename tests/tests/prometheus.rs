@@ -122,6 +122,22 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
     let control_plane = until(30, "a supply state recorded", || {
         get(&format!("http://127.0.0.1:{port}/metrics")).filter(|t| t.contains("tessera_supply_load_ratio{"))
     });
+    // The endpoint's latency histograms, by model and endpoint: one request, one first
+    // token, its prompt and output counted.
+    for name in [
+        "tessera_time_to_first_token_seconds",
+        "tessera_request_duration_seconds",
+        "tessera_request_prompt_tokens",
+        "tessera_request_output_tokens",
+    ] {
+        let line = format!("{name}_count{{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"}} 1");
+        assert!(control_plane.lines().any(|l| l == line), "{line} in\n{control_plane}");
+    }
+    let itl = format!(
+        "tessera_inter_token_latency_seconds_count{{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"}} "
+    );
+    let gaps = control_plane.lines().find_map(|l| l.strip_prefix(&itl)).and_then(|n| n.parse::<u64>().ok());
+    assert!(gaps.is_some_and(|n| (1..=3).contains(&n)), "{gaps:?} gaps between 4 tokens");
     let mut exported = exported_names(&control_plane);
     for w in &workers {
         exported.extend(exported_names(&get(&format!("http://{w}/metrics")).unwrap()));

@@ -54,7 +54,7 @@ pub async fn handle(
         max_completion_each: g.max_tokens as u64 * g.n as u64,
     };
     let meter = app.billing.admit(&key, &model, ask).await?;
-    let probe = app.status.probe(&model.entry.id, request_id.received);
+    let probe = app.status.probe(&model.entry.id, "chat.completions", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
     if request.stream {

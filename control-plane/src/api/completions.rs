@@ -68,7 +68,7 @@ pub async fn handle(
             outputs.push(None);
             continue;
         }
-        let probe = app.status.probe(&model.entry.id, request_id.received);
+        let probe = app.status.probe(&model.entry.id, "completions", request_id.received);
         outputs.push(Some(generate::start(&model.pool, g, &meter, slot, probe).await?));
     }
     let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});

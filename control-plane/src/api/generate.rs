@@ -58,9 +58,10 @@ pub async fn start(
     slot: usize,
     mut probe: Probe,
 ) -> Result<Output, ApiError> {
+    probe.prompt(g.prompt.len());
     match first_delta(pool, g, meter, slot).await {
         Ok((stream, first)) => {
-            probe.first_token();
+            probe.first_token(first.as_ref().map_or(0, |f| f.tokens.len()));
             Ok(Output { stream, first, meter: meter.clone(), slot, probe })
         }
         Err(e) => {

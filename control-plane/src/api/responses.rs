@@ -45,7 +45,7 @@ pub async fn handle(
         max_completion_each: g.max_tokens as u64,
     };
     let meter = app.billing.admit(&key, &model, ask).await?;
-    let probe = app.status.probe(&model.entry.id, request_id.received);
+    let probe = app.status.probe(&model.entry.id, "responses", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     if meta.request.stream {

@@ -92,9 +92,10 @@ impl Status {
         }
     }
 
-    /// Measures one generation of `model`, for a request that arrived at `received`.
-    pub fn probe(&self, model: &str, received: Instant) -> Probe {
-        self.recorder.probe(model, received)
+    /// Measures one generation of `model` at `endpoint`, for a request that arrived at
+    /// `received`.
+    pub fn probe(&self, model: &str, endpoint: &'static str, received: Instant) -> Probe {
+        self.recorder.probe(model, endpoint, received)
     }
 
     /// The background work, every few seconds: writes this process's counts, sums every

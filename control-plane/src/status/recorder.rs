@@ -19,14 +19,18 @@ impl Recorder {
         Self { pending: Default::default(), clock }
     }
 
-    /// A probe for one generation of `model`, for a request that arrived at `received`.
-    pub fn probe(&self, model: &str, received: Instant) -> Probe {
+    /// A probe for one generation of `model` at `endpoint`, for a request that arrived
+    /// at `received`.
+    pub fn probe(&self, model: &str, endpoint: &'static str, received: Instant) -> Probe {
         Probe {
             recorder: self.clone(),
             model: model.to_string(),
+            endpoint,
             received,
             first: None,
             last: received,
+            prompt_tokens: 0,
+            first_tokens: 0,
             decode_tokens: 0,
             failed: false,
         }
@@ -69,32 +73,61 @@ impl Recorder {
 
 /// One generation's measurements, counted when it is dropped: a generation that ran
 /// (to its end, or until its client left) or failed on our side counts; one refused
-/// before it ran, or cancelled before its first token, does not.
+/// before it ran, or cancelled before its first token, does not. The endpoint's
+/// latency histograms (`crate::metrics`) are recorded as it goes.
 pub struct Probe {
     recorder: Recorder,
     model: String,
+    endpoint: &'static str,
     received: Instant,
     first: Option<Instant>,
     last: Instant,
+    prompt_tokens: u64,
+    /// Tokens of the first delta.
+    first_tokens: u64,
     /// Tokens after those of the first delta.
     decode_tokens: u64,
     failed: bool,
 }
 
 impl Probe {
-    /// The first delta arrived.
-    pub fn first_token(&mut self) {
+    /// The prompt's length, in tokens.
+    pub fn prompt(&mut self, tokens: usize) {
+        self.prompt_tokens = tokens as u64;
+    }
+
+    /// The first delta arrived, with `tokens` tokens.
+    pub fn first_token(&mut self, tokens: usize) {
         let now = Instant::now();
         self.first = Some(now);
         self.last = now;
+        self.first_tokens = tokens as u64;
+        let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
+        metrics::histogram!(crate::metrics::TIME_TO_FIRST_TOKEN, &labels).record(now - self.received);
     }
 
     /// A later delta, of `tokens` tokens.
     pub fn delta(&mut self, tokens: usize) {
         if tokens > 0 {
+            let now = Instant::now();
+            let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
+            let gap = (now - self.last).as_secs_f64() / tokens as f64;
+            metrics::histogram!(crate::metrics::INTER_TOKEN_LATENCY, &labels).record_many(gap, tokens);
             self.decode_tokens += tokens as u64;
-            self.last = Instant::now();
+            self.last = now;
         }
+    }
+
+    /// The endpoint's histograms of a generation that produced tokens.
+    fn record_totals(&self) {
+        if self.first.is_none() {
+            return;
+        }
+        let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
+        metrics::histogram!(crate::metrics::REQUEST_DURATION, &labels).record(self.last - self.received);
+        metrics::histogram!(crate::metrics::REQUEST_PROMPT_TOKENS, &labels).record(self.prompt_tokens as f64);
+        let output = self.first_tokens + self.decode_tokens;
+        metrics::histogram!(crate::metrics::REQUEST_OUTPUT_TOKENS, &labels).record(output as f64);
     }
 
     /// The generation failed on our side.
@@ -125,6 +158,7 @@ impl Probe {
 
 impl Drop for Probe {
     fn drop(&mut self) {
+        self.record_totals();
         let counts = self.counts();
         if counts.requests > 0 {
             self.recorder.add(&self.model, &counts);
@@ -149,16 +183,16 @@ mod tests {
     fn a_probe_counts_what_its_generation_did() {
         let r = recorder();
         let received = Instant::now() - Duration::from_millis(50);
-        let mut ran = r.probe("m", received);
-        ran.first_token();
+        let mut ran = r.probe("m", "chat.completions", received);
+        ran.first_token(1);
         std::thread::sleep(Duration::from_millis(2));
         ran.delta(4);
         drop(ran);
-        let mut failed = r.probe("m", received);
+        let mut failed = r.probe("m", "chat.completions", received);
         failed.failed();
         drop(failed);
         // Refused or cancelled before it ran: not counted.
-        drop(r.probe("m", received));
+        drop(r.probe("m", "chat.completions", received));
 
         let c = pending(&r)[&(5, "m".to_string())];
         assert_eq!((c.requests, c.failures, c.ttfb_samples, c.tps_samples, c.decode_tokens), (2, 1, 1, 1, 4));
