@@ -133,10 +133,8 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
         let line = format!("{name}_count{{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"}} 1");
         assert!(control_plane.lines().any(|l| l == line), "{line} in\n{control_plane}");
     }
-    let itl = format!(
-        "tessera_inter_token_latency_seconds_count{{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"}} "
-    );
-    let gaps = control_plane.lines().find_map(|l| l.strip_prefix(&itl)).and_then(|n| n.parse::<u64>().ok());
+    let itl = "tessera_inter_token_latency_seconds_count{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"} ";
+    let gaps = control_plane.lines().find_map(|l| l.strip_prefix(itl)).and_then(|n| n.parse::<u64>().ok());
     assert!(gaps.is_some_and(|n| (1..=3).contains(&n)), "{gaps:?} gaps between 4 tokens");
     let mut exported = exported_names(&control_plane);
     for w in &workers {
