@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use std::process::Command;
 use std::time::Instant;
 use tessera_kernels::cpu::CpuBackend;
-use tessera_worker::generate::{SingleSequence, argmax};
+use tessera_worker::generate::{BLOCK_SIZE, PREFILL_CHUNK, SingleSequence, argmax};
+use tessera_worker::model::{Model, SeqInput};
 use tessera_worker::{load, model_cache};
 
 #[derive(clap::Args)]
@@ -66,6 +67,12 @@ pub fn run(args: Args) -> Result<()> {
         "prefill_tokens_per_s": round(ours_prefill),
         "decode_tokens_per_s": round(ours_decode),
     });
+    // A decode step of 4 sequences against one of 1, each after the same prompt: the
+    // cost of batching, with no prompt chunk in the steps.
+    let (one, four) = (decode_step_secs(model, &prompt, 1, 64)?, decode_step_secs(model, &prompt, 4, 64)?);
+    out["decode_step_ms_batch_1"] = json!(round(one * 1e3));
+    out["decode_step_ms_batch_4"] = json!(round(four * 1e3));
+    out["decode_step_batch_4_over_1"] = json!(round(four / one));
     if !args.no_llama_cpp {
         match llama_cpp(&path, &prompt, args.decode_tokens, threads) {
             Ok(Some(theirs)) => {
@@ -83,6 +90,41 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("{out}");
     Ok(())
+}
+
+/// Seconds per greedy decode step of `batch` sequences in lockstep, each after `prompt`,
+/// over `steps` steps.
+fn decode_step_secs(model: &Model<CpuBackend>, prompt: &[u32], batch: usize, steps: usize) -> Result<f64> {
+    let per_seq = (prompt.len() + steps + 1).div_ceil(BLOCK_SIZE);
+    let mut kv = model.new_kv_cache(per_seq * batch, BLOCK_SIZE)?;
+    let tables: Vec<Vec<u32>> =
+        (0..batch).map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect()).collect();
+    let mut next = Vec::with_capacity(batch);
+    for table in &tables {
+        let mut logits = Vec::new();
+        for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+            let seq = SeqInput { tokens: chunk, cached: i * PREFILL_CHUNK, block_table: table, logits: true };
+            logits = model.forward(&[seq], &mut kv)?;
+        }
+        next.push(argmax(&logits));
+    }
+    let vocab = model.config.vocab_size;
+    let start = Instant::now();
+    for s in 0..steps {
+        let inputs: Vec<SeqInput<'_>> = (0..batch)
+            .map(|b| SeqInput {
+                tokens: std::slice::from_ref(&next[b]),
+                cached: prompt.len() + s,
+                block_table: &tables[b],
+                logits: true,
+            })
+            .collect();
+        let logits = model.forward(&inputs, &mut kv)?;
+        for (b, n) in next.iter_mut().enumerate() {
+            *n = argmax(&logits[b * vocab..(b + 1) * vocab]);
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() / steps as f64)
 }
 
 fn rayon_threads() -> usize {
