@@ -6,58 +6,40 @@
 //! values. A row's result does not depend on the other rows of the batch.
 
 use super::CpuBackend;
-use super::half_kv;
 use super::simd::{exp, multiversion};
 use crate::error::expect_len;
 use crate::paged::{HostBatch, Row};
 use crate::{AttentionShape, KernelError, PagedBatch, Result};
 use rayon::prelude::*;
 
-/// How a KV cache buffer holds its elements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum KvStore {
-    F32,
-    /// IEEE halves, two to an f32 of the buffer (`half_kv`).
-    F16,
-}
-
 pub(super) fn write_kv(
     k: &[f32],
     v: &[f32],
     slots: &[u32],
     shape: &AttentionShape,
-    (k_cache, v_cache): (&mut [f32], &mut [f32]),
-    store: KvStore,
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
 ) -> Result<()> {
     let w = shape.kv_width();
     expect_len("write_kv", "keys", k.len(), slots.len() * w)?;
     expect_len("write_kv", "values", v.len(), slots.len() * w)?;
     expect_len("write_kv", "value cache", v_cache.len(), k_cache.len())?;
-    let per_float = if store == KvStore::F16 { 2 } else { 1 };
-    let capacity = k_cache.len() * per_float / w;
-    if let Some(&slot) = slots.iter().find(|&&s| s as usize >= capacity) {
-        return Err(KernelError::shape("write_kv", format!("slot {slot} outside a cache of {capacity}")));
-    }
+    let capacity = k_cache.len() / w;
     for (t, &slot) in slots.iter().enumerate() {
-        let (at, from) = (slot as usize * w..(slot as usize + 1) * w, t * w..(t + 1) * w);
-        match store {
-            KvStore::F32 => {
-                k_cache[at.clone()].copy_from_slice(&k[from.clone()]);
-                v_cache[at].copy_from_slice(&v[from]);
-            }
-            KvStore::F16 => {
-                half_kv::narrow(&k[from.clone()], &mut half_kv::halves_mut(k_cache)[at.clone()]);
-                half_kv::narrow(&v[from], &mut half_kv::halves_mut(v_cache)[at]);
-            }
+        let slot = slot as usize;
+        if slot >= capacity {
+            return Err(KernelError::shape("write_kv", format!("slot {slot} outside a cache of {capacity}")));
         }
+        k_cache[slot * w..(slot + 1) * w].copy_from_slice(&k[t * w..(t + 1) * w]);
+        v_cache[slot * w..(slot + 1) * w].copy_from_slice(&v[t * w..(t + 1) * w]);
     }
     Ok(())
 }
 
 pub(super) fn paged_attention(
     q: &[f32],
-    (k_cache, v_cache): (&[f32], &[f32]),
-    store: KvStore,
+    k_cache: &[f32],
+    v_cache: &[f32],
     batch: &PagedBatch<'_, CpuBackend>,
     shape: &AttentionShape,
 ) -> Result<Vec<f32>> {
@@ -67,10 +49,6 @@ pub(super) fn paged_attention(
         context_lens: batch.context_lens,
         block_tables: batch.block_tables,
         max_blocks_per_seq: batch.max_blocks_per_seq,
-    };
-    let (k_cache, v_cache) = match store {
-        KvStore::F32 => (Cache::F32(k_cache), Cache::F32(v_cache)),
-        KvStore::F16 => (Cache::F16(half_kv::halves(k_cache)), Cache::F16(half_kv::halves(v_cache))),
     };
     let rows = host.validate(q.len(), k_cache.len(), v_cache.len(), shape)?;
     let (hd, qw) = (shape.head_dim, shape.q_width());
@@ -88,27 +66,11 @@ pub(super) fn paged_attention(
     Ok(out)
 }
 
-/// A cache's elements as stored.
-#[derive(Clone, Copy)]
-enum Cache<'a> {
-    F32(&'a [f32]),
-    F16(&'a [u16]),
-}
-
-impl Cache<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Cache::F32(c) => c.len(),
-            Cache::F16(c) => c.len(),
-        }
-    }
-}
-
 /// Everything one (query row, head) reads.
 struct Attend<'a> {
     q: &'a [f32],
-    k_cache: Cache<'a>,
-    v_cache: Cache<'a>,
+    k_cache: &'a [f32],
+    v_cache: &'a [f32],
     rows: &'a [Row],
     batch: &'a PagedBatch<'a, CpuBackend>,
     shape: &'a AttentionShape,
@@ -133,31 +95,14 @@ multiversion! {
                 offsets.push((slot * kv_heads + kv_head) * hd);
             }
         }
-        // Half-float keys and values widened into f32 copies of the row's own (exact),
-        // then the f32 kernels over those.
-        let (mut k_local, mut v_local) = (Vec::new(), Vec::new());
-        let (k_cache, v_cache) = match (t.k_cache, t.v_cache) {
-            (Cache::F32(k), Cache::F32(v)) => (k, v),
-            (Cache::F16(k), Cache::F16(v)) => {
-                k_local.resize(offsets.len() * hd, 0.0);
-                v_local.resize(offsets.len() * hd, 0.0);
-                for (p, at) in offsets.iter_mut().enumerate() {
-                    half_kv::widen(&k[*at..*at + hd], &mut k_local[p * hd..(p + 1) * hd]);
-                    half_kv::widen(&v[*at..*at + hd], &mut v_local[p * hd..(p + 1) * hd]);
-                    *at = p * hd;
-                }
-                (&k_local[..], &v_local[..])
-            }
-            _ => unreachable!("keys and values are stored alike"),
-        };
         let mut scores = vec![0.0f32; group * row.keys];
-        key_scores(queries, hd, k_cache, &offsets, shape.scale, &mut scores);
+        key_scores(queries, hd, t.k_cache, &offsets, shape.scale, &mut scores);
         // No closures below: they would be compiled without the AVX2 this body gets.
         let mut sums = Vec::with_capacity(group);
         for scores in scores.chunks_exact_mut(row.keys) {
             sums.push(softmax_numerators(scores));
         }
-        weighted_sums(&scores, &offsets, v_cache, hd, o);
+        weighted_sums(&scores, &offsets, t.v_cache, hd, o);
         for (out, sum) in o.chunks_exact_mut(hd).zip(sums) {
             let inv = 1.0 / sum;
             for v in out.iter_mut() {
@@ -721,26 +666,10 @@ mod tests {
             // Keys × head size × heads under the threshold past which rayon's threads,
             // which the cap does not reach, would take the rows.
             assert!((30 + (9 + 10 + 11 + 12) + (1 + 2 + 3)) * num_heads * head_dim < 1 << 16);
-            let run =
-                |isa| capped(isa, || paged_attention(&q, (&k_cache, &v_cache), KvStore::F32, &batch, &shape).unwrap());
+            let run = |isa| capped(isa, || paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap());
             let wide = run(Isa::Avx512);
             assert_eq!(bits(&wide), bits(&run(Isa::Avx2)), "AVX2, {num_heads} heads over {num_kv_heads} of {head_dim}");
             assert_eq!(bits(&wide), bits(&run(Isa::Portable)), "portable, {num_heads} heads of {head_dim}");
-
-            // Half-float K/V written through `write_kv` give the bits of f32 K/V holding
-            // the same rounded values.
-            let round = |c: &[f32]| c.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<f32>>();
-            let (k_round, v_round) = (round(&k_cache), round(&v_cache));
-            let w = shape.kv_width();
-            let slots: Vec<u32> = (0..(cache_len / w) as u32).collect();
-            let (mut k_half, mut v_half) = (vec![0.0f32; cache_len / 2], vec![0.0f32; cache_len / 2]);
-            write_kv(&k_cache, &v_cache, &slots, &shape, (&mut k_half, &mut v_half), KvStore::F16).unwrap();
-            let exact = paged_attention(&q, (&k_round, &v_round), KvStore::F32, &batch, &shape).unwrap();
-            let half = paged_attention(&q, (&k_half, &v_half), KvStore::F16, &batch, &shape).unwrap();
-            assert_eq!(bits(&half), bits(&exact), "half-float K/V, {num_heads} heads of {head_dim}");
-            let too_far = [slots.len() as u32];
-            let e = write_kv(&k_cache[..w], &v_cache[..w], &too_far, &shape, (&mut k_half, &mut v_half), KvStore::F16);
-            assert!(e.is_err(), "a slot past the half-float cache");
         }
     }
 

@@ -1,13 +1,11 @@
 //! The CPU backend: rayon for threads, matrix products in register tiles over weights
-//! kept quantised where the file had them so. By default products with quantised
-//! weights round their inputs to 8 bits and the KV cache holds half floats
-//! (`Activations`), as llama.cpp does.
+//! kept quantised where the file had them so. Products with quantised weights round
+//! their inputs to 8 bits by default (`Activations`), as llama.cpp does.
 //! It is the reference the CUDA backend is checked against, so clarity wins over
 //! cleverness except in `linear` and `paged_attention`, where the time goes.
 
 mod attention;
 mod elementwise;
-mod half_kv;
 mod int8;
 mod matmul;
 mod quant_rows;
@@ -51,15 +49,6 @@ impl CpuBackend {
     /// Inputs kept exact: the reference path.
     pub const fn exact() -> Self {
         Self { activations: Activations::F32 }
-    }
-
-    /// The served path keeps keys and values as half floats, as llama.cpp does (half
-    /// the bytes attention streams); the exact path keeps them f32.
-    fn kv_store(&self) -> attention::KvStore {
-        match self.activations {
-            Activations::Int8 => attention::KvStore::F16,
-            Activations::F32 => attention::KvStore::F32,
-        }
     }
 }
 
@@ -196,21 +185,7 @@ impl Backend for CpuBackend {
         k_cache: &mut Vec<f32>,
         v_cache: &mut Vec<f32>,
     ) -> Result<()> {
-        attention::write_kv(k, v, slots, shape, (k_cache, v_cache), self.kv_store())
-    }
-
-    fn kv_element_bytes(&self) -> usize {
-        match self.kv_store() {
-            attention::KvStore::F16 => 2,
-            attention::KvStore::F32 => 4,
-        }
-    }
-
-    fn kv_zeros(&self, len: usize) -> Result<Vec<f32>> {
-        Ok(match self.kv_store() {
-            attention::KvStore::F16 => vec![0.0; len.div_ceil(2)],
-            attention::KvStore::F32 => vec![0.0; len],
-        })
+        attention::write_kv(k, v, slots, shape, k_cache, v_cache)
     }
 
     fn paged_attention(
@@ -221,6 +196,6 @@ impl Backend for CpuBackend {
         batch: &PagedBatch<'_, Self>,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>> {
-        attention::paged_attention(q, (k_cache, v_cache), self.kv_store(), batch, shape)
+        attention::paged_attention(q, k_cache, v_cache, batch, shape)
     }
 }
