@@ -87,6 +87,25 @@ pub struct Event {
     pub data: Value,
 }
 
+/// What a stream's token arrival times say: time to the first, the gaps after it, and
+/// the mean time per token after the first (None for a single token).
+pub struct Timing {
+    pub ttft: Duration,
+    pub itl: Vec<Duration>,
+    pub tpot: Option<Duration>,
+}
+
+/// `times` of the events that carried tokens, `completion_tokens` in all.
+pub fn timing(times: &[Duration], completion_tokens: u64) -> Result<Timing> {
+    let ttft = *times.first().context("no token arrived")?;
+    let last = *times.last().unwrap_or(&ttft);
+    Ok(Timing {
+        ttft,
+        itl: times.windows(2).map(|w| w[1] - w[0]).collect(),
+        tpot: (completion_tokens > 1).then(|| (last - ttft) / (completion_tokens - 1) as u32),
+    })
+}
+
 /// The longest silence a stream may have.
 const READ_TIMEOUT: Duration = Duration::from_secs(300);
 

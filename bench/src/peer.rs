@@ -145,12 +145,11 @@ pub(crate) async fn request(target: &Target, system: &str, user: &str, max_token
     let times: Vec<Duration> = events.iter().filter(content).map(|e| e.at).collect();
     let usage = events.iter().rev().find_map(|e| e.data.get("usage").filter(|u| u.is_object()));
     let completion_tokens = usage.and_then(|u| u["completion_tokens"].as_u64()).unwrap_or(times.len() as u64);
-    let ttft = *times.first().context("no token arrived")?;
-    let last = *times.last().unwrap_or(&ttft);
+    let api::Timing { ttft, itl, tpot } = api::timing(&times, completion_tokens)?;
     Ok(Sample {
         ttft,
-        itl: times.windows(2).map(|w| w[1] - w[0]).collect(),
-        tpot: (completion_tokens > 1).then(|| (last - ttft) / (completion_tokens - 1) as u32),
+        itl,
+        tpot,
         prompt_tokens: usage.and_then(|u| u["prompt_tokens"].as_u64()).unwrap_or(0),
         completion_tokens,
     })

@@ -246,12 +246,11 @@ async fn request(port: u16, key: &str, system: &str, user: &str, max_tokens: u32
     };
     let times: Vec<Duration> = events.iter().filter(carried_tokens).map(|e| e.at).collect();
     let completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-    let ttft = *times.first().context("no token arrived")?;
-    let last = *times.last().unwrap_or(&ttft);
+    let api::Timing { ttft, itl, tpot } = api::timing(&times, completion_tokens)?;
     Ok(Sample {
         ttft,
-        itl: times.windows(2).map(|w| w[1] - w[0]).collect(),
-        tpot: (completion_tokens > 1).then(|| (last - ttft) / (completion_tokens - 1) as u32),
+        itl,
+        tpot,
         completion_tokens,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
         cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
