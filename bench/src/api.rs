@@ -106,6 +106,22 @@ pub fn timing(times: &[Duration], completion_tokens: u64) -> Result<Timing> {
     })
 }
 
+/// Time to first token, time per output token and inter-token gaps over `timings`, p50
+/// and p99 in milliseconds, as every serving benchmark line reports them.
+pub fn latency<'a>(timings: impl Iterator<Item = &'a Timing> + Clone) -> serde_json::Map<String, Value> {
+    use crate::{percentile, round};
+    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+    let ttft: Vec<f64> = timings.clone().map(|t| ms(&t.ttft)).collect();
+    let tpot: Vec<f64> = timings.clone().filter_map(|t| t.tpot.as_ref().map(ms)).collect();
+    let itl: Vec<f64> = timings.flat_map(|t| t.itl.iter().map(ms)).collect();
+    let mut out = serde_json::Map::new();
+    for (name, values) in [("ttft", &ttft), ("tpot", &tpot), ("itl", &itl)] {
+        out.insert(format!("{name}_p50_ms"), round(percentile(values, 0.5)).into());
+        out.insert(format!("{name}_p99_ms"), round(percentile(values, 0.99)).into());
+    }
+    out
+}
+
 /// The longest silence a stream may have.
 const READ_TIMEOUT: Duration = Duration::from_secs(300);
 

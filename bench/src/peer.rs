@@ -17,7 +17,7 @@
 //! does; the script builds it from the PyPI sdist of llama-cpp-python (15 minutes).
 
 use crate::api::{self, Server};
-use crate::{percentile, round};
+use crate::round;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -123,9 +123,7 @@ async fn level(target: &Target, c: usize, n: usize, max_tokens: u32) -> Result<s
 
 /// One request as the client saw it.
 pub(crate) struct Sample {
-    ttft: Duration,
-    pub itl: Vec<Duration>,
-    tpot: Option<Duration>,
+    timing: api::Timing,
     prompt_tokens: u64,
     completion_tokens: u64,
 }
@@ -145,37 +143,23 @@ pub(crate) async fn request(target: &Target, system: &str, user: &str, max_token
     let times: Vec<Duration> = events.iter().filter(content).map(|e| e.at).collect();
     let usage = events.iter().rev().find_map(|e| e.data.get("usage").filter(|u| u.is_object()));
     let completion_tokens = usage.and_then(|u| u["completion_tokens"].as_u64()).unwrap_or(times.len() as u64);
-    let api::Timing { ttft, itl, tpot } = api::timing(&times, completion_tokens)?;
     Ok(Sample {
-        ttft,
-        itl,
-        tpot,
+        timing: api::timing(&times, completion_tokens)?,
         prompt_tokens: usage.and_then(|u| u["prompt_tokens"].as_u64()).unwrap_or(0),
         completion_tokens,
     })
 }
 
 pub(crate) fn summary(samples: &[Sample], wall_s: f64) -> serde_json::Map<String, Value> {
-    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
-    let ttft: Vec<f64> = samples.iter().map(|s| ms(&s.ttft)).collect();
-    let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot.as_ref().map(ms)).collect();
-    let itl: Vec<f64> = samples.iter().flat_map(|s| s.itl.iter().map(ms)).collect();
     let output: u64 = samples.iter().map(|s| s.completion_tokens).sum();
     let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
-    let json = json!({
-        "requests": samples.len(),
-        "prompt_tokens_mean": round(prompt as f64 / samples.len().max(1) as f64),
-        "output_tokens": output,
-        "output_tokens_per_s": round(output as f64 / wall_s),
-        "ttft_p50_ms": round(percentile(&ttft, 0.5)),
-        "ttft_p99_ms": round(percentile(&ttft, 0.99)),
-        "tpot_p50_ms": round(percentile(&tpot, 0.5)),
-        "tpot_p99_ms": round(percentile(&tpot, 0.99)),
-        "itl_p50_ms": round(percentile(&itl, 0.5)),
-        "itl_p99_ms": round(percentile(&itl, 0.99)),
-        "wall_s": round(wall_s),
-    });
-    json.as_object().cloned().unwrap_or_default()
+    let mut figures = api::latency(samples.iter().map(|s| &s.timing));
+    figures.insert("requests".into(), json!(samples.len()));
+    figures.insert("prompt_tokens_mean".into(), json!(round(prompt as f64 / samples.len().max(1) as f64)));
+    figures.insert("output_tokens".into(), json!(output));
+    figures.insert("output_tokens_per_s".into(), json!(round(output as f64 / wall_s)));
+    figures.insert("wall_s".into(), json!(round(wall_s)));
+    figures
 }
 
 const WORDS: [&str; 32] = [

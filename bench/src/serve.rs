@@ -18,7 +18,7 @@
 //! ratios between the policies.
 
 use crate::api::{self, Server};
-use crate::{percentile, round};
+use crate::round;
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
 use serde_json::{Value, json};
@@ -94,11 +94,7 @@ enum Peer {
 
 /// One request as the client saw it.
 struct Sample {
-    ttft: Duration,
-    /// Gaps between the events that carried tokens, after the first.
-    itl: Vec<Duration>,
-    /// Mean time per token after the first; None for a single token.
-    tpot: Option<Duration>,
+    timing: api::Timing,
     completion_tokens: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -246,11 +242,8 @@ async fn request(port: u16, key: &str, system: &str, user: &str, max_tokens: u32
     };
     let times: Vec<Duration> = events.iter().filter(carried_tokens).map(|e| e.at).collect();
     let completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-    let api::Timing { ttft, itl, tpot } = api::timing(&times, completion_tokens)?;
     Ok(Sample {
-        ttft,
-        itl,
-        tpot,
+        timing: api::timing(&times, completion_tokens)?,
         completion_tokens,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
         cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
@@ -258,26 +251,16 @@ async fn request(port: u16, key: &str, system: &str, user: &str, max_tokens: u32
 }
 
 fn summary(samples: &[Sample], wall_s: f64) -> serde_json::Map<String, Value> {
-    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
-    let ttft: Vec<f64> = samples.iter().map(|s| ms(&s.ttft)).collect();
-    let tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot.as_ref().map(ms)).collect();
-    let itl: Vec<f64> = samples.iter().flat_map(|s| s.itl.iter().map(ms)).collect();
+    let ttft_ms: f64 = samples.iter().map(|s| s.timing.ttft.as_secs_f64() * 1e3).sum();
     let output: u64 = samples.iter().map(|s| s.completion_tokens).sum();
     let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
-    let json = json!({
-        "requests": samples.len(),
-        "prompt_tokens": prompt,
-        "prefix_hit_rate": round(cached as f64 / prompt.max(1) as f64),
-        "ttft_mean_ms": round(ttft.iter().sum::<f64>() / ttft.len().max(1) as f64),
-        "ttft_p50_ms": round(percentile(&ttft, 0.5)),
-        "ttft_p99_ms": round(percentile(&ttft, 0.99)),
-        "tpot_p50_ms": round(percentile(&tpot, 0.5)),
-        "tpot_p99_ms": round(percentile(&tpot, 0.99)),
-        "itl_p50_ms": round(percentile(&itl, 0.5)),
-        "itl_p99_ms": round(percentile(&itl, 0.99)),
-        "output_tokens_per_s": round(output as f64 / wall_s),
-        "wall_s": round(wall_s),
-    });
-    json.as_object().cloned().unwrap_or_default()
+    let mut figures = api::latency(samples.iter().map(|s| &s.timing));
+    figures.insert("requests".into(), json!(samples.len()));
+    figures.insert("prompt_tokens".into(), json!(prompt));
+    figures.insert("prefix_hit_rate".into(), json!(round(cached as f64 / prompt.max(1) as f64)));
+    figures.insert("ttft_mean_ms".into(), json!(round(ttft_ms / samples.len().max(1) as f64)));
+    figures.insert("output_tokens_per_s".into(), json!(round(output as f64 / wall_s)));
+    figures.insert("wall_s".into(), json!(round(wall_s)));
+    figures
 }

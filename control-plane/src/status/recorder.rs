@@ -33,6 +33,7 @@ impl Recorder {
             first_tokens: 0,
             decode_tokens: 0,
             failed: false,
+            itl: None,
         }
     }
 
@@ -88,6 +89,8 @@ pub struct Probe {
     /// Tokens after those of the first delta.
     decode_tokens: u64,
     failed: bool,
+    /// The inter-token histogram, resolved once at the first token: deltas only record.
+    itl: Option<metrics::Histogram>,
 }
 
 impl Probe {
@@ -102,20 +105,26 @@ impl Probe {
         self.first = Some(now);
         self.last = now;
         self.first_tokens = tokens as u64;
-        let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
+        let labels = self.labels();
         metrics::histogram!(crate::metrics::TIME_TO_FIRST_TOKEN, &labels).record(now - self.received);
+        self.itl = Some(metrics::histogram!(crate::metrics::INTER_TOKEN_LATENCY, &labels));
     }
 
     /// A later delta, of `tokens` tokens.
     pub fn delta(&mut self, tokens: usize) {
         if tokens > 0 {
             let now = Instant::now();
-            let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
-            let gap = (now - self.last).as_secs_f64() / tokens as f64;
-            metrics::histogram!(crate::metrics::INTER_TOKEN_LATENCY, &labels).record_many(gap, tokens);
+            if let Some(itl) = &self.itl {
+                itl.record_many((now - self.last).as_secs_f64() / tokens as f64, tokens);
+            }
             self.decode_tokens += tokens as u64;
             self.last = now;
         }
+    }
+
+    /// The endpoint's histograms' labels.
+    fn labels(&self) -> [(&'static str, String); 2] {
+        [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())]
     }
 
     /// The endpoint's histograms of a generation that produced tokens.
@@ -123,7 +132,7 @@ impl Probe {
         if self.first.is_none() {
             return;
         }
-        let labels = [("model", self.model.clone()), ("endpoint", self.endpoint.to_string())];
+        let labels = self.labels();
         metrics::histogram!(crate::metrics::REQUEST_DURATION, &labels).record(self.last - self.received);
         metrics::histogram!(crate::metrics::REQUEST_PROMPT_TOKENS, &labels).record(self.prompt_tokens as f64);
         let output = self.first_tokens + self.decode_tokens;
