@@ -52,7 +52,6 @@ pub fn run(args: Args) -> Result<()> {
             }
         }
     }
-    let b = CpuBackend::default();
     let tokens = args.tokens.last().copied().unwrap_or(256);
     let shape = AttentionShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16, scale: 0.125 };
     let (seqs, bs) = (tokens, shape.block_size);
@@ -61,8 +60,8 @@ pub fn run(args: Args) -> Result<()> {
     let shared = 19.min(per_seq);
     let own = per_seq - shared;
     let num_blocks = 4 * shared + seqs * own;
-    let k_cache: Vec<f32> = (0..num_blocks * shape.block_floats()).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect();
-    let v_cache = k_cache.clone();
+    let keys: Vec<f32> = (0..num_blocks * shape.block_floats()).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect();
+    let slots: Vec<u32> = (0..(num_blocks * bs) as u32).collect();
     let tables: Vec<u32> = (0..seqs)
         .flat_map(|s| {
             (0..per_seq).map(move |b| if b < shared { (s % 4) * shared + b } else { 4 * shared + s * own + b - shared })
@@ -79,14 +78,20 @@ pub fn run(args: Args) -> Result<()> {
         block_tables: &tables,
         max_blocks_per_seq: per_seq,
     };
-    let s = best(args.reps, || b.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).map(drop))?;
-    let flops = 4.0 * (seqs * shape.num_heads * args.context * shape.head_dim) as f64;
-    println!(
-        "{}",
-        json!({"bench": "kernels", "kernel": "paged_attention", "sequences": seqs, "context": args.context,
-               "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-               "ms": round(s * 1e3), "gflop_per_s": round(flops / s / 1e9)})
-    );
+    // The served path's half-float K/V and the exact path's f32, written as a forward
+    // writes them.
+    for (kv, b) in [("f16", CpuBackend::default()), ("f32", CpuBackend::exact())] {
+        let (mut k_cache, mut v_cache) = (b.kv_zeros(keys.len())?, b.kv_zeros(keys.len())?);
+        b.write_kv(&keys, &keys, &slots, &shape, &mut k_cache, &mut v_cache)?;
+        let s = best(args.reps, || b.paged_attention(&q, &k_cache, &v_cache, &batch, &shape).map(drop))?;
+        let flops = 4.0 * (seqs * shape.num_heads * args.context * shape.head_dim) as f64;
+        println!(
+            "{}",
+            json!({"bench": "kernels", "kernel": "paged_attention", "kv": kv, "sequences": seqs,
+                   "context": args.context, "heads": shape.num_heads, "kv_heads": shape.num_kv_heads,
+                   "head_dim": shape.head_dim, "ms": round(s * 1e3), "gflop_per_s": round(flops / s / 1e9)})
+        );
+    }
     Ok(())
 }
 

@@ -46,8 +46,8 @@ pub struct Args {
     system_prompt_words: usize,
     #[arg(long, default_value_t = 16)]
     max_tokens: u32,
-    /// Each replica's KV cache: 64 MiB holds about 1,400 tokens of SmolLM2-135M on the
-    /// CPU, a few tenants' prefixes.
+    /// Each replica's KV cache: 64 MiB holds about 2,900 tokens of SmolLM2-135M on the
+    /// CPU (half-float K/V), a few tenants' prefixes.
     #[arg(long, default_value_t = 64 << 20)]
     kv_cache_bytes: u64,
     /// The policies to compare, in this order.

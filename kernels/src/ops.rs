@@ -124,6 +124,17 @@ pub trait Backend: Send + Sync {
     /// Runs a captured graph (asynchronously, like any op).
     fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
+    /// Bytes one element of a KV cache takes (`kv_zeros`).
+    fn kv_element_bytes(&self) -> usize {
+        Self::ELEMENT_BYTES
+    }
+
+    /// A zeroed KV cache buffer of `len` elements, in the form `write_kv` and
+    /// `paged_attention` read (the CPU's served path packs half floats).
+    fn kv_zeros(&self, len: usize) -> Result<Self::Buffer> {
+        self.zeros(len)
+    }
+
     /// Runs `f`, one forward step's ops, where this backend runs them best: the CPU
     /// backend runs the step on its thread pool, so that each of the step's hundreds of
     /// parallel products forks from a pool thread — whose partner is still awake from

@@ -45,7 +45,8 @@ print(json.dumps(out))
 #[test]
 fn a_request_the_cache_cannot_hold_is_refused_at_once_and_the_replica_serves_the_next() {
     let data = tempfile::tempdir().unwrap();
-    let serve = Serve::start(data.path(), &[], &[]);
+    // 32 MiB hold 1,456 tokens of SmolLM2's half-float K/V: less than its 8,192.
+    let serve = Serve::start(data.path(), &["--kv-cache-bytes", "33554432"], &[]);
     let out = python(OVERSIZED, &serve.base_url(), &serve.key, &[]).output().unwrap();
     assert!(out.status.success(), "the SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
     let got: Value = serde_json::from_slice(&out.stdout).unwrap();

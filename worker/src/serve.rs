@@ -165,8 +165,12 @@ fn build<B: Backend + 'static>(
     let (model_config, tokenizer, source) = load::open(path).with_context(|| format!("opening {}", path.display()))?;
     let ranks = load_ranks(&model_config, &*source).with_context(|| format!("loading {}", path.display()))?;
     let rank0 = ranks.first().context("no ranks")?;
-    let block_bytes =
-        KvCache::<B>::bytes_per_block(rank0.config.num_layers, rank0.config.kv_width(), BLOCK_TOKENS) as u64;
+    let block_bytes = KvCache::<B>::bytes_per_block(
+        rank0.backend().kv_element_bytes(),
+        rank0.config.num_layers,
+        rank0.config.kv_width(),
+        BLOCK_TOKENS,
+    ) as u64;
     let budget = kv_budget(rank0);
     let num_blocks = (budget / block_bytes) as usize;
     anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");

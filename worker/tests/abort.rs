@@ -15,8 +15,9 @@ use tessera_worker::serve::ServeConfig;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
-/// Bytes of KV cache per token of SmolLM2-135M (30 layers × K and V × 3 heads × 64 × f32).
-const KV_BYTES_PER_TOKEN: u64 = 46_080;
+/// Bytes of KV cache per token of SmolLM2-135M (30 layers × K and V × 3 heads × 64 ×
+/// 2 bytes: the served path's half floats).
+const KV_BYTES_PER_TOKEN: u64 = 30 * 2 * 192 * 2;
 
 /// Distinct prompt tokens from `from` on.
 fn tokens(from: u32, len: u32) -> Vec<u32> {

@@ -4,7 +4,8 @@
 //! equations, with no paging, no caching and no fused weights.
 //!
 //! Each model also runs its prompt as a prefill followed by single-token decodes, so
-//! the paged KV cache is checked against recomputation at every step.
+//! the paged KV cache is checked against recomputation at every step. On the CPU's
+//! exact path (f32 keys and values), which the f64 forward bounds tightly.
 
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -138,7 +139,7 @@ fn every_variant_matches_the_dense_f64_forward_in_prefill_and_decode() {
         let dir = root.join(v.name);
         write_dir(&dir, &v.config, &weights);
         let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
-        let model = Model::load(CpuBackend::default(), config, &SafetensorsDir::open(&dir).unwrap()).unwrap();
+        let model = Model::load(CpuBackend::exact(), config, &SafetensorsDir::open(&dir).unwrap()).unwrap();
         let want = reference_forward(&v.config, &weights, &PROMPT);
 
         // Whole prompt in one forward; blocks of 4 tokens handed out back to front.
@@ -177,7 +178,7 @@ fn a_batch_of_sequences_computes_what_each_computes_alone() {
     let dir = std::env::temp_dir().join(format!("tessera-batch-{}", std::process::id()));
     write_dir(&dir, &v.config, &weights);
     let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
-    let model = Model::load(CpuBackend::default(), config, &SafetensorsDir::open(&dir).unwrap()).unwrap();
+    let model = Model::load(CpuBackend::exact(), config, &SafetensorsDir::open(&dir).unwrap()).unwrap();
     let mut kv = model.new_kv_cache(16, 4).unwrap();
     let (a, b, c) = (&PROMPT[..], &PROMPT[2..5], &PROMPT[..1]);
     let seqs = [

@@ -226,11 +226,14 @@ fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
     let _ = std::fs::remove_dir_all(root);
 }
 
-/// The KV cache a GPU engine gets is sized in bf16 elements.
+/// The KV cache a GPU engine gets is sized in bf16 elements; the CPU's in halves on
+/// the served path, f32 on the exact one.
 #[test]
 fn gpu_kv_blocks_cost_two_bytes_per_element() {
-    assert_eq!(KvCache::<CudaBackend>::bytes_per_block(2, 64, 16), 2 * 2 * 64 * 16 * 2);
-    assert_eq!(KvCache::<CpuBackend>::bytes_per_block(2, 64, 16), 2 * 2 * 64 * 16 * 4);
+    let bytes = |element| KvCache::<CudaBackend>::bytes_per_block(element, 2, 64, 16);
+    assert_eq!(bytes(CudaBackend::ELEMENT_BYTES), 2 * 2 * 64 * 16 * 2);
+    assert_eq!(bytes(CpuBackend::default().kv_element_bytes()), 2 * 2 * 64 * 16 * 2);
+    assert_eq!(bytes(CpuBackend::exact().kv_element_bytes()), 2 * 2 * 64 * 16 * 4);
 }
 
 /// Decode steps through captured graphs (3 sequences padded to a graph of 4) give the

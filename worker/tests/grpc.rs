@@ -75,12 +75,12 @@ async fn a_load_stream_opens_with_the_prefix_cache_then_its_changes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_model_card_describes_the_model() {
-    let mut client = start(64 << 20).await;
+    let mut client = start(32 << 20).await;
     let card = client.get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner();
     assert_eq!((card.bos_token_id, card.eos_token_ids.as_slice()), (Some(1), &[2][..]));
     assert_eq!((card.bos_token.as_str(), card.eos_token.as_str()), ("<|im_start|>", "<|im_end|>"));
-    // 64 MiB hold 1,456 tokens of this model's cache, less than its 8,192: the card says
-    // what a request may use.
+    // 32 MiB hold 1,456 tokens of this model's half-float cache, less than its 8,192:
+    // the card says what a request may use.
     assert_eq!((card.context_length, card.kv_block_size, card.vocab_size), (1456, 16, 49152));
     assert!(card.chat_template.contains("<|im_start|>"));
     let tokenizer = tokenizers::Tokenizer::from_bytes(card.tokenizer_json.as_bytes()).unwrap();
@@ -134,7 +134,7 @@ async fn a_dropped_stream_and_an_abort_return_every_block() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_with_a_reason() {
-    let mut client = start(64 << 20).await;
+    let mut client = start(32 << 20).await;
     let cases = [
         (request("empty", vec![], 4), "prompt is empty"),
         (request("long", vec![5; 8192], 4), "context"),

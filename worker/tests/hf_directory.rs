@@ -133,7 +133,7 @@ fn exported_directories_load_and_match_the_gguf() {
     // f32 over two shards: the same numbers, so the same logits up to summation order.
     let f32_dir = root.join("f32");
     write_dir(&f32_dir, &config, &tensors, Dtype::F32, 2);
-    let hf = load_model(CpuBackend::default(), &f32_dir).unwrap();
+    let hf = load_model(CpuBackend::exact(), &f32_dir).unwrap();
     assert_eq!(hf.model.config.rope_style, tessera_kernels::RopeStyle::Neox);
     let ids = smollm2().tokenizer.encode("The capital of France is").unwrap();
     assert_eq!(hf.tokenizer.encode("The capital of France is").unwrap(), ids);

@@ -6,6 +6,7 @@
 //! values. A row's result does not depend on the other rows of the batch.
 
 use super::CpuBackend;
+use super::kv_store::{self, Cache, KvStore, Stored};
 use super::simd::{exp, multiversion};
 use crate::error::expect_len;
 use crate::paged::{HostBatch, Row};
@@ -17,29 +18,37 @@ pub(super) fn write_kv(
     v: &[f32],
     slots: &[u32],
     shape: &AttentionShape,
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    (k_cache, v_cache): (&mut [f32], &mut [f32]),
+    store: KvStore,
 ) -> Result<()> {
     let w = shape.kv_width();
     expect_len("write_kv", "keys", k.len(), slots.len() * w)?;
     expect_len("write_kv", "values", v.len(), slots.len() * w)?;
     expect_len("write_kv", "value cache", v_cache.len(), k_cache.len())?;
-    let capacity = k_cache.len() / w;
+    let capacity = Cache::new(k_cache, store).len() / w;
+    if let Some(&slot) = slots.iter().find(|&&s| s as usize >= capacity) {
+        return Err(KernelError::shape("write_kv", format!("slot {slot} outside a cache of {capacity}")));
+    }
     for (t, &slot) in slots.iter().enumerate() {
-        let slot = slot as usize;
-        if slot >= capacity {
-            return Err(KernelError::shape("write_kv", format!("slot {slot} outside a cache of {capacity}")));
+        let (at, from) = (slot as usize * w..(slot as usize + 1) * w, t * w..(t + 1) * w);
+        match store {
+            KvStore::F32 => {
+                k_cache[at.clone()].copy_from_slice(&k[from.clone()]);
+                v_cache[at].copy_from_slice(&v[from]);
+            }
+            KvStore::F16 => {
+                kv_store::narrow(&k[from.clone()], &mut kv_store::halves_mut(k_cache)[at.clone()]);
+                kv_store::narrow(&v[from], &mut kv_store::halves_mut(v_cache)[at]);
+            }
         }
-        k_cache[slot * w..(slot + 1) * w].copy_from_slice(&k[t * w..(t + 1) * w]);
-        v_cache[slot * w..(slot + 1) * w].copy_from_slice(&v[t * w..(t + 1) * w]);
     }
     Ok(())
 }
 
 pub(super) fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    (k_cache, v_cache): (&[f32], &[f32]),
+    store: KvStore,
     batch: &PagedBatch<'_, CpuBackend>,
     shape: &AttentionShape,
 ) -> Result<Vec<f32>> {
@@ -50,6 +59,7 @@ pub(super) fn paged_attention(
         block_tables: batch.block_tables,
         max_blocks_per_seq: batch.max_blocks_per_seq,
     };
+    let (k_cache, v_cache) = (Cache::new(k_cache, store), Cache::new(v_cache, store));
     let rows = host.validate(q.len(), k_cache.len(), v_cache.len(), shape)?;
     let (hd, qw) = (shape.head_dim, shape.q_width());
     let group_width = shape.num_heads / shape.num_kv_heads * hd;
@@ -69,8 +79,8 @@ pub(super) fn paged_attention(
 /// Everything one (query row, head) reads.
 struct Attend<'a> {
     q: &'a [f32],
-    k_cache: &'a [f32],
-    v_cache: &'a [f32],
+    k_cache: Cache<'a>,
+    v_cache: Cache<'a>,
     rows: &'a [Row],
     batch: &'a PagedBatch<'a, CpuBackend>,
     shape: &'a AttentionShape,
@@ -96,13 +106,19 @@ multiversion! {
             }
         }
         let mut scores = vec![0.0f32; group * row.keys];
-        key_scores(queries, hd, t.k_cache, &offsets, shape.scale, &mut scores);
+        match t.k_cache {
+            Cache::F32(k) => key_scores(queries, hd, k, &offsets, shape.scale, &mut scores),
+            Cache::F16(k) => key_scores(queries, hd, k, &offsets, shape.scale, &mut scores),
+        }
         // No closures below: they would be compiled without the AVX2 this body gets.
         let mut sums = Vec::with_capacity(group);
         for scores in scores.chunks_exact_mut(row.keys) {
             sums.push(softmax_numerators(scores));
         }
-        weighted_sums(&scores, &offsets, t.v_cache, hd, o);
+        match t.v_cache {
+            Cache::F32(v) => weighted_sums(&scores, &offsets, v, hd, o),
+            Cache::F16(v) => weighted_sums(&scores, &offsets, v, hd, o),
+        }
         for (out, sum) in o.chunks_exact_mut(hd).zip(sums) {
             let inv = 1.0 / sum;
             for v in out.iter_mut() {
@@ -148,19 +164,19 @@ const VALUE_CHUNK: usize = 32;
 /// `out[h] = Σ_p scores[h][p] · value(p)` for the group's heads, each element a fused
 /// chain in key order. Three heads at a time share each load of a value chunk.
 #[inline(always)]
-fn weighted_sums(scores: &[f32], offsets: &[usize], v_cache: &[f32], hd: usize, out: &mut [f32]) {
+fn weighted_sums<T: Stored>(scores: &[f32], offsets: &[usize], v_cache: &[T], hd: usize, out: &mut [f32]) {
     let keys = offsets.len().max(1);
     for (scores, out) in scores.chunks(3 * keys).zip(out.chunks_mut(3 * hd)) {
         match (hd % VALUE_CHUNK, out.len() / hd) {
-            (0, 3) => head_sums::<3>(scores, offsets, v_cache, out),
-            (0, 2) => head_sums::<2>(scores, offsets, v_cache, out),
-            (0, _) => head_sums::<1>(scores, offsets, v_cache, out),
+            (0, 3) => head_sums::<T, 3>(scores, offsets, v_cache, out),
+            (0, 2) => head_sums::<T, 2>(scores, offsets, v_cache, out),
+            (0, _) => head_sums::<T, 1>(scores, offsets, v_cache, out),
             _ => {
                 for (scores, out) in scores.chunks(keys).zip(out.chunks_mut(hd)) {
                     out.fill(0.0);
                     for (s, &at) in scores.iter().zip(offsets) {
                         for (o, v) in out.iter_mut().zip(&v_cache[at..at + hd]) {
-                            *o = s.mul_add(*v, *o);
+                            *o = s.mul_add(v.widen(), *o);
                         }
                     }
                 }
@@ -171,24 +187,24 @@ fn weighted_sums(scores: &[f32], offsets: &[usize], v_cache: &[f32], hd: usize, 
 
 /// `weighted_sums` for `H` heads and a head size that is a multiple of `VALUE_CHUNK`.
 #[inline(always)]
-fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+fn head_sums<T: Stored, const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[T], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx512() {
         // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
-        unsafe { avx512::head_sums::<H>(scores, offsets, v_cache, out) };
+        unsafe { avx512::head_sums::<T, H>(scores, offsets, v_cache, out) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
-        unsafe { avx2::head_sums::<H>(scores, offsets, v_cache, out) };
+        unsafe { avx2::head_sums::<T, H>(scores, offsets, v_cache, out) };
         return;
     }
-    portable_head_sums::<H>(scores, offsets, v_cache, out);
+    portable_head_sums::<T, H>(scores, offsets, v_cache, out);
 }
 
 #[inline(always)]
-fn portable_head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+fn portable_head_sums<T: Stored, const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[T], out: &mut [f32]) {
     let (keys, hd) = (offsets.len(), out.len() / H);
     for d0 in (0..hd).step_by(VALUE_CHUNK) {
         let mut acc = [[0.0f32; VALUE_CHUNK]; H];
@@ -197,7 +213,7 @@ fn portable_head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache
             for (h, acc) in acc.iter_mut().enumerate() {
                 let s = scores[h * keys + p];
                 for d in 0..VALUE_CHUNK {
-                    acc[d] = s.mul_add(value[d], acc[d]);
+                    acc[d] = s.mul_add(value[d].widen(), acc[d]);
                 }
             }
         }
@@ -212,7 +228,7 @@ fn portable_head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache
 /// over `d ≡ l (mod 8)` in increasing `d` — added in the tree of `pairwise`, then the
 /// `head_dim mod 8` leftovers in order: the same operations for a key whichever keys
 /// are computed beside it, on either path.
-fn key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], scale: f32, scores: &mut [f32]) {
+fn key_scores<T: Stored>(queries: &[f32], hd: usize, k_cache: &[T], offsets: &[usize], scale: f32, scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(LANES) && super::simd::has_avx512() {
         // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
@@ -230,7 +246,14 @@ fn key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], sc
 
 /// `key_scores` one key and one head at a time, for any CPU and head size.
 #[inline(always)]
-fn portable_key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[usize], scale: f32, scores: &mut [f32]) {
+fn portable_key_scores<T: Stored>(
+    queries: &[f32],
+    hd: usize,
+    k_cache: &[T],
+    offsets: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+) {
     let keys = offsets.len();
     let whole = hd / LANES * LANES;
     for (p, &at) in offsets.iter().enumerate() {
@@ -239,12 +262,12 @@ fn portable_key_scores(queries: &[f32], hd: usize, k_cache: &[f32], offsets: &[u
             let mut lanes = [0.0f32; LANES];
             for d in (0..whole).step_by(LANES) {
                 for l in 0..LANES {
-                    lanes[l] = query[d + l].mul_add(key[d + l], lanes[l]);
+                    lanes[l] = query[d + l].mul_add(key[d + l].widen(), lanes[l]);
                 }
             }
             let mut sum = pairwise(&lanes);
             for d in whole..hd {
-                sum = query[d].mul_add(key[d], sum);
+                sum = query[d].mul_add(key[d].widen(), sum);
             }
             scores[h * keys + p] = sum * scale;
         }
@@ -261,12 +284,17 @@ fn pairwise(l: &[f32; LANES]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{LANES, VALUE_CHUNK, pairwise};
+    use super::{LANES, Stored, VALUE_CHUNK, pairwise};
     use std::arch::x86_64::*;
 
     /// `super::head_sums` with each head's chunk of sums in four registers.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn head_sums<T: Stored, const H: usize>(
+        scores: &[f32],
+        offsets: &[usize],
+        v_cache: &[T],
+        out: &mut [f32],
+    ) {
         let (keys, hd) = (offsets.len(), out.len() / H);
         assert!(hd.is_multiple_of(VALUE_CHUNK) && scores.len() >= H * keys);
         assert!(offsets.iter().all(|&at| at + hd <= v_cache.len()), "a value outside the cache");
@@ -278,11 +306,7 @@ mod avx2 {
                     let s = _mm256_set1_ps(scores[h * keys + p]);
                     for (r, a) in acc.iter_mut().enumerate() {
                         // SAFETY: at + d0 + 32 <= at + hd, inside the cache (asserted).
-                        *a = _mm256_fmadd_ps(
-                            s,
-                            unsafe { _mm256_loadu_ps(v_cache.as_ptr().add(at + d0 + r * LANES)) },
-                            *a,
-                        );
+                        *a = _mm256_fmadd_ps(s, unsafe { T::load8(v_cache.as_ptr().add(at + d0 + r * LANES)) }, *a);
                     }
                 }
             }
@@ -299,11 +323,11 @@ mod avx2 {
     /// `super::key_scores` for a head size that is a multiple of 8: eight keys at a
     /// time, their lanes reduced together by horizontal adds; the eight keys stay in L1
     /// while every query head of the group reads them.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn key_scores(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn key_scores<T: Stored>(
         queries: &[f32],
         hd: usize,
-        k_cache: &[f32],
+        k_cache: &[T],
         offsets: &[usize],
         scale: f32,
         scores: &mut [f32],
@@ -323,7 +347,7 @@ mod avx2 {
                     unsafe {
                         let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
                         for (j, a) in acc.iter_mut().enumerate() {
-                            *a = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p + j] + d)), *a);
+                            *a = _mm256_fmadd_ps(q, T::load8(k_cache.as_ptr().add(offsets[p + j] + d)), *a);
                         }
                     }
                 }
@@ -338,11 +362,11 @@ mod avx2 {
 
     /// `super::key_scores` for keys `from..` one at a time (the keys past the last
     /// whole eight), in the same operations as eight at a time.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn one_key_at_a_time(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn one_key_at_a_time<T: Stored>(
         queries: &[f32],
         hd: usize,
-        k_cache: &[f32],
+        k_cache: &[T],
         offsets: &[usize],
         from: usize,
         scale: f32,
@@ -359,7 +383,7 @@ mod avx2 {
                     // key [at, at+hd) of the cache, asserted above; d + 8 <= hd.
                     unsafe {
                         let q = _mm256_loadu_ps(queries.as_ptr().add(h * hd + d));
-                        acc = _mm256_fmadd_ps(q, _mm256_loadu_ps(k_cache.as_ptr().add(offsets[p] + d)), acc);
+                        acc = _mm256_fmadd_ps(q, T::load8(k_cache.as_ptr().add(offsets[p] + d)), acc);
                     }
                 }
                 let mut lanes = [0.0f32; LANES];
@@ -392,27 +416,36 @@ mod avx2 {
 /// reduction forms `pairwise`' tree.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::simd::halves;
-    use super::{LANES, VALUE_CHUNK};
+    use super::{LANES, Stored, VALUE_CHUNK};
     use std::arch::x86_64::*;
 
     const WIDE: usize = 16;
 
     /// `super::head_sums`: a whole 64-wide head in four registers when it divides
     /// evenly, else 32-value chunks in two.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) fn head_sums<const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub(super) fn head_sums<T: Stored, const H: usize>(
+        scores: &[f32],
+        offsets: &[usize],
+        v_cache: &[T],
+        out: &mut [f32],
+    ) {
         let hd = out.len() / H;
         if hd.is_multiple_of(4 * WIDE) {
-            chunked::<H, 4>(scores, offsets, v_cache, out)
+            chunked::<T, H, 4>(scores, offsets, v_cache, out)
         } else {
-            chunked::<H, { VALUE_CHUNK / WIDE }>(scores, offsets, v_cache, out)
+            chunked::<T, H, { VALUE_CHUNK / WIDE }>(scores, offsets, v_cache, out)
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     #[inline]
-    fn chunked<const H: usize, const REGS: usize>(scores: &[f32], offsets: &[usize], v_cache: &[f32], out: &mut [f32]) {
+    fn chunked<T: Stored, const H: usize, const REGS: usize>(
+        scores: &[f32],
+        offsets: &[usize],
+        v_cache: &[T],
+        out: &mut [f32],
+    ) {
         let (keys, hd) = (offsets.len(), out.len() / H);
         let chunk = REGS * WIDE;
         assert!(hd.is_multiple_of(chunk) && scores.len() >= H * keys);
@@ -423,7 +456,7 @@ mod avx512 {
                 let mut value = [_mm512_setzero_ps(); REGS];
                 for (r, v) in value.iter_mut().enumerate() {
                     // SAFETY: at + d0 + chunk <= at + hd, inside the cache (asserted).
-                    *v = unsafe { _mm512_loadu_ps(v_cache.as_ptr().add(at + d0 + r * WIDE)) };
+                    *v = unsafe { T::load16(v_cache.as_ptr().add(at + d0 + r * WIDE)) };
                 }
                 for (h, acc) in acc.iter_mut().enumerate() {
                     let s = _mm512_set1_ps(scores[h * keys + p]);
@@ -445,11 +478,11 @@ mod avx512 {
     /// `super::key_scores` for a head size that is a multiple of 8: eight keys at a
     /// time, key `p + j` in the low half of register `j` and key `p + 4 + j` in its
     /// high half, each pair loaded once for up to four query heads.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) fn key_scores(
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub(super) fn key_scores<T: Stored>(
         queries: &[f32],
         hd: usize,
-        k_cache: &[f32],
+        k_cache: &[T],
         offsets: &[usize],
         scale: f32,
         scores: &mut [f32],
@@ -464,10 +497,10 @@ mod avx512 {
             let heads = &queries[h * hd..(h + g) * hd];
             let out = &mut scores[h * keys..(h + g) * keys];
             match g {
-                4 => eight_keys_at_a_time::<4>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
-                3 => eight_keys_at_a_time::<3>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
-                2 => eight_keys_at_a_time::<2>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
-                _ => eight_keys_at_a_time::<1>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                4 => eight_keys_at_a_time::<T, 4>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                3 => eight_keys_at_a_time::<T, 3>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                2 => eight_keys_at_a_time::<T, 2>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
+                _ => eight_keys_at_a_time::<T, 1>(heads, hd, k_cache, &offsets[..whole], keys, scale, out),
             }
             h += g;
         }
@@ -476,12 +509,12 @@ mod avx512 {
 
     /// Scores of `G` query heads (`queries`, `G * hd`) for the keys at `offsets`, a
     /// multiple of 8 of them, into rows of `keys` scores.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
     #[inline]
-    fn eight_keys_at_a_time<const G: usize>(
+    fn eight_keys_at_a_time<T: Stored, const G: usize>(
         queries: &[f32],
         hd: usize,
-        k_cache: &[f32],
+        k_cache: &[T],
         offsets: &[usize],
         keys: usize,
         scale: f32,
@@ -499,7 +532,8 @@ mod avx512 {
                     let mut pairs = [_mm512_setzero_ps(); LANES / 2];
                     for (j, pair) in pairs.iter_mut().enumerate() {
                         let at = |key: usize| k_cache.as_ptr().add(offsets[key] + d);
-                        *pair = halves(at(p + j), at(p + 4 + j));
+                        *pair =
+                            _mm512_insertf32x8(_mm512_castps256_ps512(T::load8(at(p + j))), T::load8(at(p + 4 + j)), 1);
                     }
                     for (g, acc) in acc.iter_mut().enumerate() {
                         let q = _mm512_broadcast_f32x8(_mm256_loadu_ps(queries.as_ptr().add(g * hd + d)));
@@ -575,8 +609,8 @@ mod tests {
         let cache: Vec<f32> = (0..(keys + 3) * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
         let offsets: Vec<usize> = (0..keys).map(|p| ((p * 5) % (keys + 3)) * hd).collect();
         let (mut fast, mut slow) = (vec![0.0f32; 3 * hd], vec![0.0f32; 3 * hd]);
-        head_sums::<3>(&scores, &offsets, &cache, &mut fast);
-        portable_head_sums::<3>(&scores, &offsets, &cache, &mut slow);
+        head_sums::<f32, 3>(&scores, &offsets, &cache, &mut fast);
+        portable_head_sums::<f32, 3>(&scores, &offsets, &cache, &mut slow);
         assert_eq!(bits(&fast), bits(&slow));
         let want: f64 = (0..keys).map(|p| scores[2 * keys + p] as f64 * cache[offsets[p] + 5] as f64).sum();
         assert!((fast[2 * hd + 5] as f64 - want).abs() < 1e-5);
@@ -620,9 +654,18 @@ mod tests {
                 // SAFETY: as above.
                 unsafe {
                     match heads {
-                        3 => (avx512::head_sums::<3>(s, o, c, &mut wide), avx2::head_sums::<3>(s, o, c, &mut narrow)),
-                        2 => (avx512::head_sums::<2>(s, o, c, &mut wide), avx2::head_sums::<2>(s, o, c, &mut narrow)),
-                        _ => (avx512::head_sums::<1>(s, o, c, &mut wide), avx2::head_sums::<1>(s, o, c, &mut narrow)),
+                        3 => (
+                            avx512::head_sums::<f32, 3>(s, o, c, &mut wide),
+                            avx2::head_sums::<f32, 3>(s, o, c, &mut narrow),
+                        ),
+                        2 => (
+                            avx512::head_sums::<f32, 2>(s, o, c, &mut wide),
+                            avx2::head_sums::<f32, 2>(s, o, c, &mut narrow),
+                        ),
+                        _ => (
+                            avx512::head_sums::<f32, 1>(s, o, c, &mut wide),
+                            avx2::head_sums::<f32, 1>(s, o, c, &mut narrow),
+                        ),
                     };
                 }
                 assert_eq!(bits(&wide), bits(&narrow), "values, head_dim {hd}, {keys} keys");
@@ -666,10 +709,32 @@ mod tests {
             // Keys × head size × heads under the threshold past which rayon's threads,
             // which the cap does not reach, would take the rows.
             assert!((30 + (9 + 10 + 11 + 12) + (1 + 2 + 3)) * num_heads * head_dim < 1 << 16);
-            let run = |isa| capped(isa, || paged_attention(&q, &k_cache, &v_cache, &batch, &shape).unwrap());
-            let wide = run(Isa::Avx512);
-            assert_eq!(bits(&wide), bits(&run(Isa::Avx2)), "AVX2, {num_heads} heads over {num_kv_heads} of {head_dim}");
-            assert_eq!(bits(&wide), bits(&run(Isa::Portable)), "portable, {num_heads} heads of {head_dim}");
+            let run = |isa, k: &[f32], v: &[f32], store| {
+                capped(isa, || paged_attention(&q, (k, v), store, &batch, &shape).unwrap())
+            };
+            let wide = run(Isa::Avx512, &k_cache, &v_cache, KvStore::F32);
+            for isa in [Isa::Avx2, Isa::Portable] {
+                let narrow = run(isa, &k_cache, &v_cache, KvStore::F32);
+                assert_eq!(bits(&wide), bits(&narrow), "{isa:?}, {num_heads} heads over {num_kv_heads} of {head_dim}");
+            }
+
+            // Half-float K/V written through `write_kv` and read by each build give the
+            // bits of f32 K/V holding the same rounded values.
+            let round = |c: &[f32]| c.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<f32>>();
+            let (k_round, v_round) = (round(&k_cache), round(&v_cache));
+            let w = shape.kv_width();
+            let slots: Vec<u32> = (0..(cache_len / w) as u32).collect();
+            let (mut k_half, mut v_half) = (vec![0.0f32; cache_len / 2], vec![0.0f32; cache_len / 2]);
+            write_kv(&k_cache, &v_cache, &slots, &shape, (&mut k_half, &mut v_half), KvStore::F16).unwrap();
+            let exact = run(Isa::Portable, &k_round, &v_round, KvStore::F32);
+            assert_ne!(bits(&exact), bits(&wide), "rounding to halves changed nothing: a test of nothing");
+            for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                let half = run(isa, &k_half, &v_half, KvStore::F16);
+                assert_eq!(bits(&half), bits(&exact), "half-float K/V, {isa:?}, {num_heads} heads of {head_dim}");
+            }
+            let too_far = [slots.len() as u32];
+            let e = write_kv(&k_cache[..w], &v_cache[..w], &too_far, &shape, (&mut k_half, &mut v_half), KvStore::F16);
+            assert!(e.is_err(), "a slot past the half-float cache");
         }
     }
 

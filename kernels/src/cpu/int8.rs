@@ -177,81 +177,120 @@ mod avx512 {
         }
     }
 
+    /// `Layout`s as const parameters, so each kernel is compiled for one.
+    const NIBBLES: u8 = 0;
+    const BYTES: u8 = 1;
+    const BYTES_HALVES: u8 = 2;
+
     /// The 16 rows against inputs `t0..t0 + T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     #[inline]
     fn micro<const T: usize>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
-        let (layout, bpr) = (g.layout, g.blocks_per_row);
-        let (q_len, scales) = (layout.q_len(), layout.scales());
+        match g.layout {
+            Layout::Nibbles => blocks::<T, NIBBLES>(g, x, t0, out, stride),
+            Layout::Bytes => blocks::<T, BYTES>(g, x, t0, out, stride),
+            Layout::BytesHalves => blocks::<T, BYTES_HALVES>(g, x, t0, out, stride),
+        }
+    }
+
+    /// Even blocks into one set of sums and odd ones into another, as the portable
+    /// path adds them; two named sets rather than one indexed by `b % 2`, which would
+    /// keep the sums in memory instead of registers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    #[inline]
+    fn blocks<const T: usize, const L: u8>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
+        let bpr = g.blocks_per_row;
         assert!(x.rows() >= t0 + T && out.len() >= (GROUP_ROWS - 1) * stride + t0 + T);
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
+        let mut b = 0;
+        while b + 1 < bpr {
+            // SAFETY: b + 1 < bpr, and `x` holds rows t0..t0 + T (asserted above).
+            unsafe {
+                block::<T, L>(g, x, t0, b, &mut even);
+                block::<T, L>(g, x, t0, b + 1, &mut odd);
+            }
+            b += 2;
+        }
+        if b < bpr {
+            // SAFETY: as above, b < bpr.
+            unsafe { block::<T, L>(g, x, t0, b, &mut even) };
+        }
+        for t in 0..T {
+            let mut rows = [0.0f32; GROUP_ROWS];
+            // SAFETY: `rows` holds 16 floats.
+            unsafe { _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(even[t], odd[t])) };
+            for (i, v) in rows.into_iter().enumerate() {
+                out[i * stride + t0 + t] = v;
+            }
+        }
+    }
+
+    /// Block `b` of the 16 rows against inputs `t0..t0 + T`, added into `acc`.
+    ///
+    /// # Safety
+    /// `b` is below the group's blocks a row, and `x` holds rows `t0..t0 + T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    #[inline]
+    unsafe fn block<const T: usize, const L: u8>(
+        g: &Group<'_>,
+        x: &Q8Rows,
+        t0: usize,
+        b: usize,
+        acc: &mut [__m512; T],
+    ) {
+        let q_len = if L == NIBBLES { 16 } else { 32 };
+        let scales = if L == BYTES_HALVES { 2 } else { 1 };
         // SAFETY (all loads below): block b < bpr of the group's chunks, scales and
         // offsets (lengths checked by `dot_group`'s caller), and of input rows
         // t0 + t < x.rows(); 4-byte input reads at 4c < 32 within a block.
         unsafe {
-            let nibble = _mm512_set1_epi8(0x0F);
             let zero = _mm512_setzero_si512();
-            let mut acc = [[_mm512_setzero_ps(); 2]; T];
-            for b in 0..bpr {
-                let chunks = g.qs.as_ptr().add(b * GROUP_ROWS * q_len);
-                let mut w = [zero; 8];
-                if layout == Layout::Nibbles {
-                    for c in 0..4 {
-                        let v = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
-                        w[c] = _mm512_and_si512(v, nibble);
-                        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                    }
-                } else {
-                    for (c, w) in w.iter_mut().enumerate() {
-                        *w = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
-                    }
+            let chunks = g.qs.as_ptr().add(b * GROUP_ROWS * q_len);
+            let mut w = [zero; 8];
+            if L == NIBBLES {
+                let nibble = _mm512_set1_epi8(0x0F);
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
+                    w[c] = _mm512_and_si512(v, nibble);
+                    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
                 }
-                let ds = g.d.as_ptr().add(b * GROUP_ROWS * scales);
-                let dw = [
-                    _mm512_loadu_ps(ds),
-                    if scales == 2 { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { _mm512_setzero_ps() },
-                ];
-                let e = b % 2;
-                for t in 0..T {
-                    let at = (t0 + t) * x.blocks_per_row + b;
-                    let xq = x.qs.as_ptr().add(at * BLOCK) as *const i32;
-                    let xb = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
-                    let dx = _mm512_set1_ps(*x.d.get_unchecked(at));
-                    let a = &mut acc[t][e];
-                    match layout {
-                        Layout::Nibbles => {
-                            let (mut s0, mut s1) = (zero, zero);
-                            for c in (0..8).step_by(2) {
-                                s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
-                                s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
-                            }
-                            let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                            *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw[0], dx), *a);
-                            let m = _mm512_loadu_ps(g.m.as_ptr().add(b * GROUP_ROWS));
-                            *a = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a);
-                        }
-                        Layout::Bytes | Layout::BytesHalves => {
-                            let mut s0 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at));
-                            let mut s1 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at + 1));
-                            for c in 0..4 {
-                                s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
-                                s1 = _mm512_dpbusd_epi32(s1, w[c + 4], xb(c + 4));
-                            }
-                            if layout == Layout::Bytes {
-                                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                                *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw[0], dx), *a);
-                            } else {
-                                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), *a);
-                                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), *a);
-                            }
-                        }
-                    }
+            } else {
+                for (c, w) in w.iter_mut().enumerate() {
+                    *w = _mm512_loadu_si512(chunks.add(c * CHUNK) as *const _);
                 }
             }
-            for (t, acc) in acc.iter().enumerate() {
-                let mut rows = [0.0f32; GROUP_ROWS];
-                _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(acc[0], acc[1]));
-                for (i, v) in rows.into_iter().enumerate() {
-                    out[i * stride + t0 + t] = v;
+            let ds = g.d.as_ptr().add(b * GROUP_ROWS * scales);
+            let dw0 = _mm512_loadu_ps(ds);
+            let dw1 = if L == BYTES_HALVES { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { dw0 };
+            let m = if L == NIBBLES { _mm512_loadu_ps(g.m.as_ptr().add(b * GROUP_ROWS)) } else { dw0 };
+            for (t, a) in acc.iter_mut().enumerate() {
+                let at = (t0 + t) * x.blocks_per_row + b;
+                let xq = x.qs.as_ptr().add(at * BLOCK) as *const i32;
+                let xb = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
+                let dx = _mm512_set1_ps(*x.d.get_unchecked(at));
+                if L == NIBBLES {
+                    let (mut s0, mut s1) = (zero, zero);
+                    for c in (0..8).step_by(2) {
+                        s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
+                        s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
+                    }
+                    let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a);
+                    *a = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a);
+                } else {
+                    let mut s0 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at));
+                    let mut s1 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at + 1));
+                    for c in 0..4 {
+                        s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
+                        s1 = _mm512_dpbusd_epi32(s1, w[c + 4], xb(c + 4));
+                    }
+                    if L == BYTES {
+                        let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                        *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a);
+                    } else {
+                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw0, dx), *a);
+                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, dx), *a);
+                    }
                 }
             }
         }

@@ -1,12 +1,14 @@
 //! The CPU backend: rayon for threads, matrix products in register tiles over weights
-//! kept quantised where the file had them so. Products with quantised weights round
-//! their inputs to 8 bits by default (`Activations`), as llama.cpp does.
+//! kept quantised where the file had them so. By default products with quantised
+//! weights round their inputs to 8 bits and the KV cache holds half floats
+//! (`Activations`), as llama.cpp does.
 //! It is the reference the CUDA backend is checked against, so clarity wins over
 //! cleverness except in `linear` and `paged_attention`, where the time goes.
 
 mod attention;
 mod elementwise;
 mod int8;
+mod kv_store;
 mod matmul;
 mod quant_rows;
 mod repack;
@@ -22,6 +24,7 @@ pub use weight::CpuWeight;
 use crate::error::expect_len;
 use crate::quant;
 use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
+use kv_store::KvStore;
 
 /// The CPU backend. `Default` serves: integer products for quantised weights.
 #[derive(Debug, Default, Clone, Copy)]
@@ -49,6 +52,15 @@ impl CpuBackend {
     /// Inputs kept exact: the reference path.
     pub const fn exact() -> Self {
         Self { activations: Activations::F32 }
+    }
+
+    /// The served path keeps keys and values as half floats, as llama.cpp does (half
+    /// the bytes attention streams); the exact path keeps them f32.
+    fn kv_store(&self) -> KvStore {
+        match self.activations {
+            Activations::Int8 => KvStore::F16,
+            Activations::F32 => KvStore::F32,
+        }
     }
 }
 
@@ -185,7 +197,15 @@ impl Backend for CpuBackend {
         k_cache: &mut Vec<f32>,
         v_cache: &mut Vec<f32>,
     ) -> Result<()> {
-        attention::write_kv(k, v, slots, shape, k_cache, v_cache)
+        attention::write_kv(k, v, slots, shape, (k_cache, v_cache), self.kv_store())
+    }
+
+    fn kv_element_bytes(&self) -> usize {
+        self.kv_store().element_bytes()
+    }
+
+    fn kv_zeros(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; self.kv_store().buffer_floats(len)])
     }
 
     fn paged_attention(
@@ -196,6 +216,6 @@ impl Backend for CpuBackend {
         batch: &PagedBatch<'_, Self>,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>> {
-        attention::paged_attention(q, k_cache, v_cache, batch, shape)
+        attention::paged_attention(q, (k_cache, v_cache), self.kv_store(), batch, shape)
     }
 }

@@ -13,13 +13,13 @@ macro_rules! multiversion {
             fn portable($($arg: $ty),*) -> $ret $body
 
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,f16c")]
             fn avx2($($arg: $ty),*) -> $ret {
                 portable($($arg),*)
             }
 
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
             fn avx512($($arg: $ty),*) -> $ret {
                 portable($($arg),*)
             }
@@ -71,14 +71,17 @@ fn allowed(isa: Isa) -> bool {
     CAP.get() >= isa
 }
 
-/// Whether the CPU runs the AVX2+FMA paths.
+/// Whether the CPU runs the AVX2+FMA paths (which may also convert half floats: every
+/// CPU with AVX2 has F16C).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(test)]
     if !allowed(Isa::Avx2) {
         return false;
     }
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// Whether the CPU runs the AVX-512 paths (F and DQ, with AVX2 and FMA).

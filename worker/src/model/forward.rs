@@ -110,7 +110,7 @@ impl<B: Backend> Model<B> {
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>, ModelError> {
         let floats = num_blocks * self.attention_shape(block_size).block_floats();
         let layers = (0..self.config.num_layers)
-            .map(|_| Ok((self.backend.zeros(floats)?, self.backend.zeros(floats)?)))
+            .map(|_| Ok((self.backend.kv_zeros(floats)?, self.backend.kv_zeros(floats)?)))
             .collect::<Result<_, ModelError>>()?;
         Ok(KvCache { block_size, num_blocks, layers, graphs: None })
     }

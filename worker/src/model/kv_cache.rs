@@ -14,8 +14,9 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    /// Bytes one block takes across all layers, K and V.
-    pub fn bytes_per_block(num_layers: usize, kv_width: usize, block_size: usize) -> usize {
-        2 * num_layers * block_size * kv_width * B::ELEMENT_BYTES
+    /// Bytes one block takes across all layers, K and V, at `element_bytes` an element
+    /// (`Backend::kv_element_bytes`).
+    pub fn bytes_per_block(element_bytes: usize, num_layers: usize, kv_width: usize, block_size: usize) -> usize {
+        2 * num_layers * block_size * kv_width * element_bytes
     }
 }
