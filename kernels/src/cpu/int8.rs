@@ -9,12 +9,12 @@
 //! Each output, row `r` · input row `t`, is this chain and no other, whatever is
 //! computed beside it (batch invariance) and on every build (the AVX-512 path and the
 //! portable one agree bit for bit): for each block `b`, the exact integer sum `S` of
-//! its 32 products (two, `S₀` and `S₁`, for `BytesHalves`' half-blocks), then, into
-//! accumulator `b mod 2`,
+//! its 32 products (two, `S₀` and `S₁`, for `BytesHalves`' half-blocks), then, into two
+//! accumulators (two chains, so consecutive blocks need not wait on each other),
 //!
-//! - `Nibbles`: `acc = fma(S, d_w·d_x, acc)`, then `acc = fma(m_w, d_x·Σq, acc)`;
-//! - `Bytes`: `acc = fma(S, d_w·d_x, acc)`;
-//! - `BytesHalves`: `acc = fma(S₀, d_w₀·d_x, acc)`, then `acc = fma(S₁, d_w₁·d_x, acc)`;
+//! - `Nibbles`: `acc₀ = fma(S, d_w·d_x, acc₀)` and `acc₁ = fma(m_w, d_x·Σq, acc₁)`;
+//! - `Bytes`: `acc₀ = fma(S, d_w·d_x, acc₀)`;
+//! - `BytesHalves`: `acc₀ = fma(S₀, d_w₀·d_x, acc₀)` and `acc₁ = fma(S₁, d_w₁·d_x, acc₁)`;
 //!
 //! and the output is `acc₀ + acc₁`. A row's rounding depends on that row alone.
 //!
@@ -53,6 +53,12 @@ impl Q8Rows {
             sums: vec![0.0; blocks],
             offsets: vec![0; 2 * blocks],
         };
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::has_avx512_vnni() {
+            // SAFETY: the CPU has the AVX-512 features `avx512::quantize_blocks` needs.
+            unsafe { avx512::quantize_blocks(x, &mut q.qs, &mut q.d, &mut q.sums, &mut q.offsets) };
+            return q;
+        }
         quantize_blocks(x, &mut q.qs, &mut q.d, &mut q.sums, &mut q.offsets);
         q
     }
@@ -117,7 +123,7 @@ multiversion! {
                     let ds = &d[b * GROUP_ROWS * scales..(b + 1) * GROUP_ROWS * scales];
                     // Weight `4c + p` of row i, as stored (`w + 128` for bytes).
                     let quad = |c: usize, p: usize| chunks[c * CHUNK + 4 * i + p] as i32;
-                    let (dx, a) = (x.d[at], &mut acc[b % 2]);
+                    let dx = x.d[at];
                     match layout {
                         Layout::Nibbles => {
                             let mut s = 0;
@@ -127,8 +133,8 @@ multiversion! {
                                     s += (quad(c, p) >> 4) * xq[16 + 4 * c + p] as i32;
                                 }
                             }
-                            *a = (s as f32).mul_add(ds[i] * dx, *a);
-                            *a = m[b * GROUP_ROWS + i].mul_add(x.sums[at], *a);
+                            acc[0] = (s as f32).mul_add(ds[i] * dx, acc[0]);
+                            acc[1] = m[b * GROUP_ROWS + i].mul_add(x.sums[at], acc[1]);
                         }
                         Layout::Bytes | Layout::BytesHalves => {
                             let mut s = [x.offsets[2 * at], x.offsets[2 * at + 1]];
@@ -138,10 +144,10 @@ multiversion! {
                                 }
                             }
                             if layout == Layout::Bytes {
-                                *a = ((s[0] + s[1]) as f32).mul_add(ds[i] * dx, *a);
+                                acc[0] = ((s[0] + s[1]) as f32).mul_add(ds[i] * dx, acc[0]);
                             } else {
-                                *a = (s[0] as f32).mul_add(ds[i] * dx, *a);
-                                *a = (s[1] as f32).mul_add(ds[GROUP_ROWS + i] * dx, *a);
+                                acc[0] = (s[0] as f32).mul_add(ds[i] * dx, acc[0]);
+                                acc[1] = (s[1] as f32).mul_add(ds[GROUP_ROWS + i] * dx, acc[1]);
                             }
                         }
                     }
@@ -160,6 +166,36 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     const INPUTS: usize = 4;
+
+    /// `super::quantize_blocks`, a block in two registers: the same operations, so the
+    /// same bits (a maximum and an integer sum do not depend on their order).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [f32], offsets: &mut [i32]) {
+        let blocks = x.len() / BLOCK;
+        assert!(qs.len() == x.len() && d.len() == blocks && sums.len() == blocks && offsets.len() == 2 * blocks);
+        for b in 0..blocks {
+            // SAFETY: block b's 32 inputs and 32 bytes lie inside `x` and `qs` (asserted).
+            unsafe {
+                let v = [_mm512_loadu_ps(x.as_ptr().add(b * BLOCK)), _mm512_loadu_ps(x.as_ptr().add(b * BLOCK + 16))];
+                let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+                let scale = amax / 127.0;
+                let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+                let mut half = [0i32; 2];
+                for (h, v) in v.into_iter().enumerate() {
+                    let rounded = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                        _mm512_mul_ps(v, inv),
+                    );
+                    let q = _mm512_cvtps_epi32(rounded);
+                    _mm_storeu_si128(qs.as_mut_ptr().add(b * BLOCK + 16 * h).cast(), _mm512_cvtepi32_epi8(q));
+                    half[h] = _mm512_reduce_add_epi32(q);
+                }
+                d[b] = scale;
+                sums[b] = scale * (half[0] + half[1]) as f32;
+                offsets[2 * b] = -128 * half[0];
+                offsets[2 * b + 1] = -128 * half[1];
+            }
+        }
+    }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) {
@@ -193,39 +229,29 @@ mod avx512 {
         }
     }
 
-    /// Even blocks into one set of sums and odd ones into another, as the portable
-    /// path adds them; two named sets rather than one indexed by `b % 2`, which would
-    /// keep the sums in memory instead of registers.
+    /// The blocks one after another into the two chains of sums (`block` has this one
+    /// call site, so it is inlined and the sums stay in registers).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     #[inline]
     fn blocks<const T: usize, const L: u8>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
         let bpr = g.blocks_per_row;
         assert!(x.rows() >= t0 + T && out.len() >= (GROUP_ROWS - 1) * stride + t0 + T);
-        let (mut even, mut odd) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
-        let mut b = 0;
-        while b + 1 < bpr {
-            // SAFETY: b + 1 < bpr, and `x` holds rows t0..t0 + T (asserted above).
-            unsafe {
-                block::<T, L>(g, x, t0, b, &mut even);
-                block::<T, L>(g, x, t0, b + 1, &mut odd);
-            }
-            b += 2;
+        let mut acc = [[_mm512_setzero_ps(); 2]; T];
+        for b in 0..bpr {
+            // SAFETY: b < bpr, and `x` holds rows t0..t0 + T (asserted above).
+            unsafe { block::<T, L>(g, x, t0, b, &mut acc) };
         }
-        if b < bpr {
-            // SAFETY: as above, b < bpr.
-            unsafe { block::<T, L>(g, x, t0, b, &mut even) };
-        }
-        for t in 0..T {
+        for (t, [a0, a1]) in acc.into_iter().enumerate() {
             let mut rows = [0.0f32; GROUP_ROWS];
             // SAFETY: `rows` holds 16 floats.
-            unsafe { _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(even[t], odd[t])) };
+            unsafe { _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(a0, a1)) };
             for (i, v) in rows.into_iter().enumerate() {
                 out[i * stride + t0 + t] = v;
             }
         }
     }
 
-    /// Block `b` of the 16 rows against inputs `t0..t0 + T`, added into `acc`.
+    /// Block `b` of the 16 rows against inputs `t0..t0 + T`, into `acc`.
     ///
     /// # Safety
     /// `b` is below the group's blocks a row, and `x` holds rows `t0..t0 + T`.
@@ -236,7 +262,7 @@ mod avx512 {
         x: &Q8Rows,
         t0: usize,
         b: usize,
-        acc: &mut [__m512; T],
+        acc: &mut [[__m512; 2]; T],
     ) {
         let q_len = if L == NIBBLES { 16 } else { 32 };
         let scales = if L == BYTES_HALVES { 2 } else { 1 };
@@ -263,7 +289,7 @@ mod avx512 {
             let dw0 = _mm512_loadu_ps(ds);
             let dw1 = if L == BYTES_HALVES { _mm512_loadu_ps(ds.add(GROUP_ROWS)) } else { dw0 };
             let m = if L == NIBBLES { _mm512_loadu_ps(g.m.as_ptr().add(b * GROUP_ROWS)) } else { dw0 };
-            for (t, a) in acc.iter_mut().enumerate() {
+            for (t, [a0, a1]) in acc.iter_mut().enumerate() {
                 let at = (t0 + t) * x.blocks_per_row + b;
                 let xq = x.qs.as_ptr().add(at * BLOCK) as *const i32;
                 let xb = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
@@ -275,8 +301,8 @@ mod avx512 {
                         s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
                     }
                     let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                    *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a);
-                    *a = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a);
+                    *a0 = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a0);
+                    *a1 = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a1);
                 } else {
                     let mut s0 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at));
                     let mut s1 = _mm512_set1_epi32(*x.offsets.get_unchecked(2 * at + 1));
@@ -286,10 +312,10 @@ mod avx512 {
                     }
                     if L == BYTES {
                         let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                        *a = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a);
+                        *a0 = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a0);
                     } else {
-                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw0, dx), *a);
-                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, dx), *a);
+                        *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw0, dx), *a0);
+                        *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, dx), *a1);
                     }
                 }
             }
@@ -312,7 +338,15 @@ mod tests {
         let k = 96;
         let mut x: Vec<f32> = (0..2 * k).map(|_| rng.random_range(-3.0..3.0)).collect();
         x[k..k + 32].fill(0.0);
+        // Block 5: a scale of 1, and ties that round to even.
+        x[160..164].copy_from_slice(&[127.0, 0.5, 1.5, -2.5]);
+        x[164..192].fill(0.25);
         let q = Q8Rows::quantize(&x, k);
+        assert_eq!(q.qs[160..164], [127, 0, 2, -2]);
+        let portable = super::super::simd::capped(super::super::simd::Isa::Portable, || Q8Rows::quantize(&x, k));
+        assert_eq!((&portable.qs, &portable.offsets), (&q.qs, &q.offsets), "the portable build's bytes");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!((bits(&portable.d), bits(&portable.sums)), (bits(&q.d), bits(&q.sums)), "and scales");
         for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
             let d = q.d[b];
             let mut total = 0;
