@@ -11,6 +11,7 @@
 //! freeze, and a prompt takes the whole step budget. Step times only steer the chunk
 //! sizes: which tokens run, and so every output, stay what they would be.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The least a step gives prompt chunks while others decode, so prompts always move.
@@ -18,6 +19,11 @@ use std::time::Duration;
 /// (attention over all before it — about 4 ms at 3,600 tokens of context on a 2-core
 /// CPU, against 1 ms), and a floor of 16 made those steps 5× a decode step.
 pub const MIN_PROMPT_TOKENS: usize = 4;
+/// Prompt tokens a step gives chunks before a decode step and a prompt token have been
+/// timed. Not the floor: when streams start together, every step carries some prompt
+/// until all are in, so no decode step is timed alone for a while — at 4 tokens a step
+/// 16 streams' first tokens took 4.8 s (p50), at 16 0.27 s.
+pub const UNMEASURED_PROMPT_TOKENS: usize = 16;
 /// Weight of the newest step in the running averages.
 const ALPHA: f64 = 0.2;
 
@@ -26,8 +32,14 @@ pub struct Pacer {
     /// A step with prompt chunks takes at most this many decode steps' time; None: no
     /// limit beyond the step's token budget.
     ratio: Option<f64>,
-    decode_secs: Option<f64>,
-    secs_per_prompt_token: Option<f64>,
+    /// Running averages of decode-only steps' times, by how many decodes they ran: a
+    /// step of 16 costs several of 1, and one average for all let an estimate made
+    /// with 1 stream judge the chunks of steps that decode 16 (each prompt token
+    /// seemed to cost the 15 others' decodes, and prompts starved).
+    decode_secs: BTreeMap<usize, f64>,
+    /// Running averages of the seconds prompt chunks added to their steps and of their
+    /// tokens: their ratio is a prompt token's cost, each step weighed by its tokens.
+    prompt: Option<(f64, f64)>,
 }
 
 impl Pacer {
@@ -35,16 +47,33 @@ impl Pacer {
     /// time (0: no limit).
     pub fn new(percent: u32) -> Self {
         let ratio = (percent > 0).then(|| f64::from(percent.max(100)) / 100.0);
-        Self { ratio, decode_secs: None, secs_per_prompt_token: None }
+        Self { ratio, decode_secs: BTreeMap::new(), prompt: None }
     }
 
-    /// Prompt tokens the next step may take, given whether any sequence is decoding.
-    pub fn prompt_tokens(&self, decoding: bool) -> usize {
-        let Some(ratio) = self.ratio.filter(|_| decoding) else { return usize::MAX };
-        match (self.decode_secs, self.secs_per_prompt_token) {
-            (Some(d), Some(p)) if p > 0.0 => (((ratio - 1.0) * d / p) as usize).max(MIN_PROMPT_TOKENS),
-            // Nothing measured yet: small chunks until something is.
-            _ => MIN_PROMPT_TOKENS,
+    /// What a step of `decodes` decodes alone takes: as measured, else between the
+    /// nearest batches measured, else the nearest scaled by batch size (an overestimate
+    /// past it, erring on longer chunks rather than starved prompts).
+    fn decode_step(&self, decodes: usize) -> Option<f64> {
+        let below = self.decode_secs.range(..=decodes).next_back();
+        let above = self.decode_secs.range(decodes..).next();
+        Some(match (below, above) {
+            (Some((&n, &d)), _) if n == decodes => d,
+            (Some((&n0, &d0)), Some((&n1, &d1))) => d0 + (d1 - d0) * (decodes - n0) as f64 / (n1 - n0) as f64,
+            (Some((&n, &d)), None) => d * decodes as f64 / n as f64,
+            (None, Some((_, &d))) => d,
+            (None, None) => return None,
+        })
+    }
+
+    /// Prompt tokens the next step may take beside `decodes` decodes.
+    pub fn prompt_tokens(&self, decodes: usize) -> usize {
+        let Some(ratio) = self.ratio.filter(|_| decodes > 0) else { return usize::MAX };
+        match (self.decode_step(decodes), self.prompt) {
+            (Some(d), Some((secs, tokens))) if secs > 0.0 => {
+                (((ratio - 1.0) * d * tokens / secs) as usize).max(MIN_PROMPT_TOKENS)
+            }
+            // Nothing measured yet: modest chunks until something is.
+            _ => UNMEASURED_PROMPT_TOKENS,
         }
     }
 
@@ -52,10 +81,11 @@ impl Pacer {
     /// prompt chunks in `took`.
     pub fn observe(&mut self, took: Duration, decodes: usize, prompt_tokens: usize) {
         let secs = took.as_secs_f64();
-        let average = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + ALPHA * (new - o)));
+        let average = |old: f64, new: f64| old + ALPHA * (new - old);
         if prompt_tokens == 0 {
             if decodes > 0 {
-                self.decode_secs = average(self.decode_secs, secs);
+                let d = self.decode_secs.entry(decodes).or_insert(secs);
+                *d = average(*d, secs);
             }
             return;
         }
@@ -64,9 +94,14 @@ impl Pacer {
         // starts low (the first paced steps run long) and chunks start large — learning
         // from paced steps only kept steady steps tighter but, at 16 streams, starved
         // the prompts arriving (time to first token p50 4.3 s against 0.3 s).
-        let decode_part = if decodes > 0 { self.decode_secs.unwrap_or(0.0) } else { 0.0 };
-        let per_token = (secs - decode_part).max(0.0) / prompt_tokens as f64;
-        self.secs_per_prompt_token = average(self.secs_per_prompt_token, per_token);
+        // Seconds and tokens are averaged apart, so a few-token chunk whose step ran
+        // long for other reasons (the decodes' own cost moves with the batch) weighs
+        // as little as its tokens: averaging per-token costs instead let one such step
+        // shrink the next chunks, whose steps were as noisy, down to the floor.
+        let decode_part = if decodes > 0 { self.decode_step(decodes).unwrap_or(0.0) } else { 0.0 };
+        let (extra, tokens) = (secs - decode_part, prompt_tokens as f64);
+        self.prompt =
+            Some(self.prompt.map_or((extra.max(0.0), tokens), |(s, t)| (average(s, extra), average(t, tokens))));
     }
 }
 
@@ -79,8 +114,8 @@ mod tests {
     #[test]
     fn chunks_fill_the_step_time_the_ratio_allows() {
         let mut p = Pacer::new(300);
-        assert_eq!(p.prompt_tokens(false), usize::MAX, "nothing decoding: no limit");
-        assert_eq!(p.prompt_tokens(true), MIN_PROMPT_TOKENS, "nothing measured yet");
+        assert_eq!(p.prompt_tokens(0), usize::MAX, "nothing decoding: no limit");
+        assert_eq!(p.prompt_tokens(4), UNMEASURED_PROMPT_TOKENS, "nothing measured yet");
         // A lone prompt: 200 tokens in 200 ms, 1 ms a token.
         p.observe(MS(200), 0, 200);
         // Decode steps of 10 ms: chunks may add 20 ms, 20 tokens.
@@ -88,23 +123,41 @@ mod tests {
             p.observe(MS(10), 4, 0);
         }
         let near = |got: usize, want: usize| assert!(got.abs_diff(want) <= 1, "{got} tokens, not {want}");
-        near(p.prompt_tokens(true), 20);
+        near(p.prompt_tokens(4), 20);
+        // Settled at 1 ms a token in 20-token chunks, one 4-token chunk whose step ran
+        // 30 ms long weighs as its 4 tokens: the chunks shrink a little, not to 8.
+        for _ in 0..50 {
+            p.observe(MS(10 + 20), 4, 20);
+        }
+        p.observe(MS(10 + 4 + 30), 4, 4);
+        assert!((13..=16).contains(&p.prompt_tokens(4)), "{}", p.prompt_tokens(4));
         // Slower prompt tokens (2 ms each beside the decodes, as late in a long
         // prompt): fewer of them.
         for _ in 0..50 {
             p.observe(MS(10 + 2 * 20), 4, 20);
         }
-        near(p.prompt_tokens(true), 10);
+        near(p.prompt_tokens(4), 10);
         // Far slower (10 ms each): never fewer than the least.
         for _ in 0..50 {
             p.observe(MS(10 + 10 * 20), 4, 20);
         }
-        assert_eq!(p.prompt_tokens(true), MIN_PROMPT_TOKENS, "2 would do, but never fewer than the least");
-        // A bigger batch decodes slower: its chunks may be longer (80 ms at 10 ms a token).
+        assert_eq!(p.prompt_tokens(4), MIN_PROMPT_TOKENS, "2 would do, but never fewer than the least");
+        // A bigger batch decodes slower: its chunks may be longer (80 ms at 10 ms a
+        // token); the batch of 4 keeps its own time, and batches between interpolate.
         for _ in 0..50 {
             p.observe(MS(40), 16, 0);
         }
-        near(p.prompt_tokens(true), 8);
-        assert_eq!(Pacer::new(0).prompt_tokens(true), usize::MAX, "0 turns pacing off");
+        near(p.prompt_tokens(16), 8);
+        assert_eq!(p.prompt_tokens(4), MIN_PROMPT_TOKENS);
+        near(p.prompt_tokens(10), 5);
+        assert_eq!(Pacer::new(0).prompt_tokens(4), usize::MAX, "0 turns pacing off");
+
+        // Only one stream timed alone (6 ms a step): a step of 16 decodes is judged as
+        // 16 of those, so 20 prompt tokens beside 16 decodes in 116 ms cost 1 ms each,
+        // not the 5.5 ms a 6 ms decode step would leave them.
+        let mut q = Pacer::new(300);
+        q.observe(MS(6), 1, 0);
+        q.observe(MS(96 + 20), 16, 20);
+        near(q.prompt_tokens(16), 192);
     }
 }
