@@ -91,9 +91,8 @@ impl Pacer {
         }
         // What the decodes beside the chunks cost, as a step of them alone would. A
         // prompt alone teaches too: its tokens share each weight read, so the estimate
-        // starts low (the first paced steps run long) and chunks start large — learning
-        // from paced steps only kept steady steps tighter but, at 16 streams, starved
-        // the prompts arriving (time to first token p50 4.3 s against 0.3 s).
+        // starts low and the first paced chunks large, which keeps prompts arriving
+        // together moving (their first tokens came later when only paced steps taught).
         // Seconds and tokens are averaged apart, so a few-token chunk whose step ran
         // long for other reasons (the decodes' own cost moves with the batch) weighs
         // as little as its tokens: averaging per-token costs instead let one such step
