@@ -94,7 +94,8 @@ pub trait Backend: Send + Sync {
     type Index: Send + Sync;
     /// A weight matrix `[rows, cols]`, row-major, ready for `linear`.
     type Weight: Send + Sync;
-    /// Bytes one element of a `Buffer` made by the ops takes (what a KV cache costs).
+    /// Bytes one element of a `Buffer` made by the ops takes (a KV cache may differ:
+    /// `kv_element_bytes`).
     const ELEMENT_BYTES: usize = 4;
     /// A recorded sequence of launches, replayed over the same buffers (a CUDA graph).
     type Graph: Send + Sync;

@@ -101,18 +101,16 @@ pub struct Serve {
 
 impl Serve {
     /// `tessera serve --listen … --data-dir DATA_DIR ARGS` with a 64 MiB KV cache per
-    /// worker; `env_remove` names variables it must not inherit.
+    /// worker unless ARGS size it; `env_remove` names variables it must not inherit.
     pub fn start(data_dir: &Path, args: &[&str], env_remove: &[&str]) -> Self {
         binary("tessera-worker", "tessera-worker");
         let port = free_port();
         let mut command = Command::new(binary("tessera-control-plane", "tessera"));
-        command
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--kv-cache-bytes", "67108864"])
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+        if !args.contains(&"--kv-cache-bytes") {
+            command.args(["--kv-cache-bytes", "67108864"]);
+        }
+        command.arg("--data-dir").arg(data_dir).args(args).stdout(Stdio::null()).stderr(Stdio::piped());
         for name in env_remove {
             command.env_remove(name);
         }

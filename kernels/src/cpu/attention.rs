@@ -37,8 +37,8 @@ pub(super) fn write_kv(
                 v_cache[at].copy_from_slice(&v[from]);
             }
             KvStore::F16 => {
-                kv_store::narrow(&k[from.clone()], &mut kv_store::halves_mut(k_cache)[at.clone()]);
-                kv_store::narrow(&v[from], &mut kv_store::halves_mut(v_cache)[at]);
+                kv_store::narrow(&k[from.clone()], &mut kv_store::as_halves_mut(k_cache)[at.clone()]);
+                kv_store::narrow(&v[from], &mut kv_store::as_halves_mut(v_cache)[at]);
             }
         }
     }
@@ -190,13 +190,13 @@ fn weighted_sums<T: Stored>(scores: &[f32], offsets: &[usize], v_cache: &[T], hd
 fn head_sums<T: Stored, const H: usize>(scores: &[f32], offsets: &[usize], v_cache: &[T], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx512() {
-        // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
+        // SAFETY: the CPU has AVX-512 F and DQ, AVX2, FMA and F16C.
         unsafe { avx512::head_sums::<T, H>(scores, offsets, v_cache, out) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA.
+        // SAFETY: the CPU has AVX2, FMA and F16C (`has_avx2_fma` checks all three).
         unsafe { avx2::head_sums::<T, H>(scores, offsets, v_cache, out) };
         return;
     }
@@ -231,13 +231,13 @@ fn portable_head_sums<T: Stored, const H: usize>(scores: &[f32], offsets: &[usiz
 fn key_scores<T: Stored>(queries: &[f32], hd: usize, k_cache: &[T], offsets: &[usize], scale: f32, scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(LANES) && super::simd::has_avx512() {
-        // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
+        // SAFETY: the CPU has AVX-512 F and DQ, AVX2, FMA and F16C.
         unsafe { avx512::key_scores(queries, hd, k_cache, offsets, scale, scores) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(LANES) && super::simd::has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA.
+        // SAFETY: the CPU has AVX2, FMA and F16C (`has_avx2_fma` checks all three).
         unsafe { avx2::key_scores(queries, hd, k_cache, offsets, scale, scores) };
         return;
     }
@@ -724,7 +724,10 @@ mod tests {
             let (k_round, v_round) = (round(&k_cache), round(&v_cache));
             let w = shape.kv_width();
             let slots: Vec<u32> = (0..(cache_len / w) as u32).collect();
-            let (mut k_half, mut v_half) = (vec![0.0f32; cache_len / 2], vec![0.0f32; cache_len / 2]);
+            let (mut k_half, mut v_half) = (
+                vec![0.0f32; KvStore::F16.buffer_floats(cache_len)],
+                vec![0.0f32; KvStore::F16.buffer_floats(cache_len)],
+            );
             write_kv(&k_cache, &v_cache, &slots, &shape, (&mut k_half, &mut v_half), KvStore::F16).unwrap();
             let exact = run(Isa::Portable, &k_round, &v_round, KvStore::F32);
             assert_ne!(bits(&exact), bits(&wide), "rounding to halves changed nothing: a test of nothing");

@@ -10,7 +10,7 @@
 //! computed beside it (batch invariance) and on every build (the AVX-512 path and the
 //! portable one agree bit for bit): for each block `b`, the exact integer sum `S` of
 //! its 32 products (two, `S₀` and `S₁`, for `BytesHalves`' half-blocks), then, into two
-//! accumulators (two chains, so consecutive blocks need not wait on each other),
+//! accumulators (two independent chains where a block has two terms; `Bytes` has one),
 //!
 //! - `Nibbles`: `acc₀ = fma(S, d_w·d_x, acc₀)` and `acc₁ = fma(m_w, d_x·Σq, acc₁)`;
 //! - `Bytes`: `acc₀ = fma(S, d_w·d_x, acc₀)`;
@@ -68,12 +68,19 @@ impl Q8Rows {
     }
 }
 
+/// `127 / amax`, or 0 where that is not finite (an all-zero, subnormal or infinite
+/// block), so every product is within a byte or NaN.
+fn inverse(amax: f32) -> f32 {
+    let inv = 127.0 / amax;
+    if inv.is_finite() { inv } else { 0.0 }
+}
+
 multiversion! {
     fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [f32], offsets: &mut [i32]) -> () {
         for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
             let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let inv = inverse(amax);
             let q = &mut qs[b * BLOCK..(b + 1) * BLOCK];
             for (q, v) in q.iter_mut().zip(xs) {
                 *q = (v * inv).round_ties_even() as i8;
@@ -168,7 +175,9 @@ mod avx512 {
     const INPUTS: usize = 4;
 
     /// `super::quantize_blocks`, a block in two registers: the same operations, so the
-    /// same bits (a maximum and an integer sum do not depend on their order).
+    /// same bits (a maximum and an integer sum do not depend on their order), NaN and
+    /// infinite inputs included: the maximum skips NaN as `f32::max` does, and a NaN
+    /// product rounds to 0 as `as i8` makes it.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [f32], offsets: &mut [i32]) {
         let blocks = x.len() / BLOCK;
@@ -177,15 +186,18 @@ mod avx512 {
             // SAFETY: block b's 32 inputs and 32 bytes lie inside `x` and `qs` (asserted).
             unsafe {
                 let v = [_mm512_loadu_ps(x.as_ptr().add(b * BLOCK)), _mm512_loadu_ps(x.as_ptr().add(b * BLOCK + 16))];
-                let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+                // `max_ps` returns its second operand where either is NaN.
+                let first = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_setzero_ps());
+                let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[1]), first));
                 let scale = amax / 127.0;
-                let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+                let inv = _mm512_set1_ps(super::inverse(amax));
                 let mut half = [0i32; 2];
                 for (h, v) in v.into_iter().enumerate() {
                     let rounded = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
                         _mm512_mul_ps(v, inv),
                     );
-                    let q = _mm512_cvtps_epi32(rounded);
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(rounded, rounded);
+                    let q = _mm512_maskz_cvtps_epi32(ordered, rounded);
                     _mm_storeu_si128(qs.as_mut_ptr().add(b * BLOCK + 16 * h).cast(), _mm512_cvtepi32_epi8(q));
                     half[h] = _mm512_reduce_add_epi32(q);
                 }
@@ -341,6 +353,16 @@ mod tests {
         // Block 5: a scale of 1, and ties that round to even.
         x[160..164].copy_from_slice(&[127.0, 0.5, 1.5, -2.5]);
         x[164..192].fill(0.25);
+        // Garbage in, the same on every build: NaN and infinite inputs, and a block too
+        // small for its inverse scale to be finite.
+        let mut odd = x.clone();
+        odd[3] = f32::NAN;
+        odd[40] = f32::INFINITY;
+        odd[64..96].fill(1e-39);
+        let fast = Q8Rows::quantize(&odd, k);
+        let slow = super::super::simd::capped(super::super::simd::Isa::Portable, || Q8Rows::quantize(&odd, k));
+        assert_eq!((&fast.qs, &fast.offsets), (&slow.qs, &slow.offsets));
+        assert!(fast.qs[64..96].iter().all(|q| *q == 0) && fast.qs[3] == 0);
         let q = Q8Rows::quantize(&x, k);
         assert_eq!(q.qs[160..164], [127, 0, 2, -2]);
         let portable = super::super::simd::capped(super::super::simd::Isa::Portable, || Q8Rows::quantize(&x, k));
@@ -370,7 +392,7 @@ mod tests {
         let seed: u64 = StdRng::from_os_rng().random();
         eprintln!("random seed {seed}");
         let mut rng = StdRng::seed_from_u64(seed);
-        // 9 blocks a row (an odd number: the two accumulators differ); 21 rows, one
+        // 9 blocks a row; 21 rows, one
         // group of 16 and a padded one; 6 inputs, a tile of 4 and one of 2.
         let (rows, k, tokens) = (21, 9 * BLOCK, 6);
         for ty in FORMATS {

@@ -44,7 +44,7 @@ impl<'a> Cache<'a> {
     pub(super) fn new(buf: &'a [f32], store: KvStore) -> Self {
         match store {
             KvStore::F32 => Cache::F32(buf),
-            KvStore::F16 => Cache::F16(halves(buf)),
+            KvStore::F16 => Cache::F16(as_halves(buf)),
         }
     }
 
@@ -59,7 +59,7 @@ impl<'a> Cache<'a> {
 
 /// An element type a cache stores, as the attention kernels read it: widened to f32,
 /// exactly, one at a time or eight and sixteen to a register.
-pub(super) trait Stored: Copy + Send + Sync {
+pub(super) trait Stored: Copy {
     fn widen(self) -> f32;
 
     /// Eight elements from `p`, widened.
@@ -127,14 +127,14 @@ impl Stored for u16 {
 }
 
 /// `buf` as the halves it stores.
-pub(super) fn halves(buf: &[f32]) -> &[u16] {
+pub(super) fn as_halves(buf: &[f32]) -> &[u16] {
     // SAFETY: u16 has a smaller alignment than f32 and every bit pattern is a valid u16;
     // the view covers exactly the buffer's bytes.
     unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u16>(), buf.len() * 2) }
 }
 
-pub(super) fn halves_mut(buf: &mut [f32]) -> &mut [u16] {
-    // SAFETY: as in `halves`, and the borrow is exclusive.
+pub(super) fn as_halves_mut(buf: &mut [f32]) -> &mut [u16] {
+    // SAFETY: as in `as_halves`, and the borrow is exclusive.
     unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<u16>(), buf.len() * 2) }
 }
 
@@ -193,9 +193,9 @@ mod tests {
             assert_eq!(h.widen().to_bits(), half::f16::from_bits(*h).to_f32().to_bits());
         }
         let mut buf = vec![0.0f32; 3];
-        halves_mut(&mut buf)[5] = 0x3c00;
+        as_halves_mut(&mut buf)[5] = 0x3c00;
         assert_eq!(Cache::new(&buf, KvStore::F16).len(), 6);
-        assert_eq!(halves(&buf)[5].widen(), 1.0);
+        assert_eq!(as_halves(&buf)[5].widen(), 1.0);
         assert_eq!(KvStore::F16.buffer_floats(7), 4);
     }
 

@@ -84,7 +84,7 @@ pub(crate) fn has_avx2_fma() -> bool {
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
-/// Whether the CPU runs the AVX-512 paths (F and DQ, with AVX2 and FMA).
+/// Whether the CPU runs the AVX-512 paths (F and DQ, with AVX2, FMA and F16C).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx512() -> bool {
     #[cfg(test)]

@@ -51,8 +51,9 @@ impl Pacer {
     }
 
     /// What a step of `decodes` decodes alone takes: as measured, else between the
-    /// nearest batches measured, else the nearest scaled by batch size (an overestimate
-    /// past it, erring on longer chunks rather than starved prompts).
+    /// nearest batches measured, else past the largest that one scaled by batch size (an
+    /// overestimate, erring on longer chunks rather than starved prompts), else below
+    /// the smallest that one as it is.
     fn decode_step(&self, decodes: usize) -> Option<f64> {
         let below = self.decode_secs.range(..=decodes).next_back();
         let above = self.decode_secs.range(decodes..).next();
@@ -72,6 +73,8 @@ impl Pacer {
             (Some(d), Some((secs, tokens))) if secs > 0.0 => {
                 (((ratio - 1.0) * d * tokens / secs) as usize).max(MIN_PROMPT_TOKENS)
             }
+            // Prompt tokens have added nothing measurable: the step budget decides.
+            (Some(_), Some(_)) => usize::MAX,
             // Nothing measured yet: modest chunks until something is.
             _ => UNMEASURED_PROMPT_TOKENS,
         }
@@ -98,9 +101,8 @@ impl Pacer {
         // as little as its tokens: averaging per-token costs instead let one such step
         // shrink the next chunks, whose steps were as noisy, down to the floor.
         let decode_part = if decodes > 0 { self.decode_step(decodes).unwrap_or(0.0) } else { 0.0 };
-        let (extra, tokens) = (secs - decode_part, prompt_tokens as f64);
-        self.prompt =
-            Some(self.prompt.map_or((extra.max(0.0), tokens), |(s, t)| (average(s, extra), average(t, tokens))));
+        let (extra, tokens) = ((secs - decode_part).max(0.0), prompt_tokens as f64);
+        self.prompt = Some(self.prompt.map_or((extra, tokens), |(s, t)| (average(s, extra), average(t, tokens))));
     }
 }
 
