@@ -84,7 +84,7 @@ impl Stored for f32 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx,f16c")]
+    #[target_feature(enable = "avx")]
     #[inline]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         // SAFETY: by the caller's promise.
