@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Instant;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::generate::{BLOCK_SIZE, PREFILL_CHUNK, SingleSequence, argmax};
-use tessera_worker::model::{Model, SeqInput};
+use tessera_worker::model::{KvCache, Model, SeqInput};
 use tessera_worker::{load, model_cache};
 
 #[derive(clap::Args)]
@@ -22,6 +22,16 @@ pub struct Args {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
+    /// Tokens cached before the batched decode steps: the peer load's mean prompt, so
+    /// the batch-4 / batch-1 ratio is the one its TPOT at concurrency 4 and 1 judges.
+    #[arg(long, default_value_t = 224)]
+    step_context: usize,
+    /// Turns of batch-1 and batch-4 steps, alternated (16 steps a turn).
+    #[arg(long, default_value_t = 24)]
+    step_rounds: usize,
+    /// Only the batched decode steps (for profiling them): no prefill, no llama.cpp.
+    #[arg(long)]
+    steps_only: bool,
     /// Skip the llama.cpp comparison even where it is installed.
     #[arg(long)]
     no_llama_cpp: bool,
@@ -43,6 +53,10 @@ pub fn run(args: Args) -> Result<()> {
 
     // One untimed run warms caches and the thread pool.
     SingleSequence::new(model, prompt.len())?.extend(model, &prompt[..prompt.len().min(16)])?;
+    if args.steps_only {
+        println!("{}", decode_steps(model, &prompt, &args)?);
+        return Ok(());
+    }
 
     let mut seq = SingleSequence::new(model, prompt.len() + args.decode_tokens)?;
     let start = Instant::now();
@@ -67,12 +81,10 @@ pub fn run(args: Args) -> Result<()> {
         "prefill_tokens_per_s": round(ours_prefill),
         "decode_tokens_per_s": round(ours_decode),
     });
-    // A decode step of 4 sequences against one of 1, each after the same prompt: the
-    // cost of batching, with no prompt chunk in the steps.
-    let (one, four) = (decode_step_secs(model, &prompt, 1, 64)?, decode_step_secs(model, &prompt, 4, 64)?);
-    out["decode_step_ms_batch_1"] = json!(round(one * 1e3));
-    out["decode_step_ms_batch_4"] = json!(round(four * 1e3));
-    out["decode_step_batch_4_over_1"] = json!(round(four / one));
+    let steps = decode_steps(model, &prompt, &args)?;
+    for (key, value) in steps.as_object().into_iter().flatten() {
+        out[key] = value.clone();
+    }
     if !args.no_llama_cpp {
         match llama_cpp(&path, &prompt, args.decode_tokens, threads) {
             Ok(Some(theirs)) => {
@@ -92,39 +104,82 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Seconds per greedy decode step of `batch` sequences in lockstep, each after `prompt`,
-/// over `steps` steps.
-fn decode_step_secs(model: &Model<CpuBackend>, prompt: &[u32], batch: usize, steps: usize) -> Result<f64> {
-    let per_seq = (prompt.len() + steps + 1).div_ceil(BLOCK_SIZE);
-    let mut kv = model.new_kv_cache(per_seq * batch, BLOCK_SIZE)?;
-    let tables: Vec<Vec<u32>> =
-        (0..batch).map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect()).collect();
-    let mut next = Vec::with_capacity(batch);
-    for table in &tables {
-        let mut logits = Vec::new();
-        for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-            let seq = SeqInput { tokens: chunk, cached: i * PREFILL_CHUNK, block_table: table, logits: true };
-            logits = model.forward(&[seq], &mut kv)?;
-        }
-        next.push(argmax(&logits));
+/// A decode step of 4 sequences against one of 1, each after the same `step_context`
+/// tokens of the prompt: the cost of batching, with no prompt chunk in the steps. The
+/// two batches take turns, `STEPS_A_TURN` steps at a time, so that both see the same
+/// neighbours on a shared machine: the ratio is of their summed times, each figure
+/// the mean step.
+fn decode_steps(model: &Model<CpuBackend>, prompt: &[u32], args: &Args) -> Result<Value> {
+    const STEPS_A_TURN: usize = 16;
+    let context = &prompt[..args.step_context.clamp(1, prompt.len())];
+    let (mut one, mut four) =
+        (Lockstep::new(model, context, 1, STEPS_A_TURN)?, Lockstep::new(model, context, 4, STEPS_A_TURN)?);
+    // A turn each, untimed: the caches and the pool warm for both.
+    one.turn(model)?;
+    four.turn(model)?;
+    let (mut secs_one, mut secs_four) = (0.0, 0.0);
+    for _ in 0..args.step_rounds.max(1) {
+        secs_one += one.turn(model)?;
+        secs_four += four.turn(model)?;
     }
-    let vocab = model.config.vocab_size;
-    let start = Instant::now();
-    for s in 0..steps {
-        let inputs: Vec<SeqInput<'_>> = (0..batch)
-            .map(|b| SeqInput {
-                tokens: std::slice::from_ref(&next[b]),
-                cached: prompt.len() + s,
-                block_table: &tables[b],
-                logits: true,
-            })
-            .collect();
-        let logits = model.forward(&inputs, &mut kv)?;
-        for (b, n) in next.iter_mut().enumerate() {
-            *n = argmax(&logits[b * vocab..(b + 1) * vocab]);
+    let steps = (args.step_rounds.max(1) * STEPS_A_TURN) as f64;
+    Ok(json!({
+        "decode_step_context": context.len(),
+        "decode_step_ms_batch_1": round(secs_one / steps * 1e3),
+        "decode_step_ms_batch_4": round(secs_four / steps * 1e3),
+        "decode_step_batch_4_over_1": round(secs_four / secs_one),
+    }))
+}
+
+/// `batch` sequences after the same prompt, decoding greedily in lockstep; each turn
+/// runs the same steps again from the prompt's end (the cache keeps the prompt).
+struct Lockstep {
+    kv: KvCache<CpuBackend>,
+    tables: Vec<Vec<u32>>,
+    cached: usize,
+    first: Vec<u32>,
+    steps: usize,
+}
+
+impl Lockstep {
+    fn new(model: &Model<CpuBackend>, prompt: &[u32], batch: usize, steps: usize) -> Result<Self> {
+        let per_seq = (prompt.len() + steps + 1).div_ceil(BLOCK_SIZE);
+        let mut kv = model.new_kv_cache(per_seq * batch, BLOCK_SIZE)?;
+        let tables: Vec<Vec<u32>> =
+            (0..batch).map(|b| ((b * per_seq) as u32..((b + 1) * per_seq) as u32).collect()).collect();
+        let mut first = Vec::with_capacity(batch);
+        for table in &tables {
+            let mut logits = Vec::new();
+            for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+                let seq = SeqInput { tokens: chunk, cached: i * PREFILL_CHUNK, block_table: table, logits: true };
+                logits = model.forward(&[seq], &mut kv)?;
+            }
+            first.push(argmax(&logits));
         }
+        Ok(Self { kv, tables, cached: prompt.len(), first, steps })
     }
-    Ok(start.elapsed().as_secs_f64() / steps as f64)
+
+    /// Seconds the turn's steps took.
+    fn turn(&mut self, model: &Model<CpuBackend>) -> Result<f64> {
+        let vocab = model.config.vocab_size;
+        let mut next = self.first.clone();
+        let start = Instant::now();
+        for s in 0..self.steps {
+            let inputs: Vec<SeqInput<'_>> = (0..next.len())
+                .map(|b| SeqInput {
+                    tokens: std::slice::from_ref(&next[b]),
+                    cached: self.cached + s,
+                    block_table: &self.tables[b],
+                    logits: true,
+                })
+                .collect();
+            let logits = model.forward(&inputs, &mut self.kv)?;
+            for (b, n) in next.iter_mut().enumerate() {
+                *n = argmax(&logits[b * vocab..(b + 1) * vocab]);
+            }
+        }
+        Ok(start.elapsed().as_secs_f64())
+    }
 }
 
 fn rayon_threads() -> usize {

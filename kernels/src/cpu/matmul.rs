@@ -46,25 +46,46 @@ pub(super) fn linear(
         let first = task * ROWS_PER_TASK;
         let rows = ROWS_PER_TASK.min(n - first);
         SCRATCH.with_borrow_mut(|(scratch, block)| {
-            // The task's rows for every token, then scattered into the tokens' rows
-            // while still in cache: a few contiguous columns of each.
+            // The task's rows for every token, token by token, then copied into the
+            // tokens' rows: a few contiguous columns of each.
             block.resize(rows * tokens, 0.0);
-            w.dot_rows(first, rows, x, rounded.as_ref(), block, tokens, scratch);
-            for t in 0..tokens {
+            w.dot_rows(first, rows, x, rounded.as_ref(), block, Strides { row: 1, token: rows }, scratch);
+            for (t, got) in block.chunks_exact(rows).enumerate() {
                 // SAFETY: tasks own disjoint column ranges `first..first + rows`.
                 let dst = unsafe { columns.get(t * n + first, rows) };
                 match bias {
-                    Some(b) => dst
-                        .iter_mut()
-                        .zip(&b[first..])
-                        .enumerate()
-                        .for_each(|(i, (d, b))| *d = block[i * tokens + t] + b),
-                    None => dst.iter_mut().enumerate().for_each(|(i, d)| *d = block[i * tokens + t]),
+                    Some(b) => dst.iter_mut().zip(got.iter().zip(&b[first..])).for_each(|(d, (v, b))| *d = v + b),
+                    None => dst.copy_from_slice(got),
                 }
             }
         })
     });
     out
+}
+
+/// Where a product's output (weight row `r`, input `t`) goes in its buffer:
+/// `r · row + t · token`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Strides {
+    pub row: usize,
+    pub token: usize,
+}
+
+impl Strides {
+    /// A row's outputs side by side, rows `stride` apart.
+    pub(super) fn row_major(stride: usize) -> Self {
+        Self { row: stride, token: 1 }
+    }
+
+    #[inline(always)]
+    pub(super) fn at(self, r: usize, t: usize) -> usize {
+        r * self.row + t * self.token
+    }
+
+    /// Whether `rows × tokens` outputs fit in `len`.
+    pub(super) fn fits(self, rows: usize, tokens: usize, len: usize) -> bool {
+        rows == 0 || tokens == 0 || self.at(rows - 1, tokens - 1) < len
+    }
 }
 
 /// The output matrix, shared by tasks that each write their own columns of it.
@@ -140,6 +161,21 @@ mod tests {
                 let batch = linear(&x[..m * cols], m, w, None, activations);
                 let same = batch[..rows].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "row 0 differs at m = {m} ({activations:?})");
+            }
+        }
+        // Each path's products, as one row against one input computes them: the
+        // rows a task copies into the output are the right ones.
+        for (w, activations) in [(&dense, Activations::F32), (&quantized, Activations::Int8)] {
+            let m = 5;
+            let batch = linear(&x[..m * cols], m, w, None, activations);
+            for t in 0..m {
+                let row = &x[t * cols..(t + 1) * cols];
+                let rounded = (activations == Activations::Int8).then(|| Q8Rows::quantize(row, cols));
+                for r in [0, 15, 16, 37, 99] {
+                    let mut one = [0.0f32];
+                    w.dot_rows(r, 1, row, rounded.as_ref(), &mut one, Strides::row_major(1), &mut Vec::new());
+                    assert_eq!(batch[t * rows + r].to_bits(), one[0].to_bits(), "row {r} input {t} ({activations:?})");
+                }
             }
         }
         // The two paths do differ on quantised weights: the test above checks both.

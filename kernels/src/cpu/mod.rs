@@ -8,6 +8,7 @@
 mod attention;
 mod elementwise;
 mod int8;
+mod key_scores;
 mod kv_store;
 mod matmul;
 mod quant_rows;

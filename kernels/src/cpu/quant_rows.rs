@@ -14,6 +14,7 @@
 //! offsets follow the same order: 16 to a block (per half-block for `BytesHalves`).
 
 use super::int8::{self, Q8Rows};
+use super::matmul::Strides;
 use super::repack::repack;
 use super::simd::multiversion;
 use crate::quant::GgmlType;
@@ -127,24 +128,26 @@ impl QuantRows {
         }
     }
 
-    /// `out[r * stride + t] = row (first + r) · x_t` for `rows` rows, the inputs rounded
+    /// `out[stride.at(r, t)] = row (first + r) · x_t` for `rows` rows, the inputs rounded
     /// to bytes (`int8`): the serving path's product.
-    pub(super) fn dot_rows_int8(&self, first: usize, rows: usize, x: &Q8Rows, out: &mut [f32], stride: usize) {
+    pub(super) fn dot_rows_int8(&self, first: usize, rows: usize, x: &Q8Rows, out: &mut [f32], stride: Strides) {
         let tokens = x.rows();
         let mut spare = Vec::new();
         let mut r = first;
         while r < first + rows {
             let (g, i) = (r / GROUP_ROWS, r % GROUP_ROWS);
             let take = (GROUP_ROWS - i).min(first + rows - r);
-            let at = (r - first) * stride;
-            if take == GROUP_ROWS && out.len() >= at + (GROUP_ROWS - 1) * stride + tokens {
+            let at = stride.at(r - first, 0);
+            if take == GROUP_ROWS && at < out.len() && stride.fits(GROUP_ROWS, tokens, out.len() - at) {
                 int8::dot_group(&self.group(g), x, &mut out[at..], stride);
             } else {
                 // Part of a group: all 16 rows into a spare block, then the ones asked for.
                 spare.resize(GROUP_ROWS * tokens, 0.0);
-                int8::dot_group(&self.group(g), x, &mut spare, tokens);
+                int8::dot_group(&self.group(g), x, &mut spare, Strides::row_major(tokens));
                 for j in 0..take {
-                    out[at + j * stride..][..tokens].copy_from_slice(&spare[(i + j) * tokens..][..tokens]);
+                    for t in 0..tokens {
+                        out[at + stride.at(j, t)] = spare[(i + j) * tokens + t];
+                    }
                 }
             }
             r += take;

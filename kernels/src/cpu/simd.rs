@@ -145,7 +145,11 @@ pub(crate) fn exp(x: f32) -> f32 {
         p = p.mul_add(r, c);
     }
     let y = (p * r).mul_add(r, r) + 1.0;
-    y * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    // 2ⁿ built from n's bits: n + 127 + 1.5·2²³ holds n + 127 (1..=254) in its low
+    // mantissa bits, exactly, and shifting them into the exponent field is what
+    // `(n as i32 + 127) << 23` gives — without the saturating cast, which does not
+    // vectorise. A NaN n makes 0 here, and y is NaN then anyway.
+    y * f32::from_bits((n + 12_583_039.0).to_bits() << 23)
 }
 
 #[cfg(test)]
@@ -164,5 +168,9 @@ mod tests {
         assert!(super::exp(f32::NEG_INFINITY) < 1e-37 && super::exp(-1e30) >= 0.0);
         assert!(super::exp(f32::NAN).is_nan());
         assert!(super::exp(1000.0).is_finite());
+        // 2ⁿ from the mantissa trick is the shift of the integer, at every n reachable.
+        for n in -126..=127i32 {
+            assert_eq!((n as f32 + 12_583_039.0).to_bits() << 23, ((n + 127) << 23) as u32, "n = {n}");
+        }
     }
 }

@@ -10,17 +10,19 @@
 //! below), the AVX2 path and the portable one compute the same fused operations (the
 //! portable one slowly where the CPU has no FMA), so they agree bit for bit.
 
+use super::matmul::Strides;
+
 pub(super) const LANES: usize = 8;
 /// Tile shape: 4 × 3 accumulators of 8 lanes plus the 3 inputs' operands fill the 16
 /// vector registers of AVX2 (weights are read as memory operands of the FMAs).
 const ROW_EDGE: usize = 4;
 const INPUT_EDGE: usize = 3;
 
-/// `out[r * stride + t] = w_r · x_t` for every row `w_r` of `w` and `x_t` of `x`, both
+/// `out[stride.at(r, t)] = w_r · x_t` for every row `w_r` of `w` and `x_t` of `x`, both
 /// `k` wide.
-pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
     let (rows, tokens) = (w.len() / k, x.len() / k);
-    assert!(tokens <= stride && (rows == 0 || out.len() >= (rows - 1) * stride + tokens), "output too small");
+    assert!(stride.fits(rows, tokens, out.len()), "output too small");
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx512() {
         // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA.
@@ -39,7 +41,7 @@ pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: 
 /// Walks `w` and `x` in tiles of up to `ROW_EDGE` × `INPUT_EDGE`, calling `$micro::<R, T>` on each.
 macro_rules! tile_loop {
     ($micro:ident, $w:expr, $x:expr, $k:expr, $out:expr, $stride:expr) => {{
-        let (w, x, k, out, stride): (&[f32], &[f32], usize, &mut [f32], usize) = ($w, $x, $k, $out, $stride);
+        let (w, x, k, out, stride): (&[f32], &[f32], usize, &mut [f32], Strides) = ($w, $x, $k, $out, $stride);
         let (rows, tokens) = (w.len() / k, x.len() / k);
         let mut t = 0;
         while t < tokens {
@@ -48,7 +50,7 @@ macro_rules! tile_loop {
             let mut r = 0;
             while r < rows {
                 let rr = (rows - r).min(ROW_EDGE);
-                let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[r * stride + t..]);
+                let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[stride.at(r, t)..]);
                 match (rr, tt) {
                     (4, 3) => $micro::<4, 3>(ws, xs, k, o, stride),
                     (4, 2) => $micro::<4, 2>(ws, xs, k, o, stride),
@@ -71,8 +73,8 @@ macro_rules! tile_loop {
 }
 use tile_loop;
 
-/// `R` weight rows against `T` input rows; `out[i * stride + j]` gets row `i` · input `j`.
-fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+/// `R` weight rows against `T` input rows; `out[stride.at(i, j)]` gets row `i` · input `j`.
+fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
     let w: [&[f32]; R] = std::array::from_fn(|i| &w[i * k..(i + 1) * k]);
     let x: [&[f32]; T] = std::array::from_fn(|j| &x[j * k..(j + 1) * k]);
     let mut acc = [[[0.0f32; LANES]; T]; R];
@@ -90,7 +92,7 @@ fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &m
     }
     for i in 0..R {
         for j in 0..T {
-            out[i * stride + j] = finish(&acc[i][j], &w[i][whole..], &x[j][whole..]);
+            out[stride.at(i, j)] = finish(&acc[i][j], &w[i][whole..], &x[j][whole..]);
         }
     }
 }
@@ -112,18 +114,18 @@ fn tail(mut sum: f32, w_tail: &[f32], x_tail: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{INPUT_EDGE, LANES, ROW_EDGE, finish};
+    use super::{INPUT_EDGE, LANES, ROW_EDGE, Strides, finish};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+    pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
         tile_loop!(micro, w, x, k, out, stride);
     }
 
     /// The portable `micro` with one 8-lane register per accumulator.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+    fn micro<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
         assert!(w.len() >= R * k && x.len() >= T * k);
         let whole = k / LANES * LANES;
         let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -150,7 +152,7 @@ mod avx2 {
                 let mut lanes = [0.0f32; LANES];
                 // SAFETY: `lanes` holds 8 floats.
                 unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i][j]) };
-                out[i * stride + j] = finish(&lanes, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
+                out[stride.at(i, j)] = finish(&lanes, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
             }
         }
     }
@@ -163,14 +165,14 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::simd::halves;
-    use super::{LANES, tail};
+    use super::{LANES, Strides, tail};
     use std::arch::x86_64::*;
 
     const PAIRS: usize = 4;
     const INPUTS: usize = 6;
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+    pub(super) fn dot_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
         let (rows, tokens) = (w.len() / k, x.len() / k);
         let mut t = 0;
         while t < tokens {
@@ -179,7 +181,7 @@ mod avx512 {
             let mut r = 0;
             while r < rows {
                 let rr = (rows - r).min(2 * PAIRS);
-                let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[r * stride + t..]);
+                let (ws, o) = (&w[r * k..(r + rr) * k], &mut out[stride.at(r, t)..]);
                 macro_rules! by_inputs {
                     ($p:literal) => {
                         match tt {
@@ -208,7 +210,7 @@ mod avx512 {
     /// number of rows; that result is dropped) against `T` input rows.
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
     #[inline]
-    fn micro<const P: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: usize) {
+    fn micro<const P: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32], stride: Strides) {
         let rows = w.len() / k;
         assert!(rows <= 2 * P && rows + 2 > 2 * P && x.len() >= T * k);
         let row = |i: usize| i.min(rows - 1) * k;
@@ -239,7 +241,8 @@ mod avx512 {
                 for (h, sum) in sums.into_iter().enumerate() {
                     let i = 2 * p + h;
                     if i < rows {
-                        out[i * stride + j] = tail(sum, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
+                        out[stride.at(i, j)] =
+                            tail(sum, &w[i * k + whole..(i + 1) * k], &x[j * k + whole..(j + 1) * k]);
                     }
                 }
             }
@@ -282,7 +285,7 @@ mod tests {
         let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut all = vec![0.0f32; rows * tokens];
-        dot_tile(&w, &x, k, &mut all, tokens);
+        dot_tile(&w, &x, k, &mut all, Strides::row_major(tokens));
         for r in 0..rows {
             for t in 0..tokens {
                 let want: f64 = (0..k).map(|i| w[r * k + i] as f64 * x[t * k + i] as f64).sum();
@@ -293,14 +296,14 @@ mod tests {
         // Every input alone, and every weight row alone, gives the same bits.
         for t in 0..tokens {
             let mut alone = vec![0.0f32; rows];
-            dot_tile(&w, &x[t * k..(t + 1) * k], k, &mut alone, 1);
+            dot_tile(&w, &x[t * k..(t + 1) * k], k, &mut alone, Strides::row_major(1));
             for r in 0..rows {
                 assert_eq!(alone[r].to_bits(), all[r * tokens + t].to_bits(), "input {t} alone, row {r}");
             }
         }
         for r in 0..rows {
             let mut one = vec![0.0f32; tokens];
-            dot_tile(&w[r * k..(r + 1) * k], &x, k, &mut one, tokens);
+            dot_tile(&w[r * k..(r + 1) * k], &x, k, &mut one, Strides::row_major(tokens));
             assert_eq!(
                 one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 all[r * tokens..(r + 1) * tokens].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
@@ -315,11 +318,17 @@ mod tests {
         let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut fast = vec![0.0f32; rows * tokens];
-        dot_tile(&w, &x, k, &mut fast, tokens);
+        dot_tile(&w, &x, k, &mut fast, Strides::row_major(tokens));
         let mut slow = vec![0.0f32; rows * tokens];
         for r in 0..rows {
             for t in 0..tokens {
-                micro::<1, 1>(&w[r * k..(r + 1) * k], &x[t * k..(t + 1) * k], k, &mut slow[r * tokens + t..], 1);
+                micro::<1, 1>(
+                    &w[r * k..(r + 1) * k],
+                    &x[t * k..(t + 1) * k],
+                    k,
+                    &mut slow[r * tokens + t..],
+                    Strides::row_major(1),
+                );
             }
         }
         assert_eq!(
@@ -345,8 +354,8 @@ mod tests {
                     let (mut wide, mut narrow) = (vec![0.0f32; rows * t], vec![0.0f32; rows * t]);
                     // SAFETY: the CPU has AVX-512 F and DQ, AVX2 and FMA (checked above).
                     unsafe {
-                        avx512::dot_tile(&w, &x[..t * k], k, &mut wide, t);
-                        avx2::dot_tile(&w, &x[..t * k], k, &mut narrow, t);
+                        avx512::dot_tile(&w, &x[..t * k], k, &mut wide, Strides::row_major(t));
+                        avx2::dot_tile(&w, &x[..t * k], k, &mut narrow, Strides::row_major(t));
                     }
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&wide), bits(&narrow), "k {k}, rows {rows}, inputs {t}");

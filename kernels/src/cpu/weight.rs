@@ -2,6 +2,7 @@
 
 use super::QuantRows;
 use super::int8::Q8Rows;
+use super::matmul::Strides;
 use super::tiles::dot_tile;
 
 /// A row-major `[rows, cols]` matrix: quantised rows where the file had them in a
@@ -79,7 +80,7 @@ impl CpuWeight {
         }
     }
 
-    /// `out[r * stride + t] = row (first + r) · x_t` for `n` rows and every input row
+    /// `out[stride.at(r, t)] = row (first + r) · x_t` for `n` rows and every input row
     /// of `x`; quantised rows take `rounded`, `x` rounded to bytes, where given. Every
     /// path computes the same operations for any number of input rows, so the bits do
     /// not depend on the batch.
@@ -91,7 +92,7 @@ impl CpuWeight {
         x: &[f32],
         rounded: Option<&Q8Rows>,
         out: &mut [f32],
-        stride: usize,
+        stride: Strides,
         scratch: &mut Vec<f32>,
     ) {
         match &self.storage {
@@ -102,7 +103,7 @@ impl CpuWeight {
             // Each row is computed by its own part, as it would be alone.
             Storage::Stacked(parts) => {
                 for (part, local, at) in overlapping(parts, first, n) {
-                    part.dot_rows(local.start, local.len(), x, rounded, &mut out[at * stride..], stride, scratch);
+                    part.dot_rows(local.start, local.len(), x, rounded, &mut out[stride.at(at, 0)..], stride, scratch);
                 }
             }
             Storage::F32(_) => dot_tile(self.rows_f32(first, n, scratch), x, self.cols, out, stride),
@@ -155,11 +156,19 @@ mod tests {
             // Rows 3..19 cross both boundaries.
             let (first, n) = (3, 16);
             let mut got = vec![0.0f32; n * tokens];
-            stack.dot_rows(first, n, &x, None, &mut got, tokens, &mut Vec::new());
+            stack.dot_rows(first, n, &x, None, &mut got, Strides::row_major(tokens), &mut Vec::new());
             let mut want = Vec::new();
             for (p, local) in [(0, 3..7), (1, 0..5), (2, 0..7)] {
                 let mut o = vec![0.0f32; local.len() * tokens];
-                parts[p].dot_rows(local.start, local.len(), &x, None, &mut o, tokens, &mut Vec::new());
+                parts[p].dot_rows(
+                    local.start,
+                    local.len(),
+                    &x,
+                    None,
+                    &mut o,
+                    Strides::row_major(tokens),
+                    &mut Vec::new(),
+                );
                 want.extend(o);
             }
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

@@ -26,6 +26,10 @@ pub const MIN_PROMPT_TOKENS: usize = 4;
 pub const UNMEASURED_PROMPT_TOKENS: usize = 16;
 /// Weight of the newest step in the running averages.
 const ALPHA: f64 = 0.2;
+/// Steps after which a batch size's decode time, not measured again since, is dropped:
+/// a decode step's cost grows with the contexts it attends over, and a time taken
+/// with short ones would go on underpricing that batch size's steps.
+const STALE_AFTER_STEPS: u64 = 2_000;
 
 #[derive(Debug, Clone)]
 pub struct Pacer {
@@ -36,7 +40,10 @@ pub struct Pacer {
     /// step of 16 costs several of 1, and one average for all let an estimate made
     /// with 1 stream judge the chunks of steps that decode 16 (each prompt token
     /// seemed to cost the 15 others' decodes, and prompts starved).
-    decode_secs: BTreeMap<usize, f64>,
+    /// Each with the step it was last measured at.
+    decode_secs: BTreeMap<usize, (f64, u64)>,
+    /// Steps observed.
+    steps: u64,
     /// Running averages of the seconds prompt chunks added to their steps and of their
     /// tokens: their ratio is a prompt token's cost, each step weighed by its tokens.
     prompt: Option<(f64, f64)>,
@@ -47,7 +54,7 @@ impl Pacer {
     /// time (0: no limit).
     pub fn new(percent: u32) -> Self {
         let ratio = (percent > 0).then(|| f64::from(percent.max(100)) / 100.0);
-        Self { ratio, decode_secs: BTreeMap::new(), prompt: None }
+        Self { ratio, decode_secs: BTreeMap::new(), steps: 0, prompt: None }
     }
 
     /// What a step of `decodes` decodes alone takes: as measured, else between the
@@ -58,10 +65,10 @@ impl Pacer {
         let below = self.decode_secs.range(..=decodes).next_back();
         let above = self.decode_secs.range(decodes..).next();
         Some(match (below, above) {
-            (Some((&n, &d)), _) if n == decodes => d,
-            (Some((&n0, &d0)), Some((&n1, &d1))) => d0 + (d1 - d0) * (decodes - n0) as f64 / (n1 - n0) as f64,
-            (Some((&n, &d)), None) => d * decodes as f64 / n as f64,
-            (None, Some((_, &d))) => d,
+            (Some((&n, &(d, _))), _) if n == decodes => d,
+            (Some((&n0, &(d0, _))), Some((&n1, &(d1, _)))) => d0 + (d1 - d0) * (decodes - n0) as f64 / (n1 - n0) as f64,
+            (Some((&n, &(d, _))), None) => d * decodes as f64 / n as f64,
+            (None, Some((_, &(d, _)))) => d,
             (None, None) => return None,
         })
     }
@@ -85,10 +92,13 @@ impl Pacer {
     pub fn observe(&mut self, took: Duration, decodes: usize, prompt_tokens: usize) {
         let secs = took.as_secs_f64();
         let average = |old: f64, new: f64| old + ALPHA * (new - old);
+        self.steps += 1;
         if prompt_tokens == 0 {
             if decodes > 0 {
-                let d = self.decode_secs.entry(decodes).or_insert(secs);
-                *d = average(*d, secs);
+                let now = self.steps;
+                let (d, at) = self.decode_secs.entry(decodes).or_insert((secs, now));
+                (*d, *at) = (average(*d, secs), now);
+                self.decode_secs.retain(|_, (_, at)| now - *at <= STALE_AFTER_STEPS);
             }
             return;
         }
@@ -160,5 +170,22 @@ mod tests {
         q.observe(MS(6), 1, 0);
         q.observe(MS(96 + 20), 16, 20);
         near(q.prompt_tokens(16), 192);
+    }
+
+    #[test]
+    fn a_batch_size_not_timed_for_long_is_forgotten() {
+        let mut p = Pacer::new(300);
+        p.observe(MS(200), 0, 200);
+        // 16 streams decoded once, early, over short contexts: 20 ms a step.
+        p.observe(MS(20), 16, 0);
+        assert_eq!(p.prompt_tokens(16), 40);
+        // Then only 4 streams for a long while, 10 ms a step: the old time of 16 goes,
+        // and a step of 16 is judged as four of 4 (40 ms, 80 tokens beside it).
+        for _ in 0..STALE_AFTER_STEPS {
+            p.observe(MS(10), 4, 0);
+        }
+        assert_eq!(p.prompt_tokens(16), 40, "still within its time");
+        p.observe(MS(10), 4, 0);
+        assert_eq!(p.prompt_tokens(16), 80);
     }
 }

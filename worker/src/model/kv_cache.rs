@@ -13,10 +13,8 @@ pub struct KvCache<B: Backend> {
     pub graphs: Option<super::graphs::DecodeGraphs<B>>,
 }
 
-impl<B: Backend> KvCache<B> {
-    /// Bytes one block takes across all layers, K and V, at `element_bytes` an element
-    /// (`Backend::kv_element_bytes`).
-    pub fn bytes_per_block(element_bytes: usize, num_layers: usize, kv_width: usize, block_size: usize) -> usize {
-        2 * num_layers * block_size * kv_width * element_bytes
-    }
+/// Bytes one block takes across all layers, K and V, at `element_bytes` an element
+/// (`Backend::kv_element_bytes`).
+pub fn block_bytes(element_bytes: usize, num_layers: usize, kv_width: usize, block_size: usize) -> usize {
+    2 * num_layers * block_size * kv_width * element_bytes
 }

@@ -11,7 +11,7 @@ pub mod weights;
 pub use config::{Architecture, ModelConfig};
 pub use forward::{Forwarded, Model, SeqInput};
 pub use graphs::DecodeGraphs;
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, block_bytes as kv_block_bytes};
 
 use crate::loader::LoadError;
 use tessera_kernels::KernelError;
