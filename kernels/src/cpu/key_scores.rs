@@ -82,201 +82,135 @@ fn portable<T: Stored>(
     }
 }
 
-/// Runs `$body` with `$g` a const of the heads in `1..=4` (the group's next heads).
-macro_rules! for_heads {
-    ($g:expr, $G:ident => $body:expr) => {
-        match $g {
-            4 => {
-                const $G: usize = 4;
-                $body
+/// A module `$name` with `key_scores` for one vector width: `$lanes` keys to a
+/// register (`$load` widens them), `$units` registers of keys against up to four heads
+/// at a time — up to `4 · $units` independent chains, enough to keep the FMA units
+/// busy through their latency.
+macro_rules! vector_key_scores {
+    ($name:ident, $features:literal, $reg:ty, $lanes:literal, $units:literal,
+     $load:ident, $zero:ident, $set1:ident, $fmadd:ident, $mul:ident, $store:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::{KeyTiles, Stored};
+            use std::arch::x86_64::*;
+
+            const LANES: usize = $lanes;
+            const UNITS: usize = $units;
+
+            /// # Safety
+            /// The CPU has the module's features; `tiles.block_size` is a multiple of
+            /// `LANES`, and `key_scores` checked the tiles lie in the cache and `scores`
+            /// is long enough.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn key_scores<T: Stored>(
+                queries: &[f32],
+                hd: usize,
+                k_cache: &[T],
+                tiles: &KeyTiles<'_>,
+                scale: f32,
+                scores: &mut [f32],
+            ) {
+                let keys = tiles.keys;
+                let group = queries.len() / hd;
+                let mut h = 0;
+                while h < group {
+                    let (q, s) = (&queries[h * hd..], &mut scores[h * keys..]);
+                    for first in (0..keys).step_by(LANES * UNITS) {
+                        // SAFETY: as promised by the caller; heads h.. exist.
+                        unsafe {
+                            match group - h {
+                                1 => units::<T, 1>(q, hd, k_cache, tiles, first, scale, s),
+                                2 => units::<T, 2>(q, hd, k_cache, tiles, first, scale, s),
+                                3 => units::<T, 3>(q, hd, k_cache, tiles, first, scale, s),
+                                _ => units::<T, 4>(q, hd, k_cache, tiles, first, scale, s),
+                            }
+                        }
+                    }
+                    h += (group - h).min(4);
+                }
             }
-            3 => {
-                const $G: usize = 3;
-                $body
-            }
-            2 => {
-                const $G: usize = 2;
-                $body
-            }
-            _ => {
-                const $G: usize = 1;
-                $body
+
+            /// Keys `first..first + LANES · UNITS` (those below `keys`) against heads
+            /// `0..G` of `queries`.
+            ///
+            /// # Safety
+            /// As for `key_scores`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn units<T: Stored, const G: usize>(
+                queries: &[f32],
+                hd: usize,
+                k_cache: &[T],
+                tiles: &KeyTiles<'_>,
+                first: usize,
+                scale: f32,
+                scores: &mut [f32],
+            ) {
+                let (keys, bs) = (tiles.keys, tiles.block_size);
+                assert!(queries.len() >= G * hd && scores.len() >= (G - 1) * keys + keys);
+                // A unit past the last key reads the first one again, and is not stored.
+                let starts: [usize; UNITS] = std::array::from_fn(|u| first + u * LANES);
+                let at = starts.map(|s| tiles.key(if s < keys { s } else { first }));
+                let mut acc: [[$reg; UNITS]; G] = [[$zero(); UNITS]; G];
+                for d in 0..hd {
+                    // SAFETY: each unit's lanes lie in one tile (LANES divides the block
+                    // size), whose every dimension is in the cache (the caller's
+                    // promise); d < hd.
+                    unsafe {
+                        let k = at.map(|a| T::$load(k_cache.as_ptr().add(a + d * bs)));
+                        for (g, acc) in acc.iter_mut().enumerate() {
+                            let q = $set1(*queries.get_unchecked(g * hd + d));
+                            for (a, k) in acc.iter_mut().zip(&k) {
+                                *a = $fmadd(q, *k, *a);
+                            }
+                        }
+                    }
+                }
+                let scale = $set1(scale);
+                for (g, acc) in acc.iter().enumerate() {
+                    for (u, a) in acc.iter().enumerate() {
+                        let start = starts[u];
+                        if start >= keys {
+                            break;
+                        }
+                        let mut lanes = [0.0f32; LANES];
+                        // SAFETY: `lanes` holds LANES floats.
+                        unsafe { $store(lanes.as_mut_ptr(), $mul(*a, scale)) };
+                        let n = (keys - start).min(LANES);
+                        scores[g * keys + start..g * keys + start + n].copy_from_slice(&lanes[..n]);
+                    }
+                }
             }
         }
     };
 }
 
-/// Sixteen keys to a register, four registers of keys (64 keys) against up to four
-/// heads at a time: up to 16 independent chains, enough to keep the FMA units busy
-/// through their latency.
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{KeyTiles, Stored};
-    use std::arch::x86_64::*;
-
-    const LANES: usize = 16;
-    const UNITS: usize = 4;
-
-    /// # Safety
-    /// The CPU has AVX-512 F, AVX2, FMA and F16C; `tiles.block_size` is a multiple of 16
-    /// and `key_scores` checked the tiles lie in the cache and `scores` is long enough.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn key_scores<T: Stored>(
-        queries: &[f32],
-        hd: usize,
-        k_cache: &[T],
-        tiles: &KeyTiles<'_>,
-        scale: f32,
-        scores: &mut [f32],
-    ) {
-        let keys = tiles.keys;
-        let group = queries.len() / hd;
-        let mut h = 0;
-        while h < group {
-            let g = (group - h).min(4);
-            for first in (0..keys).step_by(LANES * UNITS) {
-                // SAFETY: as promised by the caller; heads h..h + g exist.
-                unsafe {
-                    for_heads!(g, G => units::<T, G>(&queries[h * hd..], hd, k_cache, tiles, first, scale, &mut scores[h * keys..]))
-                };
-            }
-            h += g;
-        }
-    }
-
-    /// Keys `first..first + 64` (those below `keys`) against heads `0..G` of `queries`.
-    ///
-    /// # Safety
-    /// As for `key_scores`.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    #[inline]
-    unsafe fn units<T: Stored, const G: usize>(
-        queries: &[f32],
-        hd: usize,
-        k_cache: &[T],
-        tiles: &KeyTiles<'_>,
-        first: usize,
-        scale: f32,
-        scores: &mut [f32],
-    ) {
-        let (keys, bs) = (tiles.keys, tiles.block_size);
-        assert!(queries.len() >= G * hd && scores.len() >= (G - 1) * keys + keys);
-        // A unit past the last key reads the first one again, and is not stored.
-        let starts: [usize; UNITS] = std::array::from_fn(|u| first + u * LANES);
-        let at = starts.map(|s| tiles.key(if s < keys { s } else { first }));
-        let mut acc = [[_mm512_setzero_ps(); UNITS]; G];
-        for d in 0..hd {
-            // SAFETY: each unit's 16 lanes lie in one tile (16 divides the block size),
-            // whose every dimension is in the cache (the caller's promise); d < hd.
-            unsafe {
-                let k = at.map(|a| T::load16(k_cache.as_ptr().add(a + d * bs)));
-                for (g, acc) in acc.iter_mut().enumerate() {
-                    let q = _mm512_set1_ps(*queries.get_unchecked(g * hd + d));
-                    for (a, k) in acc.iter_mut().zip(&k) {
-                        *a = _mm512_fmadd_ps(q, *k, *a);
-                    }
-                }
-            }
-        }
-        let scale = _mm512_set1_ps(scale);
-        for (g, acc) in acc.iter().enumerate() {
-            for (u, a) in acc.iter().enumerate() {
-                let start = starts[u];
-                if start >= keys {
-                    break;
-                }
-                let mask: __mmask16 = if keys - start >= LANES { !0 } else { (1 << (keys - start)) - 1 };
-                // SAFETY: lanes start..min(start + 16, keys) of row g, inside `scores`.
-                unsafe {
-                    _mm512_mask_storeu_ps(scores.as_mut_ptr().add(g * keys + start), mask, _mm512_mul_ps(*a, scale))
-                };
-            }
-        }
-    }
-}
-
-/// `avx512`'s loop with eight keys to a register and two registers of keys.
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{KeyTiles, Stored};
-    use std::arch::x86_64::*;
-
-    const LANES: usize = 8;
-    const UNITS: usize = 2;
-
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `tiles.block_size` is a multiple of 8 and
-    /// `key_scores` checked the tiles lie in the cache and `scores` is long enough.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn key_scores<T: Stored>(
-        queries: &[f32],
-        hd: usize,
-        k_cache: &[T],
-        tiles: &KeyTiles<'_>,
-        scale: f32,
-        scores: &mut [f32],
-    ) {
-        let keys = tiles.keys;
-        let group = queries.len() / hd;
-        let mut h = 0;
-        while h < group {
-            let g = (group - h).min(4);
-            for first in (0..keys).step_by(LANES * UNITS) {
-                // SAFETY: as promised by the caller; heads h..h + g exist.
-                unsafe {
-                    for_heads!(g, G => units::<T, G>(&queries[h * hd..], hd, k_cache, tiles, first, scale, &mut scores[h * keys..]))
-                };
-            }
-            h += g;
-        }
-    }
-
-    /// # Safety
-    /// As for `key_scores`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn units<T: Stored, const G: usize>(
-        queries: &[f32],
-        hd: usize,
-        k_cache: &[T],
-        tiles: &KeyTiles<'_>,
-        first: usize,
-        scale: f32,
-        scores: &mut [f32],
-    ) {
-        let (keys, bs) = (tiles.keys, tiles.block_size);
-        assert!(queries.len() >= G * hd && scores.len() >= (G - 1) * keys + keys);
-        let starts: [usize; UNITS] = std::array::from_fn(|u| first + u * LANES);
-        let at = starts.map(|s| tiles.key(if s < keys { s } else { first }));
-        let mut acc = [[_mm256_setzero_ps(); UNITS]; G];
-        for d in 0..hd {
-            // SAFETY: as in `avx512::units`, with 8 dividing the block size.
-            unsafe {
-                let k = at.map(|a| T::load8(k_cache.as_ptr().add(a + d * bs)));
-                for (g, acc) in acc.iter_mut().enumerate() {
-                    let q = _mm256_set1_ps(*queries.get_unchecked(g * hd + d));
-                    for (a, k) in acc.iter_mut().zip(&k) {
-                        *a = _mm256_fmadd_ps(q, *k, *a);
-                    }
-                }
-            }
-        }
-        let scale = _mm256_set1_ps(scale);
-        for (g, acc) in acc.iter().enumerate() {
-            for (u, a) in acc.iter().enumerate() {
-                let start = starts[u];
-                if start >= keys {
-                    break;
-                }
-                let mut lanes = [0.0f32; LANES];
-                // SAFETY: `lanes` holds 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(*a, scale)) };
-                let n = (keys - start).min(LANES);
-                scores[g * keys + start..g * keys + start + n].copy_from_slice(&lanes[..n]);
-            }
-        }
-    }
-}
+vector_key_scores!(
+    avx512,
+    "avx512f,avx2,fma,f16c",
+    __m512,
+    16,
+    4,
+    load16,
+    _mm512_setzero_ps,
+    _mm512_set1_ps,
+    _mm512_fmadd_ps,
+    _mm512_mul_ps,
+    _mm512_storeu_ps
+);
+vector_key_scores!(
+    avx2,
+    "avx2,fma,f16c",
+    __m256,
+    8,
+    2,
+    load8,
+    _mm256_setzero_ps,
+    _mm256_set1_ps,
+    _mm256_fmadd_ps,
+    _mm256_mul_ps,
+    _mm256_storeu_ps
+);
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@ use super::executor::Executor;
 use super::grammar::Constraint;
 use super::pacing::Pacer;
 use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, sample_batch, score_rows};
-use super::scheduler::{Scheduled, Scheduler, SchedulerConfig, Step};
+use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
 use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
@@ -545,10 +545,13 @@ impl<B: Backend> EngineCore<B> {
         };
         // A decode runs the one token sampled last; a prompt's last chunk may be one
         // token too, and costs like a prompt token (it is timed with them).
-        let is_decode =
-            |s: &&Scheduled| s.len == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len);
-        let decodes = step.scheduled.iter().filter(is_decode).count();
-        let prompt_tokens = step.scheduled.iter().filter(|s| !is_decode(s)).map(|s| s.len).sum();
+        let (mut decodes, mut prompt_tokens) = (0, 0);
+        for s in &step.scheduled {
+            match s.len == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len) {
+                true => decodes += 1,
+                false => prompt_tokens += s.len,
+            }
+        }
         self.pacer.observe(started.elapsed(), decodes, prompt_tokens);
         let forwarded = match forwarded {
             Forwarded::Logits(all) if scoring_any => Forwarded::Logits(self.score_prompts(&step, &scoring, all)),
