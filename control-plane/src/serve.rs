@@ -1,6 +1,8 @@
 //! `tessera serve`: everything on one machine with no external services — a SQLite
 //! database, local workers for the catalog's weights, the API on a loopback port.
 
+use axum::serve::ListenerExt;
+
 use crate::accounts::{BillingMode, NewKey, Store};
 use crate::api::{self, AppState};
 use crate::billing::Billing;
@@ -104,7 +106,7 @@ pub async fn serve_api(
     // Last before serving: tests and scripts take this line to mean ready.
     eprintln!("tessera listening on http://{addr}/v1");
     let routes = api::router(app.clone()).merge(crate::console::router(console));
-    let server = axum::serve(listener, routes.into_make_service_with_connect_info::<std::net::SocketAddr>())
+    let server = axum::serve(no_delay(listener), routes.into_make_service_with_connect_info::<std::net::SocketAddr>())
         .with_graceful_shutdown(signal);
     tokio::select! {
         r = server => r?,
@@ -119,9 +121,22 @@ pub async fn serve_api(
     Ok(app)
 }
 
-/// On first start (no organizations yet): a `default` organization and a key for it,
-/// written to `<data-dir>/bootstrap.key` (mode 0600) and printed this once.
-/// On first start: an organization with a development credit grant, and its key.
+/// Connections accepted with TCP_NODELAY. Streamed events are small writes: with Nagle's
+/// algorithm each waits for the ACK of the one before, which the client's delayed ACK can
+/// hold for 40 ms.
+fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY on an accepted connection: {e}");
+        }
+    })
+}
+
+/// On first start (no organizations yet): a `default` organization with a development
+/// credit grant, and a key for it, written to `<data-dir>/bootstrap.key` (mode 0600) and
+/// printed this once.
 async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Result<()> {
     if store.count_orgs().await? > 0 {
         return Ok(());
@@ -305,4 +320,19 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = interrupt.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener;
+
+    #[tokio::test]
+    async fn accepted_connections_send_small_writes_without_delay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut listener = super::no_delay(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = listener.accept().await;
+        assert!(accepted.nodelay().unwrap());
+    }
 }
