@@ -175,7 +175,43 @@ pub struct ApiArgs {
     #[arg(long, env = "TESSERA_THINKING_BUDGET")]
     pub thinking_budget: Option<u32>,
     #[command(flatten)]
+    pub images: ImageArgs,
+    #[command(flatten)]
     pub console: ConsoleArgs,
+}
+
+/// How image parts are fetched and what they may be (README: Images).
+#[derive(Args, Clone, Debug)]
+pub struct ImageArgs {
+    /// Largest image file a request may name or carry, in megabytes.
+    #[arg(long, env = "TESSERA_IMAGE_MAX_MB", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub image_max_mb: u32,
+    /// Seconds an image fetch may take, connection included.
+    #[arg(long, env = "TESSERA_IMAGE_FETCH_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub image_fetch_timeout_secs: u64,
+    /// Redirects an image fetch follows.
+    #[arg(long, env = "TESSERA_IMAGE_MAX_REDIRECTS", default_value_t = 3)]
+    pub image_max_redirects: usize,
+    /// Fetch images from loopback, private and link-local addresses too. Off by default:
+    /// clients must not reach this server's own network through it (SSRF).
+    #[arg(long, env = "TESSERA_IMAGE_ALLOW_INTERNAL")]
+    pub image_allow_internal: bool,
+    /// Images (or video frames) one request may carry.
+    #[arg(long, env = "TESSERA_MAX_IMAGES", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_images: u32,
+}
+
+impl ImageArgs {
+    pub fn config(&self) -> crate::images::ImageConfig {
+        crate::images::ImageConfig {
+            max_bytes: self.image_max_mb as usize * 1_000_000,
+            timeout: std::time::Duration::from_secs(self.image_fetch_timeout_secs),
+            max_redirects: self.image_max_redirects,
+            allow_internal: self.image_allow_internal,
+            max_images: self.max_images as usize,
+            limits: Default::default(),
+        }
+    }
 }
 
 /// The web console's settings (README: The console).

@@ -78,7 +78,9 @@ pub async fn serve_api(
     let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
     let billing_at_exit = billing.clone();
     let status = Status::new(store.status_minutes(), Arc::new(crate::limits::now_us));
-    let app = Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics, status });
+    let images = crate::images::Images::new(config.images.config())?;
+    let app =
+        Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics, status, images });
     let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
     tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
     // The first snapshot is ready before the first request.

@@ -6,6 +6,7 @@
 pub mod block_hash;
 pub mod chat_template;
 pub mod cluster;
+pub mod image;
 pub mod text;
 
 /// Largest gRPC message a client of the worker accepts: a ModelCard carries the whole

@@ -1069,6 +1069,40 @@ class Errors(unittest.TestCase):
         e = self.assert_error(openai.BadRequestError, "unsupported_value", self.chat(model=TEXT_MODEL, messages=messages))
         self.assertIn("image", e.message)
 
+    def test_bad_images_are_named_by_their_part_and_good_ones_need_vision_weights(self):
+        # A 2x1 PNG, and bytes that are not an image, inline; internal addresses that
+        # the server must not fetch (server-side request forgery).
+        png = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAABCAIAAAB7QOjdAAAADUlEQVR4nGP4zwAE/wEHAAH/4iOeWQAAAABJRU5ErkJggg=="
+        good = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}", "detail": "low"}}
+        text = {"type": "text", "text": "What is this?"}
+
+        def with_second(part):
+            return [{"role": "user", "content": [text, good, part]}]
+        bad = {
+            "data:image/png;base64,aGVsbG8gd29ybGQ=": "not an image",
+            f"data:image/png;base64,{png[:40]}": "cannot be decoded",
+            "http://127.0.0.1:9/cat.png": "internal",
+            "http://169.254.169.254/latest/meta-data/": "internal",
+            "http://[::1]/cat.png": "internal",
+            "file:///etc/passwd": "http(s) URL",
+        }
+        for url, words in bad.items():
+            part = {"type": "image_url", "image_url": {"url": url}}
+            e = self.assert_error(openai.BadRequestError, "invalid_value", self.chat(messages=with_second(part)),
+                                  "messages[0].content[2].image_url")
+            self.assertIn(words, e.message, url)
+        # A readable image on a model whose spec takes images but whose bundled weights
+        # are text-only: refused, naming the weights.
+        e = self.assert_error(openai.BadRequestError, "unsupported_value",
+                              self.chat(messages=[{"role": "user", "content": [text, good]}]),
+                              "messages[0].content[1].image_url")
+        self.assertIn("vision weights", e.message)
+        self.assertIn("smollm2", e.message)
+        item = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                             {"type": "input_image", "image_url": "http://10.1.2.3/x.png"}]}]
+        self.assert_error(openai.BadRequestError, "invalid_value",
+                          lambda: client().responses.create(model=MODEL, input=item), "input[0].content[1].image_url")
+
     def test_malformed_json_and_unsupported_endpoints(self):
         status, body = raw_post("/chat/completions", b"{not json", API_KEY)
         self.assertEqual(status, 400)

@@ -46,6 +46,7 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, None)?;
     let request = parse(&body, &model)?;
+    app.images.refuse_unseen(&chat::messages::image_parts(&body["messages"], "messages"), &model.entry).await?;
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,

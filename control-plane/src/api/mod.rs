@@ -51,6 +51,8 @@ pub struct AppState {
     pub metrics: bool,
     /// GET /status's figures, and what measures them.
     pub status: crate::status::Status,
+    /// Fetches and reads request images.
+    pub images: crate::images::Images,
 }
 
 pub type App = Arc<AppState>;

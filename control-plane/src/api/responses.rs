@@ -37,6 +37,7 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, Some("model"))?;
     let request = parse(&body, &model)?;
+    app.images.refuse_unseen(&chat::messages::image_parts(&body["input"], "input"), &model.entry).await?;
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,

@@ -186,8 +186,9 @@ fn text_of_parts(at: &str, parts: &[Value], caps: &Capabilities, model: &str) ->
     Ok(text)
 }
 
-/// Checks an image part. Images are refused on models without image input; on models
-/// with it the URL is checked, then refused too until the worker has a vision encoder.
+/// Checks an image part's shape: images are refused on models without image input; on
+/// models with it, the image itself is fetched and read after parsing
+/// (`image_parts`, `crate::images`).
 fn image(at: &str, part: &Value, caps: &Capabilities, model: &str) -> Result<(), ApiError> {
     if !caps.image_input {
         return Err(ApiError::Unsupported {
@@ -195,44 +196,52 @@ fn image(at: &str, part: &Value, caps: &Capabilities, model: &str) -> Result<(),
             message: format!("Invalid content type: {model} does not accept image input; send text parts only."),
         });
     }
-    let url = match part.get("image_url") {
-        Some(Value::String(u)) => u.as_str(),
-        Some(Value::Object(o)) => {
-            o.get("url").and_then(Value::as_str).ok_or_else(|| ApiError::MissingParam(format!("{at}.image_url.url")))?
-        }
+    let (url, detail) = match part.get("image_url") {
+        // The responses endpoint's `input_image`: the URL, and `detail` beside it.
+        Some(Value::String(u)) => (u.as_str(), part.get("detail")),
+        Some(Value::Object(o)) => (
+            o.get("url")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::MissingParam(format!("{at}.image_url.url")))?,
+            o.get("detail"),
+        ),
         _ => return Err(ApiError::MissingParam(format!("{at}.image_url"))),
     };
-    check_image_url(url).map_err(|m| ApiError::invalid_value(format!("{at}.image_url"), m))?;
-    Err(ApiError::Unsupported {
-        param: at.to_string(),
-        message: format!(
-            "Image input for {model} is not available yet: the image was read, but this deployment's workers have no \
-             vision encoder."
-        ),
-    })
-}
-
-/// An http(s) URL, or a `data:image/...;base64,` URI whose payload is valid base64.
-pub fn check_image_url(url: &str) -> Result<(), String> {
-    use base64::Engine;
-    if let Some(rest) = url.strip_prefix("data:") {
-        let (meta, payload) = rest.split_once(',').ok_or("a data URI needs a ',' before its payload")?;
-        if !meta.starts_with("image/") || !meta.ends_with(";base64") {
-            return Err(format!("expected data:image/<type>;base64,…, got data:{meta},…"));
-        }
-        base64::engine::general_purpose::STANDARD
-            .decode(payload.trim())
-            .map_err(|e| format!("invalid base64 image data: {e}"))?;
-        return Ok(());
+    if url.is_empty() {
+        return Err(ApiError::invalid_value(format!("{at}.image_url"), "Invalid image: the URL is empty."));
     }
-    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"));
-    match rest {
-        Some(r) if !r.is_empty() && !r.starts_with('/') => Ok(()),
-        _ => Err(format!(
-            "expected an http(s) URL or a base64 data URI, got {:?}",
-            url.chars().take(40).collect::<String>()
+    match detail {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(d)) if matches!(d.as_str(), "auto" | "low" | "high") => Ok(()),
+        Some(other) => Err(ApiError::invalid_value(
+            format!("{at}.image_url.detail"),
+            format!("Invalid value: {other}. Supported values are: 'auto', 'low' and 'high'."),
         )),
     }
+}
+
+/// Every image part of the request's list `name` (`messages`, or the responses
+/// endpoint's `input`; already checked by `for_template`), in order: where it is
+/// (`messages[0].content[1].image_url`) and its URL.
+pub fn image_parts(messages: &Value, name: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (i, m) in messages.as_array().into_iter().flatten().enumerate() {
+        for (j, part) in m.get("content").and_then(Value::as_array).into_iter().flatten().enumerate() {
+            if !matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "input_image")) {
+                continue;
+            }
+            let url = match part.get("image_url") {
+                Some(Value::String(u)) => u,
+                Some(Value::Object(o)) => match o.get("url").and_then(Value::as_str) {
+                    Some(u) => u,
+                    None => continue,
+                },
+                _ => continue,
+            };
+            found.push((format!("{name}[{i}].content[{j}].image_url"), url.to_string()));
+        }
+    }
+    found
 }
 
 #[cfg(test)]
@@ -290,16 +299,26 @@ mod tests {
     }
 
     #[test]
-    fn images_are_refused_on_text_models_and_checked_on_vision_models() {
-        let img = |url: &str| json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]);
-        let e = for_template(&img("https://example.com/cat.png"), &TEXT_ONLY, "v/m").unwrap_err();
+    fn images_are_refused_on_text_models_and_listed_on_vision_models() {
+        let img = |part: Value| json!([{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]);
+        let chat = |url: &str| json!({"type": "image_url", "image_url": {"url": url, "detail": "low"}});
+        let e = for_template(&img(chat("https://example.com/cat.png")), &TEXT_ONLY, "v/m").unwrap_err();
         assert!(e.body()["error"]["message"].as_str().unwrap().contains("does not accept image input"));
-        let e = for_template(&img("data:image/png;base64,iVBORw0KGgo="), &VISION, "v/m").unwrap_err();
-        assert!(e.body()["error"]["message"].as_str().unwrap().contains("no vision encoder"), "{e:?}");
-        let e = for_template(&img("data:image/png;base64,***"), &VISION, "v/m").unwrap_err();
-        assert_eq!(code(e).0, "invalid_value");
-        let e = for_template(&img("ftp://x"), &VISION, "v/m").unwrap_err();
-        assert_eq!(code(e).0, "invalid_value");
-        assert!(check_image_url("http://host/x.jpg").is_ok());
+        let ok = img(chat("https://example.com/cat.png"));
+        assert_eq!(for_template(&ok, &VISION, "v/m").unwrap()[0]["content"], "see");
+        assert_eq!(
+            image_parts(&ok, "messages"),
+            [("messages[0].content[1].image_url".into(), "https://example.com/cat.png".into())]
+        );
+        let responses = img(json!({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}));
+        assert_eq!(image_parts(&responses, "input")[0].1, "data:image/png;base64,AAAA");
+        let bad_detail = img(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "huge"}}));
+        assert_eq!(
+            code(for_template(&bad_detail, &VISION, "v/m").unwrap_err()).1,
+            "messages[0].content[1].image_url.detail"
+        );
+        let no_url = img(json!({"type": "image_url", "image_url": {}}));
+        assert_eq!(code(for_template(&no_url, &VISION, "v/m").unwrap_err()).1, "messages[0].content[1].image_url.url");
+        assert!(image_parts(&json!([{"role": "user", "content": "text"}]), "messages").is_empty());
     }
 }

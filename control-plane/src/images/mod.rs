@@ -1,0 +1,143 @@
+//! Images in requests: their bytes fetched (`fetch`: data URIs, and http(s) under
+//! limits and guarded against server-side request forgery by `address`), then decoded
+//! (`tessera_proto::image`) so that every bad image is refused here, by the part that
+//! named it, before a worker sees the request.
+
+mod address;
+mod fetch;
+
+pub use fetch::Fetcher;
+
+use crate::api::error::ApiError;
+use crate::catalog::CatalogModel;
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+use tessera_proto::image::{DecodeError, ImageLimits, decode};
+
+/// How images are fetched and what they may be (ServeConfig / ApiArgs).
+#[derive(Debug, Clone)]
+pub struct ImageConfig {
+    /// Largest image file, in bytes (fetched or inline).
+    pub max_bytes: usize,
+    /// Time for a whole fetch, connection included.
+    pub timeout: Duration,
+    /// Redirects a fetch follows.
+    pub max_redirects: usize,
+    /// Fetch from loopback, private and link-local addresses too (trusted networks only).
+    pub allow_internal: bool,
+    /// Images (or video frames) one request may carry.
+    pub max_images: usize,
+    pub limits: ImageLimits,
+}
+
+impl Default for ImageConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: 20 << 20,
+            timeout: Duration::from_secs(10),
+            max_redirects: 3,
+            allow_internal: false,
+            max_images: 64,
+            limits: ImageLimits::default(),
+        }
+    }
+}
+
+/// Why an image part cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{0}")]
+    BadUrl(String),
+    #[error("{0}")]
+    Refused(String),
+    #[error("the image could not be fetched: {0}")]
+    Unreachable(String),
+    #[error("the image could not be fetched in time")]
+    TimedOut,
+    #[error("the image is larger than the limit of {} MB", .0 / 1_000_000)]
+    TooLarge(usize),
+    #[error("{0}")]
+    Decode(#[from] DecodeError),
+    #[error("a request may carry at most {0} images or video frames")]
+    TooMany(usize),
+}
+
+impl ImageError {
+    /// A 400 naming the part, e.g. `messages[0].content[1].image_url`.
+    pub fn at(self, param: &str) -> ApiError {
+        ApiError::invalid_value(param, format!("Invalid image: {self}."))
+    }
+}
+
+/// An image ready for a vision model: its bytes (what travels to the worker, which
+/// decodes them next to its encoder), their SHA-256 (the encoder cache's and the
+/// prefix cache's key), and its size (what its token count depends on).
+#[derive(Debug, Clone)]
+pub struct LoadedImage {
+    pub bytes: Vec<u8>,
+    pub sha256: [u8; 32],
+    pub format: &'static str,
+    pub width: u32,
+    pub height: u32,
+}
+
+/// Fetching and checking images.
+#[derive(Clone)]
+pub struct Images {
+    fetcher: Fetcher,
+    config: ImageConfig,
+}
+
+impl Images {
+    pub fn new(config: ImageConfig) -> anyhow::Result<Self> {
+        Ok(Self { fetcher: Fetcher::new(config.clone())?, config })
+    }
+
+    /// Each `(param, url)` loaded, fetches at once, or the first part (in request
+    /// order) that fails, as a 400 naming it.
+    pub async fn load_all(&self, parts: &[(String, String)]) -> Result<Vec<LoadedImage>, ApiError> {
+        if let Some((param, _)) = parts.get(self.config.max_images) {
+            return Err(ImageError::TooMany(self.config.max_images).at(param));
+        }
+        let loads = parts.iter().map(|(_, url)| self.load(url));
+        let loaded = futures_util::future::join_all(loads).await;
+        loaded.into_iter().zip(parts).map(|(r, (param, _))| r.map_err(|e| e.at(param))).collect()
+    }
+
+    /// A request's images (`chat::messages::image_parts`) loaded, so that a bad one is
+    /// named, then refused: no worker of this deployment encodes images for `model`,
+    /// whose weights are text-only.
+    pub async fn refuse_unseen(&self, parts: &[(String, String)], model: &CatalogModel) -> Result<(), ApiError> {
+        let Some((first, _)) = parts.first() else { return Ok(()) };
+        self.load_all(parts).await?;
+        Err(ApiError::Unsupported {
+            param: first.clone(),
+            message: format!(
+                "Image input for {} needs vision weights: this deployment serves it from '{}', a text-only model, \
+                 so it cannot see images. Serve a vision model directory under this id to accept them.",
+                model.id, model.weights
+            ),
+        })
+    }
+
+    /// One image: fetched, then decoded off the async threads.
+    pub async fn load(&self, url: &str) -> Result<LoadedImage, ImageError> {
+        let bytes = self.fetcher.bytes(url).await?;
+        let limits = self.config.limits;
+        let (bytes, decoded) = tokio::task::spawn_blocking(move || {
+            let decoded = decode(&bytes, limits);
+            (bytes, decoded)
+        })
+        .await
+        .map_err(|e| ImageError::Unreachable(format!("the decoder stopped: {e}")))?;
+        let decoded = decoded?;
+        let sha256 = Sha256::digest(&bytes).into();
+        Ok(LoadedImage {
+            sha256,
+            format: decoded.format,
+            width: decoded.rgb.width(),
+            height: decoded.rgb.height(),
+            bytes,
+        })
+    }
+}
