@@ -13,3 +13,4 @@ pub mod model;
 pub mod model_cache;
 pub mod serve;
 pub mod tokenizer;
+pub mod vision;
