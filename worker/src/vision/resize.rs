@@ -224,31 +224,18 @@ mod tests {
 
     /// Pillow's resizes (scripts/fixtures/pil_resize.py).
     fn fixture() -> (RgbImage, Vec<(Filter, RgbImage)>) {
-        let bytes = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/vision/pil_resize.bin")).unwrap();
-        assert_eq!(&bytes[..8], b"PILRSZ1\0");
-        let mut at = 8;
-        let u32_at = |at: &mut usize| {
-            let v = u32::from_le_bytes(bytes[*at..*at + 4].try_into().unwrap());
-            *at += 4;
-            v
-        };
-        let (w, h) = (u32_at(&mut at), u32_at(&mut at));
-        let take = |at: &mut usize, n: usize| {
-            let v = bytes[*at..*at + n].to_vec();
-            *at += n;
-            v
-        };
-        let source = RgbImage::from_raw(w, h, take(&mut at, (w * h * 3) as usize)).unwrap();
-        let cases = u32_at(&mut at);
-        let mut out = Vec::new();
-        for _ in 0..cases {
-            let filter = Filter::from_pil(bytes[at]).unwrap();
-            at += 1;
-            let (w, h) = (u32_at(&mut at), u32_at(&mut at));
-            out.push((filter, RgbImage::from_raw(w, h, take(&mut at, (w * h * 3) as usize)).unwrap()));
-        }
-        assert_eq!(at, bytes.len());
-        (source, out)
+        let mut f = crate::vision::Fixture::open("pil_resize.bin", b"PILRSZ1\0");
+        let (w, h) = (f.u32(), f.u32());
+        let source = f.rgb(w, h);
+        let cases = (0..f.u32())
+            .map(|_| {
+                let filter = Filter::from_pil(f.u8()).unwrap();
+                let (w, h) = (f.u32(), f.u32());
+                (filter, f.rgb(w, h))
+            })
+            .collect();
+        f.done();
+        (source, cases)
     }
 
     #[test]
