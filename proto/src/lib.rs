@@ -8,6 +8,7 @@ pub mod chat_template;
 pub mod cluster;
 pub mod image;
 pub mod text;
+pub mod vision;
 
 /// Largest gRPC message a client of the worker accepts: a ModelCard carries the whole
 /// Hugging Face tokenizer (4.8 MB for Qwen2's 151k-token vocabulary), over tonic's

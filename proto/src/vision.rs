@@ -1,0 +1,139 @@
+//! What both processes must agree on about an image for a vision model, from its size
+//! alone: how the Idefics3 / SmolVLM processor cuts it into tiles, and the placeholder
+//! text the prompt carries for it (the control plane renders and counts it; the worker
+//! fills its image tokens with the encoder's output, tile by tile).
+
+/// The Idefics3 / SmolVLM processor's geometry (`preprocessor_config.json`, and the
+/// model's `image_seq_len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Idefics3Geometry {
+    /// `size.longest_edge`: the image's longest side after the first resize.
+    pub longest_edge: u32,
+    /// `max_image_size.longest_edge`: the encoder's square tile.
+    pub tile: u32,
+    /// Image tokens a tile becomes.
+    pub image_seq_len: usize,
+}
+
+/// The processor's marker tokens, as the tokenizer spells them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idefics3Markers {
+    pub around: String,
+    pub image: String,
+    pub global: String,
+}
+
+impl Default for Idefics3Markers {
+    fn default() -> Self {
+        Self { around: "<fake_token_around_image>".into(), image: "<image>".into(), global: "<global-img>".into() }
+    }
+}
+
+impl Idefics3Geometry {
+    /// The size after the first resize: the longest side set to `longest_edge` (the
+    /// other in proportion, truncated, then made even; at least 1), then kept within
+    /// 4096 a side — as the reference computes it, upscaling small images too.
+    pub fn scaled(&self, width: u32, height: u32) -> (u32, u32) {
+        const UPPER: u32 = 4096;
+        let longest = self.longest_edge;
+        let aspect = width as f64 / height as f64;
+        let (mut w, mut h) = if width >= height {
+            let h = (longest as f64 / aspect) as u32;
+            (longest, h + h % 2)
+        } else {
+            let w = (longest as f64 * aspect) as u32;
+            (w + w % 2, longest)
+        };
+        (w, h) = (w.max(1), h.max(1));
+        let aspect = w as f64 / h as f64;
+        if w >= h && w > UPPER {
+            (w, h) = (UPPER, (UPPER as f64 / aspect) as u32);
+        } else if h > w && h > UPPER {
+            (w, h) = ((UPPER as f64 * aspect) as u32, UPPER);
+        }
+        (w.max(1), h.max(1))
+    }
+
+    /// The scaled size grown to whole tiles along its longest side, the other side in
+    /// proportion, rounded up to whole tiles.
+    pub fn grown(&self, width: u32, height: u32) -> (u32, u32) {
+        let tile = self.tile as f64;
+        let aspect = width as f64 / height as f64;
+        let up = |x: f64| (x / tile).ceil() as u32 * self.tile;
+        if width >= height {
+            let w = up(width as f64);
+            (w, up(((w as f64 / aspect) as u32) as f64))
+        } else {
+            let h = up(height as f64);
+            (up(((h as f64 * aspect) as u32) as f64), h)
+        }
+    }
+
+    /// The tile grid of a `width` × `height` image: (rows, columns), 0 × 0 when it is
+    /// one tile (always, without splitting).
+    pub fn grid(&self, width: u32, height: u32, split: bool) -> (u32, u32) {
+        if !split {
+            return (0, 0);
+        }
+        let (w, h) = self.scaled(width, height);
+        let (w, h) = self.grown(w, h);
+        let m = self.tile;
+        if w <= m && h <= m { (0, 0) } else { ((h - m) / m + 1, (w - m) / m + 1) }
+    }
+
+    /// The text standing for an image of `rows` × `cols` tiles: per tile its marker,
+    /// position and image tokens, a line a row, then the global tile.
+    pub fn placeholder(&self, (rows, cols): (u32, u32), m: &Idefics3Markers) -> String {
+        let tokens = m.image.repeat(self.image_seq_len);
+        let global = format!("{}{}{tokens}{}", m.around, m.global, m.around);
+        if rows == 0 && cols == 0 {
+            return global;
+        }
+        let mut text = String::new();
+        for r in 1..=rows {
+            for c in 1..=cols {
+                text.push_str(&format!("{}<row_{r}_col_{c}>{tokens}", m.around));
+            }
+            text.push('\n');
+        }
+        format!("{text}\n{global}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: Idefics3Geometry = Idefics3Geometry { longest_edge: 48, tile: 16, image_seq_len: 2 };
+
+    #[test]
+    fn sizes_and_grids_follow_the_reference_rules() {
+        // The long side set to 48, the short truncated then made even (not below 1).
+        assert_eq!(G.scaled(50, 30), (48, 28));
+        assert_eq!(G.scaled(30, 50), (28, 48));
+        assert_eq!(G.scaled(50, 1), (48, 1));
+        let big = Idefics3Geometry { longest_edge: 8192, ..G };
+        assert_eq!(big.scaled(9000, 100), (4096, 46));
+        // Grown to whole 16-pixel tiles, then cut.
+        assert_eq!(G.grown(48, 28), (48, 32));
+        assert_eq!(G.grown(28, 48), (32, 48));
+        assert_eq!(G.grid(50, 30, true), (2, 3));
+        assert_eq!(G.grid(50, 30, false), (0, 0));
+        assert_eq!(Idefics3Geometry { longest_edge: 16, ..G }.grid(50, 30, true), (0, 0));
+    }
+
+    #[test]
+    fn placeholders_are_the_reference_processors_text() {
+        // transformers' get_image_prompt_string(1, 2, 2, ...) and (0, 0, 2, ...).
+        let m = Idefics3Markers::default();
+        assert_eq!(
+            G.placeholder((1, 2), &m),
+            "<fake_token_around_image><row_1_col_1><image><image><fake_token_around_image><row_1_col_2><image><image>\
+             \n\n<fake_token_around_image><global-img><image><image><fake_token_around_image>"
+        );
+        assert_eq!(
+            G.placeholder((0, 0), &m),
+            "<fake_token_around_image><global-img><image><image><fake_token_around_image>"
+        );
+    }
+}
