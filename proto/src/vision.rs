@@ -100,9 +100,55 @@ impl Idefics3Geometry {
     }
 }
 
+/// LLaVA-NeXT's choice among `pinpoints` (each `(height, width)`) for an image of
+/// `height` × `width`: the one that keeps the most of its pixels when it is fitted
+/// inside, then the one that wastes least; the first of equals.
+pub fn best_resolution(height: u32, width: u32, pinpoints: &[(u32, u32)]) -> Option<(u32, u32)> {
+    let (h0, w0) = (height as f64, width as f64);
+    let mut best: Option<((u32, u32), u64, u64)> = None;
+    for &(h, w) in pinpoints {
+        let scale = (w as f64 / w0).min(h as f64 / h0);
+        let (dw, dh) = ((w0 * scale) as u64, (h0 * scale) as u64);
+        let effective = (dw * dh).min(width as u64 * height as u64);
+        let wasted = (w as u64 * h as u64).saturating_sub(effective);
+        let better = match best {
+            None => true,
+            Some((_, e, waste)) => effective > e || (effective == e && wasted < waste),
+        };
+        if better {
+            best = Some(((h, w), effective, wasted));
+        }
+    }
+    best.map(|(r, ..)| r)
+}
+
+/// The size (height, width) an image of `height` × `width` is resized to inside
+/// `target` (height, width): the tighter side fills it, the other in proportion,
+/// rounded up (LLaVA-NeXT's `get_patch_output_size`).
+pub fn fit_inside(height: u32, width: u32, (th, tw): (u32, u32)) -> (u32, u32) {
+    let (sw, sh) = (tw as f64 / width as f64, th as f64 / height as f64);
+    if sw < sh {
+        (((height as f64 * sw).ceil() as u32).min(th), tw)
+    } else {
+        (th, ((width as f64 * sh).ceil() as u32).min(tw))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn llava_next_picks_the_resolution_the_reference_picks() {
+        let pinpoints = [(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)];
+        // A landscape photo fills 336 x 672 best; a square one 672 x 672; a tall strip 1008 x 336.
+        assert_eq!(best_resolution(480, 640, &pinpoints), Some((672, 672)));
+        assert_eq!(best_resolution(300, 900, &pinpoints), Some((336, 1008)));
+        assert_eq!(best_resolution(200, 400, &pinpoints), Some((336, 672)));
+        assert_eq!(best_resolution(10, 10, &[]), None);
+        assert_eq!(fit_inside(30, 50, (32, 64)), (32, 54));
+        assert_eq!(fit_inside(50, 30, (32, 64)), (32, 20));
+    }
 
     const G: Idefics3Geometry = Idefics3Geometry { longest_edge: 48, tile: 16, image_seq_len: 2 };
 

@@ -2,6 +2,7 @@
 //! reproduced exactly (`resize`: Pillow's resampling).
 
 pub mod idefics3;
+pub mod llava;
 pub mod resize;
 
 /// Reads the fixtures the scripts under `scripts/fixtures/` write: little-endian fields
