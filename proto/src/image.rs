@@ -7,19 +7,19 @@
 use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits, RgbImage};
 use std::io::Cursor;
 
-/// What an image may be, before any pixel is decoded.
+/// What an image may be, judged from its header before any pixel is decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImageLimits {
     /// Longest side, in pixels.
     pub max_side: u32,
-    /// Bytes the decoder may allocate.
-    pub max_alloc: u64,
+    /// Pixels in all (40 million: a large camera's photo); the decoder may allocate
+    /// four bytes a pixel and a little more.
+    pub max_pixels: u64,
 }
 
 impl Default for ImageLimits {
     fn default() -> Self {
-        // 16k a side covers any camera; 512 MiB of decoder memory any such image.
-        Self { max_side: 16_384, max_alloc: 512 << 20 }
+        Self { max_side: 16_384, max_pixels: 40_000_000 }
     }
 }
 
@@ -30,8 +30,8 @@ pub enum DecodeError {
     NotAnImage,
     #[error("{0} images are not supported (send PNG, JPEG, WebP or GIF)")]
     Unsupported(&'static str),
-    #[error("the image is {width}x{height} pixels; the limit is {max} a side")]
-    TooLarge { width: u32, height: u32, max: u32 },
+    #[error("the image is {width}x{height} pixels; the limit is {max_side} a side and {max_pixels} pixels")]
+    TooLarge { width: u32, height: u32, max_side: u32, max_pixels: u64 },
     #[error("the {format} image cannot be decoded: {reason}")]
     Corrupt { format: &'static str, reason: String },
 }
@@ -45,25 +45,57 @@ pub struct Decoded {
 
 /// The format the bytes' signature names, if it is one we read.
 pub fn sniff(bytes: &[u8]) -> Result<&'static str, DecodeError> {
+    kind(bytes).map(|(_, name)| name)
+}
+
+fn kind(bytes: &[u8]) -> Result<(ImageFormat, &'static str), DecodeError> {
     match image::guess_format(bytes) {
-        Ok(ImageFormat::Png) => Ok("PNG"),
-        Ok(ImageFormat::Jpeg) => Ok("JPEG"),
-        Ok(ImageFormat::WebP) => Ok("WebP"),
-        Ok(ImageFormat::Gif) => Ok("GIF"),
+        Ok(f @ ImageFormat::Png) => Ok((f, "PNG")),
+        Ok(f @ ImageFormat::Jpeg) => Ok((f, "JPEG")),
+        Ok(f @ ImageFormat::WebP) => Ok((f, "WebP")),
+        Ok(f @ ImageFormat::Gif) => Ok((f, "GIF")),
         Ok(other) => Err(DecodeError::Unsupported(other.extensions_str().first().copied().unwrap_or("these"))),
         Err(_) => Err(DecodeError::NotAnImage),
     }
 }
 
+/// An image's format and size (as shown: EXIF orientation applied), its bytes having
+/// been decoded whole to prove them readable; the pixels are not kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inspected {
+    pub format: &'static str,
+    pub width: u32,
+    pub height: u32,
+}
+
 /// Decodes `bytes` within `limits`.
 pub fn decode(bytes: &[u8], limits: ImageLimits) -> Result<Decoded, DecodeError> {
-    let format = sniff(bytes)?;
+    let (format, image, orientation) = decode_raw(bytes, limits)?;
+    let mut image = image;
+    image.apply_orientation(orientation);
+    Ok(Decoded { format, rgb: image.into_rgb8() })
+}
+
+/// What `decode` would give, without converting or turning the pixels.
+pub fn inspect(bytes: &[u8], limits: ImageLimits) -> Result<Inspected, DecodeError> {
+    use image::metadata::Orientation::{Rotate90, Rotate90FlipH, Rotate270, Rotate270FlipH};
+    let (format, image, orientation) = decode_raw(bytes, limits)?;
+    let (w, h) = (image.width(), image.height());
+    let (width, height) =
+        if matches!(orientation, Rotate90 | Rotate270 | Rotate90FlipH | Rotate270FlipH) { (h, w) } else { (w, h) };
+    Ok(Inspected { format, width, height })
+}
+
+fn decode_raw(
+    bytes: &[u8],
+    limits: ImageLimits,
+) -> Result<(&'static str, DynamicImage, image::metadata::Orientation), DecodeError> {
+    let (image_format, format) = kind(bytes)?;
     let corrupt = |e: image::ImageError| DecodeError::Corrupt { format, reason: e.to_string() };
-    let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|_| DecodeError::NotAnImage)?;
-    let mut decoder = reader.into_decoder().map_err(corrupt)?;
+    let mut decoder = ImageReader::with_format(Cursor::new(bytes), image_format).into_decoder().map_err(corrupt)?;
     let (width, height) = decoder.dimensions();
-    if width.max(height) > limits.max_side {
-        return Err(DecodeError::TooLarge { width, height, max: limits.max_side });
+    if width.max(height) > limits.max_side || width as u64 * height as u64 > limits.max_pixels {
+        return Err(DecodeError::TooLarge { width, height, max_side: limits.max_side, max_pixels: limits.max_pixels });
     }
     if width == 0 || height == 0 {
         return Err(DecodeError::Corrupt { format, reason: "it has no pixels".into() });
@@ -71,13 +103,12 @@ pub fn decode(bytes: &[u8], limits: ImageLimits) -> Result<Decoded, DecodeError>
     let mut l = Limits::default();
     l.max_image_width = Some(limits.max_side);
     l.max_image_height = Some(limits.max_side);
-    l.max_alloc = Some(limits.max_alloc);
+    l.max_alloc = Some(limits.max_pixels * 4 + (16 << 20));
     decoder.set_limits(l).map_err(corrupt)?;
     // A file without EXIF reads as upright; one whose EXIF is unreadable too.
     let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
-    let mut image = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
-    image.apply_orientation(orientation);
-    Ok(Decoded { format, rgb: image.into_rgb8() })
+    let image = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
+    Ok((format, image, orientation))
 }
 
 #[cfg(test)]
@@ -147,20 +178,39 @@ mod tests {
         assert!(matches!(cut, DecodeError::Corrupt { format: "PNG", .. }), "{cut:?}");
         // Larger than allowed: refused from the header, before any pixel is allocated.
         let small = ImageLimits { max_side: 7, ..ImageLimits::default() };
-        assert_eq!(decode(&png, small).unwrap_err(), DecodeError::TooLarge { width: 8, height: 8, max: 7 });
+        assert!(matches!(decode(&png, small), Err(DecodeError::TooLarge { width: 8, height: 8, .. })));
+        let few = ImageLimits { max_pixels: 63, ..ImageLimits::default() };
+        assert!(matches!(inspect(&png, few), Err(DecodeError::TooLarge { .. })));
+        let seen = inspect(&png, ImageLimits::default()).unwrap();
+        assert_eq!((seen.format, seen.width, seen.height), ("PNG", 8, 8));
     }
 
     #[test]
     fn a_decompression_bomb_is_refused_by_its_header() {
-        // A PNG header claiming 100000 x 100000 pixels over a few bytes of data.
+        // A valid PNG header claiming 100000 x 100000 pixels over a few bytes of data:
+        // refused as too large, before any buffer is asked for.
         let mut bytes = Vec::new();
         image::codecs::png::PngEncoder::new(&mut bytes)
             .write_image(&[0; 3], 1, 1, image::ExtendedColorType::Rgb8)
             .unwrap();
-        // IHDR's width and height sit at bytes 16..24; its CRC no longer matches, which
-        // is also refused — either way no 30 GB buffer is asked for.
+        // IHDR: length (8..12), type (12..16), width and height (16..24), ..., CRC (29..33).
         bytes[16..20].copy_from_slice(&100_000u32.to_be_bytes());
         bytes[20..24].copy_from_slice(&100_000u32.to_be_bytes());
-        assert!(decode(&bytes, ImageLimits::default()).is_err());
+        let crc = crc32(&bytes[12..29]);
+        bytes[29..33].copy_from_slice(&crc.to_be_bytes());
+        let e = decode(&bytes, ImageLimits::default()).unwrap_err();
+        assert!(matches!(e, DecodeError::TooLarge { width: 100_000, height: 100_000, .. }), "{e:?}");
+    }
+
+    /// PNG's CRC-32 (ISO 3309), bit by bit: the test's own header must be valid.
+    fn crc32(data: &[u8]) -> u32 {
+        let mut crc = u32::MAX;
+        for &b in data {
+            crc ^= b as u32;
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            }
+        }
+        !crc
     }
 }

@@ -1,7 +1,8 @@
 //! What both processes must agree on about an image for a vision model, from its size
 //! alone: how the Idefics3 / SmolVLM processor cuts it into tiles, and the placeholder
-//! text the prompt carries for it (the control plane renders and counts it; the worker
-//! fills its image tokens with the encoder's output, tile by tile).
+//! text the prompt carries for it (for the control plane to render and count, and the
+//! worker to fill with the encoder's output, tile by tile), and LLaVA-NeXT's choice of
+//! resolution.
 
 /// The Idefics3 / SmolVLM processor's geometry (`preprocessor_config.json`, and the
 /// model's `image_seq_len`).
@@ -78,7 +79,8 @@ impl Idefics3Geometry {
         let (w, h) = self.scaled(width, height);
         let (w, h) = self.grown(w, h);
         let m = self.tile;
-        if w <= m && h <= m { (0, 0) } else { ((h - m) / m + 1, (w - m) / m + 1) }
+        // `grown` gives whole tiles.
+        if w <= m && h <= m { (0, 0) } else { (h / m, w / m) }
     }
 
     /// The text standing for an image of `rows` × `cols` tiles: per tile its marker,
@@ -141,7 +143,7 @@ mod tests {
     #[test]
     fn llava_next_picks_the_resolution_the_reference_picks() {
         let pinpoints = [(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)];
-        // A landscape photo fills 336 x 672 best; a square one 672 x 672; a tall strip 1008 x 336.
+        // 480 x 640 (h x w) fits 672 x 672 best, a wide strip 336 x 1008, a 1:2 image 336 x 672.
         assert_eq!(best_resolution(480, 640, &pinpoints), Some((672, 672)));
         assert_eq!(best_resolution(300, 900, &pinpoints), Some((336, 1008)));
         assert_eq!(best_resolution(200, 400, &pinpoints), Some((336, 672)));

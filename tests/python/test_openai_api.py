@@ -1100,8 +1100,10 @@ class Errors(unittest.TestCase):
         self.assertIn("smollm2", e.message)
         item = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                              {"type": "input_image", "image_url": "http://10.1.2.3/x.png"}]}]
-        self.assert_error(openai.BadRequestError, "invalid_value",
-                          lambda: client().responses.create(model=MODEL, input=item), "input[0].content[1].image_url")
+        e = self.assert_error(openai.BadRequestError, "invalid_value",
+                              lambda: client().responses.create(model=MODEL, input=item),
+                              "input[0].content[1].image_url")
+        self.assertIn("internal", e.message)
 
     def test_malformed_json_and_unsupported_endpoints(self):
         status, body = raw_post("/chat/completions", b"{not json", API_KEY)

@@ -196,16 +196,9 @@ fn image(at: &str, part: &Value, caps: &Capabilities, model: &str) -> Result<(),
             message: format!("Invalid content type: {model} does not accept image input; send text parts only."),
         });
     }
-    let (url, detail) = match part.get("image_url") {
-        // The responses endpoint's `input_image`: the URL, and `detail` beside it.
-        Some(Value::String(u)) => (u.as_str(), part.get("detail")),
-        Some(Value::Object(o)) => (
-            o.get("url")
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::MissingParam(format!("{at}.image_url.url")))?,
-            o.get("detail"),
-        ),
-        _ => return Err(ApiError::MissingParam(format!("{at}.image_url"))),
+    let Some((url, detail)) = image_url(part) else {
+        let field = if matches!(part.get("image_url"), Some(Value::Object(_))) { "image_url.url" } else { "image_url" };
+        return Err(ApiError::MissingParam(format!("{at}.{field}")));
     };
     if url.is_empty() {
         return Err(ApiError::invalid_value(format!("{at}.image_url"), "Invalid image: the URL is empty."));
@@ -214,31 +207,39 @@ fn image(at: &str, part: &Value, caps: &Capabilities, model: &str) -> Result<(),
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(d)) if matches!(d.as_str(), "auto" | "low" | "high") => Ok(()),
         Some(other) => Err(ApiError::invalid_value(
-            format!("{at}.image_url.detail"),
+            // Chat nests `detail` in `image_url`; the responses endpoint puts it beside.
+            if part.get("detail").is_some() { format!("{at}.detail") } else { format!("{at}.image_url.detail") },
             format!("Invalid value: {other}. Supported values are: 'auto', 'low' and 'high'."),
         )),
     }
 }
 
+/// An image part's URL and `detail`: chat's `image_url: {url, detail}`, or the responses
+/// endpoint's `image_url: "…"` with `detail` beside it.
+fn image_url(part: &Value) -> Option<(&str, Option<&Value>)> {
+    match part.get("image_url")? {
+        Value::String(u) => Some((u.as_str(), part.get("detail"))),
+        Value::Object(o) => Some((o.get("url")?.as_str()?, o.get("detail"))),
+        _ => None,
+    }
+}
+
 /// Every image part of the request's list `name` (`messages`, or the responses
 /// endpoint's `input`; already checked by `for_template`), in order: where it is
-/// (`messages[0].content[1].image_url`) and its URL.
+/// (`messages[0].content[1].image_url`) and its URL. Parts are looked for in `content`
+/// and in a tool result's `output` (the responses endpoint's function_call_output).
 pub fn image_parts(messages: &Value, name: &str) -> Vec<(String, String)> {
     let mut found = Vec::new();
     for (i, m) in messages.as_array().into_iter().flatten().enumerate() {
-        for (j, part) in m.get("content").and_then(Value::as_array).into_iter().flatten().enumerate() {
-            if !matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "input_image")) {
-                continue;
+        for field in ["content", "output"] {
+            for (j, part) in m.get(field).and_then(Value::as_array).into_iter().flatten().enumerate() {
+                if !matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "input_image")) {
+                    continue;
+                }
+                if let Some((url, _)) = image_url(part) {
+                    found.push((format!("{name}[{i}].{field}[{j}].image_url"), url.to_string()));
+                }
             }
-            let url = match part.get("image_url") {
-                Some(Value::String(u)) => u,
-                Some(Value::Object(o)) => match o.get("url").and_then(Value::as_str) {
-                    Some(u) => u,
-                    None => continue,
-                },
-                _ => continue,
-            };
-            found.push((format!("{name}[{i}].content[{j}].image_url"), url.to_string()));
         }
     }
     found
@@ -312,6 +313,12 @@ mod tests {
         );
         let responses = img(json!({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}));
         assert_eq!(image_parts(&responses, "input")[0].1, "data:image/png;base64,AAAA");
+        let bad = img(json!({"type": "input_image", "image_url": "https://x/y.png", "detail": "huge"}));
+        assert_eq!(code(for_template(&bad, &VISION, "v/m").unwrap_err()).1, "messages[0].content[1].detail");
+        // A tool result's output carries images too (the responses endpoint's shape).
+        let output = json!([{"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_text", "text": "chart"}, {"type": "input_image", "image_url": "https://x/c.png"}]}]);
+        assert_eq!(image_parts(&output, "input"), [("input[0].output[1].image_url".into(), "https://x/c.png".into())]);
         let bad_detail = img(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "huge"}}));
         assert_eq!(
             code(for_template(&bad_detail, &VISION, "v/m").unwrap_err()).1,

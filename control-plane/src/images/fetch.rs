@@ -40,14 +40,9 @@ impl Fetcher {
             if attempt.previous().len() > max_redirects {
                 return attempt.error(Refusal::Redirects(max_redirects));
             }
-            let url = attempt.url();
-            if !matches!(url.scheme(), "http" | "https") {
-                let scheme = url.scheme().to_string();
-                return attempt.error(Refusal::Scheme(scheme));
-            }
-            match literal_ip(url) {
-                Some(ip) if !allow && internal(ip) => attempt.error(Refusal::Internal(refused(ip))),
-                _ => attempt.follow(),
+            match check_hop(attempt.url(), allow) {
+                Ok(()) => attempt.follow(),
+                Err(refusal) => attempt.error(refusal),
             }
         });
         let client = Client::builder()
@@ -73,15 +68,11 @@ impl Fetcher {
                 url.chars().take(40).collect::<String>()
             )));
         }
-        if let Some(ip) = literal_ip(&parsed)
-            && !self.config.allow_internal
-            && internal(ip)
-        {
-            return Err(ImageError::Refused(refused(ip)));
-        }
+        check_hop(&parsed, self.config.allow_internal).map_err(|r| classify_refusal(&r))?;
         let mut response = self.client.get(parsed).send().await.map_err(|e| classify(&e))?;
         let status = response.status();
-        // The client follows only http(s) redirects: any other is answered as is.
+        // A redirect the client did not follow: to a scheme it does not fetch, or
+        // without a Location to go to.
         if status.is_redirection() {
             let to = response.headers().get(reqwest::header::LOCATION).and_then(|l| l.to_str().ok()).unwrap_or("");
             return Err(ImageError::Unreachable(format!("a redirect to {to:?}, which is not http(s)")));
@@ -126,6 +117,18 @@ impl Fetcher {
     }
 }
 
+/// Whether a fetch may go to `url` (the first request or a redirect): http(s) only, and
+/// no literal internal address unless `allow`. Host names are judged by the resolver.
+fn check_hop(url: &Url, allow: bool) -> Result<(), Refusal> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(Refusal::Scheme(url.scheme().to_string()));
+    }
+    match literal_ip(url) {
+        Some(ip) if !allow && internal(ip) => Err(Refusal::Internal(refused(ip))),
+        _ => Ok(()),
+    }
+}
+
 fn literal_ip(url: &Url) -> Option<IpAddr> {
     match url.host()? {
         url::Host::Ipv4(v4) => Some(IpAddr::V4(v4)),
@@ -139,26 +142,29 @@ fn refused(ip: IpAddr) -> String {
 }
 
 /// What went wrong, in words for the client: a refusal of ours if there is one in the
-/// chain, else what the client says.
+/// chain; else whether it timed out, or the server could not be reached at all (not
+/// why: refused and unanswered connections must not read differently, or the fetcher
+/// becomes a port scanner).
 fn classify(e: &reqwest::Error) -> ImageError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
         if let Some(r) = s.downcast_ref::<Refusal>() {
-            return match r {
-                Refusal::Internal(m) => ImageError::Refused(m.clone()),
-                Refusal::Redirects(_) | Refusal::Scheme(_) => ImageError::Unreachable(r.to_string()),
-            };
+            return classify_refusal(r);
         }
         source = s.source();
     }
     if e.is_timeout() {
         return ImageError::TimedOut;
     }
-    let mut reason = e.to_string();
-    if let Some(inner) = std::error::Error::source(e) {
-        reason = format!("{reason}: {inner}");
+    let host = e.url().and_then(Url::host_str).unwrap_or("its host");
+    ImageError::Unreachable(format!("no answer from {host}"))
+}
+
+fn classify_refusal(r: &Refusal) -> ImageError {
+    match r {
+        Refusal::Internal(m) => ImageError::Refused(m.clone()),
+        Refusal::Redirects(_) | Refusal::Scheme(_) => ImageError::Unreachable(r.to_string()),
     }
-    ImageError::Unreachable(reason)
 }
 
 /// The system resolver, keeping only the addresses a fetch may use.
@@ -275,7 +281,11 @@ mod tests {
             (format!("{base}/missing"), |e| matches!(e, ImageError::Unreachable(_)), "404"),
             (format!("{base}/stall"), |e| matches!(e, ImageError::TimedOut), "in time"),
             // Nothing listens on port 9 of loopback.
-            ("http://127.0.0.1:9/x.png".into(), |e| matches!(e, ImageError::Unreachable(_)), "could not be fetched"),
+            (
+                "http://127.0.0.1:9/x.png".into(),
+                |e| matches!(e, ImageError::Unreachable(_)),
+                "no answer from 127.0.0.1",
+            ),
             ("ftp://example.com/x.png".into(), |e| matches!(e, ImageError::BadUrl(_)), "http(s) URL"),
             ("data:image/png;base64,***".into(), |e| matches!(e, ImageError::BadUrl(_)), "invalid base64"),
             (
@@ -289,6 +299,19 @@ mod tests {
             assert!(expected(&e), "{url}: {e:?}");
             assert!(e.to_string().contains(words), "{url}: {e}");
         }
+    }
+
+    #[test]
+    fn each_hop_is_checked_for_scheme_and_literal_internal_addresses() {
+        use super::{Refusal, check_hop};
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        assert!(matches!(check_hop(&url("http://127.0.0.1/x"), false), Err(Refusal::Internal(_))));
+        assert!(matches!(check_hop(&url("https://[::ffff:a9fe:a9fe]/"), false), Err(Refusal::Internal(_))));
+        assert!(matches!(check_hop(&url("file:///etc/passwd"), true), Err(Refusal::Scheme(_))));
+        assert!(check_hop(&url("http://127.0.0.1/x"), true).is_ok());
+        assert!(check_hop(&url("https://8.8.8.8/x"), false).is_ok());
+        // Names go to the resolver, which judges the addresses they have.
+        assert!(check_hop(&url("http://localhost/x"), false).is_ok());
     }
 
     #[tokio::test]

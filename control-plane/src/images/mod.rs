@@ -11,8 +11,10 @@ pub use fetch::Fetcher;
 use crate::api::error::ApiError;
 use crate::catalog::CatalogModel;
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 use std::time::Duration;
-use tessera_proto::image::{DecodeError, ImageLimits, decode};
+use tessera_proto::image::{DecodeError, ImageLimits, inspect};
+use tokio::sync::Semaphore;
 
 /// How images are fetched and what they may be (ServeConfig / ApiArgs).
 #[derive(Debug, Clone)]
@@ -33,7 +35,7 @@ pub struct ImageConfig {
 impl Default for ImageConfig {
     fn default() -> Self {
         Self {
-            max_bytes: 20 << 20,
+            max_bytes: 20_000_000,
             timeout: Duration::from_secs(10),
             max_redirects: 3,
             allow_internal: false,
@@ -54,12 +56,16 @@ pub enum ImageError {
     Unreachable(String),
     #[error("the image could not be fetched in time")]
     TimedOut,
-    #[error("the image is larger than the limit of {} MB", .0 / 1_000_000)]
+    #[error("the image is larger than the limit of {}", size_words(*.0))]
     TooLarge(usize),
     #[error("{0}")]
     Decode(#[from] DecodeError),
     #[error("a request may carry at most {0} images or video frames")]
     TooMany(usize),
+}
+
+fn size_words(bytes: usize) -> String {
+    if bytes >= 1_000_000 { format!("{} MB", bytes / 1_000_000) } else { format!("{bytes} bytes") }
 }
 
 impl ImageError {
@@ -86,11 +92,15 @@ pub struct LoadedImage {
 pub struct Images {
     fetcher: Fetcher,
     config: ImageConfig,
+    /// Decodes at once, process-wide: each may hold a large image's pixels, so a
+    /// request with many large images waits its turn rather than multiplying memory.
+    decoding: Arc<Semaphore>,
 }
 
 impl Images {
     pub fn new(config: ImageConfig) -> anyhow::Result<Self> {
-        Ok(Self { fetcher: Fetcher::new(config.clone())?, config })
+        let decoding = Arc::new(Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get().min(4))));
+        Ok(Self { fetcher: Fetcher::new(config.clone())?, config, decoding })
     }
 
     /// Each `(param, url)` loaded, fetches at once, or the first part (in request
@@ -120,24 +130,20 @@ impl Images {
         })
     }
 
-    /// One image: fetched, then decoded off the async threads.
+    /// One image: fetched, then decoded off the async threads (its pixels are dropped:
+    /// the worker decodes the same bytes again beside its encoder).
     pub async fn load(&self, url: &str) -> Result<LoadedImage, ImageError> {
         let bytes = self.fetcher.bytes(url).await?;
         let limits = self.config.limits;
-        let (bytes, decoded) = tokio::task::spawn_blocking(move || {
-            let decoded = decode(&bytes, limits);
-            (bytes, decoded)
+        let _turn = self.decoding.acquire().await.expect("the semaphore is never closed");
+        let (bytes, inspected) = tokio::task::spawn_blocking(move || {
+            let inspected = inspect(&bytes, limits);
+            (bytes, inspected)
         })
         .await
-        .map_err(|e| ImageError::Unreachable(format!("the decoder stopped: {e}")))?;
-        let decoded = decoded?;
+        .map_err(|_| DecodeError::Corrupt { format: "image", reason: "the decoder failed on it".into() })?;
+        let seen = inspected?;
         let sha256 = Sha256::digest(&bytes).into();
-        Ok(LoadedImage {
-            sha256,
-            format: decoded.format,
-            width: decoded.rgb.width(),
-            height: decoded.rgb.height(),
-            bytes,
-        })
+        Ok(LoadedImage { sha256, format: seen.format, width: seen.width, height: seen.height, bytes })
     }
 }

@@ -6,6 +6,7 @@
 //! tile. Each tile's 8-bit pixels rescaled (in f64, then f32) and normalised (in f32),
 //! channels first — the same bits as the reference.
 
+use super::Values;
 use super::resize::{Filter, resize};
 use image::RgbImage;
 use tessera_proto::vision::Idefics3Geometry;
@@ -16,9 +17,7 @@ pub struct Idefics3Processor {
     /// Sizes and tiles, shared with the control plane (which renders the placeholders).
     pub geometry: Idefics3Geometry,
     pub resample: Filter,
-    pub rescale_factor: f64,
-    pub mean: [f32; 3],
-    pub std: [f32; 3],
+    pub values: Values,
 }
 
 /// An image made ready for the encoder.
@@ -42,29 +41,19 @@ impl Idefics3Processor {
         let (rows, cols) = g.grid(image.width(), image.height(), split);
         let mut pixels = Vec::new();
         if !split {
-            self.push(&resize(&scaled, m, m, self.resample), &mut pixels);
+            self.values.push(&resize(&scaled, m, m, self.resample), &mut pixels);
             return Tiles { rows, cols, pixels };
         }
         let (w, h) = g.grown(w, h);
         let grown = resize(&scaled, w, h, self.resample);
         for r in 0..rows {
             for c in 0..cols {
-                self.push(&image::imageops::crop_imm(&grown, c * m, r * m, m, m).to_image(), &mut pixels);
+                self.values.push(&image::imageops::crop_imm(&grown, c * m, r * m, m, m).to_image(), &mut pixels);
             }
         }
         // The global tile (the grown image itself when it is one tile: same size, a copy).
-        self.push(&resize(&grown, m, m, self.resample), &mut pixels);
+        self.values.push(&resize(&grown, m, m, self.resample), &mut pixels);
         Tiles { rows, cols, pixels }
-    }
-
-    /// One tile, channels first, rescaled and normalised.
-    fn push(&self, tile: &RgbImage, out: &mut Vec<f32>) {
-        for c in 0..3 {
-            out.extend(tile.pixels().map(|p| {
-                let x = (p.0[c] as f64 * self.rescale_factor) as f32;
-                (x - self.mean[c]) / self.std[c]
-            }));
-        }
     }
 }
 
@@ -104,9 +93,7 @@ mod tests {
         let processor = Idefics3Processor {
             geometry: Idefics3Geometry { longest_edge, tile, image_seq_len: 0 },
             resample: Filter::Lanczos,
-            rescale_factor: 1.0 / 255.0,
-            mean: [0.5; 3],
-            std: [0.5; 3],
+            values: Values { rescale_factor: 1.0 / 255.0, mean: [0.5; 3], std: [0.5; 3] },
         };
         assert_eq!(cases.len(), 12);
         let mut split_any = false;

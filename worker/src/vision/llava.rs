@@ -6,7 +6,8 @@
 //! each square then goes the 1.5 way. Pixels rescaled (f64, then f32) and normalised (f32),
 //! channels first — the same bits as the reference.
 
-use super::resize::{Filter, resize};
+use super::Values;
+use super::resize::{Filter, Window, resize, resize_window};
 use image::{RgbImage, imageops};
 use tessera_proto::vision::{best_resolution, fit_inside};
 
@@ -18,9 +19,7 @@ pub struct LlavaProcessor {
     /// `crop_size`, square.
     pub crop: u32,
     pub resample: Filter,
-    pub rescale_factor: f64,
-    pub mean: [f32; 3],
-    pub std: [f32; 3],
+    pub values: Values,
     /// NeXT's `image_grid_pinpoints`, each (height, width); empty for LLaVA-1.5.
     pub pinpoints: Vec<(u32, u32)>,
 }
@@ -51,16 +50,19 @@ impl LlavaProcessor {
         pixels
     }
 
-    /// One square: shortest side to `shortest_edge`, centre crop, then values.
+    /// One square: shortest side to `shortest_edge`, centre crop, then values. Only the
+    /// crop is resized (a long strip's whole resize could be gigabytes).
     fn push(&self, image: &RgbImage, out: &mut Vec<f32>) {
         let (w, h) = shortest_side(image.width(), image.height(), self.shortest_edge);
-        let tile = center_crop(&resize(image, w, h, self.resample), self.crop);
-        for c in 0..3 {
-            out.extend(tile.pixels().map(|p| {
-                let x = (p.0[c] as f64 * self.rescale_factor) as f32;
-                (x - self.mean[c]) / self.std[c]
-            }));
-        }
+        let size = self.crop;
+        let window = Window {
+            x: w.saturating_sub(size) / 2,
+            y: h.saturating_sub(size) / 2,
+            width: w.min(size),
+            height: h.min(size),
+        };
+        let inside = resize_window(image, w, h, self.resample, window);
+        self.values.push(&pad_to_square(&inside, size), out);
     }
 }
 
@@ -71,17 +73,16 @@ fn shortest_side(width: u32, height: u32, edge: u32) -> (u32, u32) {
     if width <= height { (edge, long) } else { (long, edge) }
 }
 
-/// The centred `size` square, black where the image is smaller.
-fn center_crop(image: &RgbImage, size: u32) -> RgbImage {
+/// `image` (no larger than `size` a side) centred on a black `size` square, its offset
+/// rounded up — the reference's centre crop of an image smaller than the crop.
+fn pad_to_square(image: &RgbImage, size: u32) -> RgbImage {
     let (w, h) = image.dimensions();
-    if w >= size && h >= size {
-        return imageops::crop_imm(image, (w - size) / 2, (h - size) / 2, size, size).to_image();
+    if (w, h) == (size, size) {
+        return image.clone();
     }
-    // Padded to at least the square (the image centred, rounding its offset up), then cut.
-    let (pw, ph) = (w.max(size), h.max(size));
-    let mut padded = RgbImage::new(pw, ph);
-    imageops::replace(&mut padded, image, (pw - w).div_ceil(2).into(), (ph - h).div_ceil(2).into());
-    imageops::crop_imm(&padded, (pw - size) / 2, (ph - size) / 2, size, size).to_image()
+    let mut square = RgbImage::new(size, size);
+    imageops::replace(&mut square, image, (size - w).div_ceil(2).into(), (size - h).div_ceil(2).into());
+    square
 }
 
 #[cfg(test)]
@@ -101,9 +102,7 @@ mod tests {
             shortest_edge: size,
             crop: size,
             resample: Filter::Bicubic,
-            rescale_factor: 1.0 / 255.0,
-            mean: CLIP_MEAN,
-            std: CLIP_STD,
+            values: Values { rescale_factor: 1.0 / 255.0, mean: CLIP_MEAN, std: CLIP_STD },
             pinpoints: Vec::new(),
         };
         let next = LlavaProcessor { pinpoints, ..one_five.clone() };
@@ -127,12 +126,26 @@ mod tests {
     }
 
     #[test]
+    fn a_long_strip_is_cropped_without_being_made_whole() {
+        // 1 x 16384 to shortest side 336 would be 336 x 5.5 million pixels (5.5 GB) whole.
+        let strip = RgbImage::from_fn(1, 16_384, |_, y| image::Rgb([(y % 251) as u8, 7, 9]));
+        let p = LlavaProcessor {
+            shortest_edge: 336,
+            crop: 336,
+            resample: Filter::Bicubic,
+            values: Values { rescale_factor: 1.0 / 255.0, mean: CLIP_MEAN, std: CLIP_STD },
+            pinpoints: Vec::new(),
+        };
+        assert_eq!(p.preprocess(&strip).len(), 3 * 336 * 336);
+    }
+
+    #[test]
     fn shortest_side_and_crop_follow_the_reference() {
         assert_eq!(shortest_side(50, 30, 16), (26, 16));
         assert_eq!(shortest_side(30, 50, 16), (16, 26));
         // A crop larger than the image pads it with black, centred.
         let small = RgbImage::from_pixel(2, 2, image::Rgb([9, 9, 9]));
-        let cropped = center_crop(&small, 4);
+        let cropped = pad_to_square(&small, 4);
         assert_eq!(cropped.dimensions(), (4, 4));
         assert_eq!((cropped.get_pixel(0, 0).0, cropped.get_pixel(1, 1).0), ([0; 3], [9; 3]));
     }

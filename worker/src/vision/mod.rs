@@ -5,6 +5,27 @@ pub mod idefics3;
 pub mod llava;
 pub mod resize;
 
+/// How a processor turns 8-bit pixels into the encoder's input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Values {
+    pub rescale_factor: f64,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+impl Values {
+    /// `tile`'s pixels appended to `out` channels first, each rescaled (in f64, then
+    /// f32) and normalised (in f32), as the reference processors compute them.
+    pub fn push(&self, tile: &image::RgbImage, out: &mut Vec<f32>) {
+        for c in 0..3 {
+            out.extend(tile.pixels().map(|p| {
+                let x = (p.0[c] as f64 * self.rescale_factor) as f32;
+                (x - self.mean[c]) / self.std[c]
+            }));
+        }
+    }
+}
+
 /// Reads the fixtures the scripts under `scripts/fixtures/` write: little-endian fields
 /// after a magic string.
 #[cfg(test)]

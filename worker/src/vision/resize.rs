@@ -118,14 +118,17 @@ struct Axis {
 }
 
 impl Axis {
-    fn new(input: usize, output: usize, filter: Filter) -> Self {
+    /// The weights of outputs `window` (of `output`) over `input` source pixels.
+    fn new(input: usize, output: usize, filter: Filter, window: std::ops::Range<usize>) -> Self {
         let scale = input as f64 / output as f64;
         let stretch = scale.max(1.0);
+        let inverse = 1.0 / stretch;
         let support = filter.support() * stretch;
         let taps = support.ceil() as usize * 2 + 1;
-        let mut axis = Self { first: vec![0; output], len: vec![0; output], taps, weights: vec![0; output * taps] };
+        let n_out = window.len();
+        let mut axis = Self { first: vec![0; n_out], len: vec![0; n_out], taps, weights: vec![0; n_out * taps] };
         let mut w = vec![0.0f64; taps];
-        for i in 0..output {
+        for (k, i) in window.enumerate() {
             let centre = (i as f64 + 0.5) * scale;
             // Truncated toward zero, then clamped, as Pillow's C casts do.
             let lo = ((centre - support + 0.5) as i64).max(0) as usize;
@@ -133,21 +136,21 @@ impl Axis {
             let n = hi.saturating_sub(lo).min(taps);
             let mut total = 0.0;
             for (j, w) in w[..n].iter_mut().enumerate() {
-                *w = filter.weight((j as f64 + lo as f64 - centre + 0.5) / stretch);
+                *w = filter.weight((j as f64 + lo as f64 - centre + 0.5) * inverse);
                 total += *w;
             }
             for (j, w) in w[..n].iter().enumerate() {
                 let normalised = if total != 0.0 { w / total } else { *w };
                 let scaled = normalised * (1u32 << PRECISION_BITS) as f64;
-                axis.weights[i * taps + j] = if scaled < 0.0 { (scaled - 0.5) as i32 } else { (scaled + 0.5) as i32 };
+                axis.weights[k * taps + j] = if scaled < 0.0 { (scaled - 0.5) as i32 } else { (scaled + 0.5) as i32 };
             }
-            axis.first[i] = lo;
-            axis.len[i] = n;
+            axis.first[k] = lo;
+            axis.len[k] = n;
         }
         axis
     }
 
-    /// Output `i` from the source values `at(first + j)`.
+    /// The window's output `i` from the source values `at(first + j)`.
     #[inline]
     fn apply(&self, i: usize, at: impl Fn(usize) -> u8) -> u8 {
         let mut sum: i32 = 1 << (PRECISION_BITS - 1);
@@ -162,33 +165,55 @@ impl Axis {
 /// `image` resized to `width` × `height` as `PIL.Image.resize((width, height), filter)`
 /// resizes an RGB image.
 pub fn resize(image: &RgbImage, width: u32, height: u32, filter: Filter) -> RgbImage {
+    let (width, height) = (width.max(1), height.max(1));
+    resize_window(image, width, height, filter, Window { x: 0, y: 0, width, height })
+}
+
+/// A rectangle of an image: its top-left corner and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub x: u32,
+    pub y: u32,
+    pub width: u32,
+    pub height: u32,
+}
+
+/// `window` of `image` resized to `width` × `height`: the pixels `resize` would give
+/// there, without making the rest (a long strip resized and centre-cropped would
+/// otherwise be made whole first). `window` lies inside `width` × `height`.
+pub fn resize_window(image: &RgbImage, width: u32, height: u32, filter: Filter, window: Window) -> RgbImage {
     let (w_in, h_in) = (image.width() as usize, image.height() as usize);
     let (w_out, h_out) = (width.max(1) as usize, height.max(1) as usize);
-    if (w_in, h_in) == (w_out, h_out) || w_in == 0 || h_in == 0 {
-        return image.clone();
+    let (x, y) = (window.x as usize, window.y as usize);
+    let (cw, ch) =
+        ((window.width as usize).min(w_out - x.min(w_out)), (window.height as usize).min(h_out - y.min(h_out)));
+    if (w_in, h_in) == (w_out, h_out) || w_in == 0 || h_in == 0 || cw == 0 || ch == 0 {
+        return image::imageops::crop_imm(image, x as u32, y as u32, cw as u32, ch as u32).to_image();
     }
     let src = image.as_raw();
-    let out = match (w_out != w_in, h_out != h_in) {
-        (true, false) => horizontal(src, w_in, 0..h_in, &Axis::new(w_in, w_out, filter)),
-        (false, true) => vertical(src, w_in, 0, &Axis::new(h_in, h_out, filter)),
-        _ => {
-            let (columns, rows) = (Axis::new(w_in, w_out, filter), Axis::new(h_in, h_out, filter));
+    let columns = (w_out != w_in).then(|| Axis::new(w_in, w_out, filter, x..x + cw));
+    let rows = (h_out != h_in).then(|| Axis::new(h_in, h_out, filter, y..y + ch));
+    let out = match (columns, rows) {
+        (Some(columns), None) => horizontal(src, w_in, y..y + ch, &columns),
+        (None, Some(rows)) => vertical(src, w_in, 0, &rows, x..x + cw),
+        (Some(columns), Some(rows)) => {
             // Pillow 13 runs the vertical pass first when height shrinks by more than
-            // twice the columns width loses (Pillow PR #9549); the order changes the
-            // 8-bit rounding between the passes, so it is followed exactly.
+            // twice what width loses (Pillow PR #9549); the order changes the 8-bit
+            // rounding between the passes, so it is followed exactly.
             if h_out < h_in && (h_in - h_out) as i64 > 2 * (w_in as i64 - w_out as i64) {
-                let tall = vertical(src, w_in, 0, &rows);
-                horizontal(&tall, w_in, 0..h_out, &columns)
+                let tall = vertical(src, w_in, 0, &rows, 0..w_in);
+                horizontal(&tall, w_in, 0..ch, &columns)
             } else {
                 // Only the source rows the vertical pass reads.
                 let from = rows.first[0];
-                let to = rows.first[h_out - 1] + rows.len[h_out - 1];
+                let to = rows.first[ch - 1] + rows.len[ch - 1];
                 let wide = horizontal(src, w_in, from..to, &columns);
-                vertical(&wide, w_out, from, &rows)
+                vertical(&wide, cw, from, &rows, 0..cw)
             }
         }
+        (None, None) => unreachable!("an unchanged size returned above"),
     };
-    RgbImage::from_raw(w_out as u32, h_out as u32, out).expect("the buffer has the image's size")
+    RgbImage::from_raw(cw as u32, ch as u32, out).expect("the buffer has the window's size")
 }
 
 /// Rows `rows` of `src` (`width` pixels each) resampled along x.
@@ -206,13 +231,15 @@ fn horizontal(src: &[u8], width: usize, rows: std::ops::Range<usize>, columns: &
     out
 }
 
-/// `src` (`width` pixels a row, its first row being source row `first_row`) resampled
-/// along y.
-fn vertical(src: &[u8], width: usize, first_row: usize, rows: &Axis) -> Vec<u8> {
-    let mut out = vec![0u8; rows.first.len() * width * 3];
-    for (y, line) in out.chunks_exact_mut(width * 3).enumerate() {
+/// Columns `columns` of `src` (`width` pixels a row, its first row being source row
+/// `first_row`) resampled along y.
+fn vertical(src: &[u8], width: usize, first_row: usize, rows: &Axis, columns: std::ops::Range<usize>) -> Vec<u8> {
+    let cw = columns.len();
+    let mut out = vec![0u8; rows.first.len() * cw * 3];
+    for (y, line) in out.chunks_exact_mut(cw * 3).enumerate() {
         for (e, v) in line.iter_mut().enumerate() {
-            *v = rows.apply(y, |p| src[(p - first_row) * width * 3 + e]);
+            let at = columns.start * 3 + e;
+            *v = rows.apply(y, |p| src[(p - first_row) * width * 3 + at]);
         }
     }
     out
@@ -246,6 +273,18 @@ mod tests {
             let got = resize(&source, expected.width(), expected.height(), filter);
             let differing = got.as_raw().iter().zip(expected.as_raw()).filter(|(a, b)| a != b).count();
             assert_eq!(differing, 0, "{filter:?} to {}x{}", expected.width(), expected.height());
+        }
+    }
+
+    #[test]
+    fn a_window_is_the_same_pixels_as_a_crop_of_the_whole() {
+        let (source, cases) = fixture();
+        for (filter, expected) in cases {
+            let (w, h) = expected.dimensions();
+            let window = Window { x: w / 3, y: h / 4, width: w.div_ceil(2), height: h.div_ceil(2) };
+            let got = resize_window(&source, w, h, filter, window);
+            let crop = image::imageops::crop_imm(&expected, window.x, window.y, window.width, window.height).to_image();
+            assert_eq!(got, crop, "{filter:?} to {w}x{h}");
         }
     }
 
