@@ -91,7 +91,16 @@ impl Cluster {
         let port = free_port();
         let child = Command::new(binary("tessera-control-plane", "tessera"))
             .args(["control-plane", "--etcd", &self.endpoint(), "--data-dir", self.data_dir()])
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--rate-limit-rpm", "100000"])
+            // Traffic tests are about placement, not limits: clients that finish many short
+            // requests at once must never meet the default burst of 20.
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--rate-limit-rpm",
+                "1000000",
+                "--rate-limit-burst",
+                "100000",
+            ])
             .args(["--lease-ttl-secs", &LEASE_TTL_SECS.to_string(), "--node-grace-secs", "1"])
             .stderr(Stdio::null())
             .spawn()
