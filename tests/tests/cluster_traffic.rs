@@ -55,8 +55,10 @@ results = {}
 def stream(i):
     r = {"id": None, "chunks": 0, "finish": None, "error": None}
     try:
-        raw = c.chat.completions.with_raw_response.create(model="vendor-a/model-a", max_tokens=96,
-            stream=True, stream_options={"include_usage": True},
+        # Long enough that no stream can finish before the node is killed (with TCP_NODELAY
+        # 96 tokens could), whatever the machine's speed: it is killed after four start.
+        raw = c.chat.completions.with_raw_response.create(model="vendor-a/model-a", max_tokens=768,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": f"Tell a long story about the number {i}."}])
         r["id"] = raw.headers.get("x-request-id")
         for chunk in raw.parse():
