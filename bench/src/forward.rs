@@ -151,7 +151,13 @@ impl Lockstep {
         for table in &tables {
             let mut logits = Vec::new();
             for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-                let seq = SeqInput { tokens: chunk, cached: i * PREFILL_CHUNK, block_table: table, logits: true };
+                let seq = SeqInput {
+                    tokens: chunk,
+                    cached: i * PREFILL_CHUNK,
+                    block_table: table,
+                    logits: true,
+                    embeds: &[],
+                };
                 logits = model.forward(&[seq], &mut kv)?;
             }
             first.push(argmax(&logits));
@@ -171,6 +177,7 @@ impl Lockstep {
                     cached: self.cached + s,
                     block_table: &self.tables[b],
                     logits: true,
+                    embeds: &[],
                 })
                 .collect();
             let logits = model.forward(&inputs, &mut self.kv)?;

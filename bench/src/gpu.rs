@@ -78,7 +78,13 @@ pub fn run(args: Args) -> Result<()> {
             (0..batch).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
         let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [(s * 7919 % config.vocab_size) as u32]).collect();
         let seqs: Vec<SeqInput<'_>> = (0..batch)
-            .map(|s| SeqInput { tokens: &tokens[s], cached: args.context, block_table: &tables[s], logits: true })
+            .map(|s| SeqInput {
+                tokens: &tokens[s],
+                cached: args.context,
+                block_table: &tables[s],
+                logits: true,
+                embeds: &[],
+            })
             .collect();
         let bytes = weight_bytes + batch as f64 * (args.context + 1) as f64 * kv_token_bytes;
         let floor = bytes / bandwidth;
@@ -107,8 +113,9 @@ pub fn run(args: Args) -> Result<()> {
         (0..n).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
     let prompts: Vec<Vec<u32>> =
         (0..n).map(|s| (0..args.context).map(|t| ((s * 131 + t * 17) % config.vocab_size) as u32).collect()).collect();
-    let seqs: Vec<SeqInput<'_>> =
-        (0..n).map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: true }).collect();
+    let seqs: Vec<SeqInput<'_>> = (0..n)
+        .map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: true, embeds: &[] })
+        .collect();
     let time = median(args.reps.min(5), || {
         model.forward_on_device(&seqs, &mut kv)?;
         Ok(g.synchronize()?)

@@ -14,6 +14,7 @@ mod kernels;
 mod metrics_cost;
 mod peer;
 mod serve;
+mod vision;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -49,6 +50,9 @@ enum Command {
     Serve(serve::Args),
     /// Requests per second through `tessera serve` with metrics on against off.
     Metrics(metrics_cost::Args),
+    /// The vision encoder: images encoded per second and a one-image request's time to
+    /// first token, SmolVLM2-256M's shapes.
+    Vision(vision::Args),
     /// The CUDA backend on a Llama-3-8B-shaped model with random weights: decode steps,
     /// prefill and paged attention against the device's bandwidth and matrix ceilings.
     #[cfg(feature = "cuda")]
@@ -78,6 +82,7 @@ fn main() -> Result<()> {
         Command::Metrics(args) => metrics_cost::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),
+        Command::Vision(args) => vision::run(args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(args),
     }

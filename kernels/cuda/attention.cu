@@ -323,3 +323,42 @@ extern "C" __global__ void paged_attention_merge(bf16* out, const float* part_m,
         out[head * head_dim + d] = f2bf(val / sum);
     }
 }
+
+// Bidirectional attention within equal-length sequences (a vision tower's patches):
+// q, k, v and out are [seqs * len, heads * head_dim]. Grid (len, heads, seqs), one
+// block per query row and head; the row's scores live in dynamic shared memory
+// (len floats, then the query's head_dim), every reduction in f32.
+extern "C" __global__ void dense_attention(bf16* out, const bf16* q, const bf16* k, const bf16* v, u32 len,
+                                           u32 heads, u32 head_dim, float scale) {
+    extern __shared__ float smem[];
+    float* scores = smem;
+    float* query = smem + len;
+    const u32 i = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    const unsigned long long width = (unsigned long long)heads * head_dim;
+    const unsigned long long first = (unsigned long long)s * len;
+    const bf16* qrow = q + (first + i) * width + (unsigned long long)h * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) query[d] = bf2f(qrow[d]);
+    __syncthreads();
+    float m = NEG_INF;
+    for (u32 t = threadIdx.x; t < len; t += blockDim.x) {
+        const bf16* krow = k + (first + t) * width + (unsigned long long)h * head_dim;
+        float dot = 0.0f;
+        for (u32 d = 0; d < head_dim; ++d) dot += query[d] * bf2f(krow[d]);
+        scores[t] = dot * scale;
+        m = fmaxf(m, dot * scale);
+    }
+    m = block_max(m);
+    float sum = 0.0f;
+    for (u32 t = threadIdx.x; t < len; t += blockDim.x) {
+        float e = __expf(scores[t] - m);
+        scores[t] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / block_sum(sum);
+    bf16* orow = out + (first + i) * width + (unsigned long long)h * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 t = 0; t < len; ++t) acc += scores[t] * bf2f(v[(first + t) * width + (unsigned long long)h * head_dim + d]);
+        orow[d] = f2bf(acc * inv);
+    }
+}

@@ -126,3 +126,39 @@ extern "C" __global__ void fill_random_bf16(bf16* x, unsigned long long n, unsig
         x[i] = f2bf((2.0f * u - 1.0f) * scale);
     }
 }
+
+// One block per row: two passes over the row (mean, then the variance around it), so an
+// offset residual stream loses no precision.
+extern "C" __global__ void layer_norm(bf16* out, const bf16* x, const float* w, const float* b, u32 dim, float eps) {
+    const bf16* row = x + (unsigned long long)blockIdx.x * dim;
+    bf16* o = out + (unsigned long long)blockIdx.x * dim;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < dim; c += blockDim.x) s += bf2f(row[c]);
+    float mean = block_sum(s) / dim;
+    float ss = 0.0f;
+    for (u32 c = threadIdx.x; c < dim; c += blockDim.x) {
+        float d = bf2f(row[c]) - mean;
+        ss += d * d;
+    }
+    float inv = rsqrtf(block_sum(ss) / dim + eps);
+    for (u32 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = f2bf((bf2f(row[c]) - mean) * inv * w[c] + b[c]);
+}
+
+// kind: 0 erf, 1 tanh approximation, 2 quick (x·σ(1.702x)); in place.
+extern "C" __global__ void gelu(bf16* x, unsigned long long n, u32 kind) {
+    FOR_EACH(i, n) {
+        float v = bf2f(x[i]), r;
+        if (kind == 0) r = 0.5f * v * (1.0f + erff(v * 0.70710678f));
+        else if (kind == 1) r = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+        else r = v / (1.0f + __expf(-1.702f * v));
+        x[i] = f2bf(r);
+    }
+}
+
+// x[rows[i]] = src[i]; rows were checked on the host.
+extern "C" __global__ void scatter_rows(bf16* x, const bf16* src, const u32* rows, u32 n, u32 cols) {
+    FOR_EACH(i, (unsigned long long)n * cols) {
+        unsigned long long r = i / cols, c = i % cols;
+        x[(unsigned long long)rows[r] * cols + c] = src[i];
+    }
+}

@@ -16,7 +16,7 @@ pub mod pick;
 pub mod quant;
 
 pub use error::KernelError;
-pub use ops::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
+pub use ops::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
 
 pub type Result<T> = std::result::Result<T, KernelError>;
 

@@ -38,6 +38,17 @@ impl AttentionShape {
     }
 }
 
+/// The GELU variants vision towers and projectors use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// `x·Φ(x)` with the exact error function (PyTorch's "gelu").
+    Erf,
+    /// The tanh approximation ("gelu_pytorch_tanh", SigLIP).
+    Tanh,
+    /// `x·σ(1.702x)` ("quick_gelu", OpenAI's CLIP).
+    Quick,
+}
+
 /// A weight matrix `[rows, cols]` as a model file holds it.
 #[derive(Debug, Clone)]
 pub struct HostWeight {
@@ -208,6 +219,37 @@ pub trait Backend: Send + Sync {
 
     /// Rows of `x` (`cols` wide) picked by `rows`, in order.
     fn gather_rows(&self, x: &Self::Buffer, cols: usize, rows: &Self::Index) -> Result<Self::Buffer>;
+
+    /// Row-wise LayerNorm of `[rows, weight.len()]`: `(x - mean) / sqrt(var + eps) * weight + bias`.
+    fn layer_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        bias: &Self::Buffer,
+        eps: f32,
+    ) -> Result<Self::Buffer>;
+
+    /// In-place GELU of every element.
+    fn gelu(&self, x: &mut Self::Buffer, kind: Gelu) -> Result<()>;
+
+    /// Overwrites row `rows[i]` of `x` (`cols` wide) with row `i` of `src`: image
+    /// embeddings put in place of their placeholder tokens.
+    fn scatter_rows(&self, x: &mut Self::Buffer, cols: usize, rows: &Self::Index, src: &Self::Buffer) -> Result<()>;
+
+    /// Bidirectional attention within each of `seqs` sequences of equal length (a vision
+    /// tower's images): `q`, `k`, `v` are `[seqs * len, heads * head_dim]`, every head
+    /// its own K/V head; returns the same shape.
+    #[allow(clippy::too_many_arguments)]
+    fn dense_attention(
+        &self,
+        q: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        seqs: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Result<Self::Buffer>;
 
     /// Writes token `t`'s key and value (`[tokens, kv_width]`) into cache slot
     /// `slots[t]` (block `slot / block_size`, offset `slot % block_size`). Caches are

@@ -3,7 +3,7 @@
 //! accumulation over `k` terms of O(1) values drifts by roughly `k · 2⁻²⁴` relative.
 
 use crate::cpu::{CpuBackend, CpuWeight};
-use crate::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -97,6 +97,62 @@ fn rms_norm_matches_reference() {
     }
     let err = max_abs_diff(&got, &want);
     assert!(err < 1e-5, "error {err}");
+}
+
+#[test]
+fn layer_norm_matches_reference() {
+    let mut rng = rng();
+    let (rows, d) = (6, 768);
+    // An offset mean, as a residual stream has: the variance must not come from E[x²] − E[x]².
+    let x: Vec<f32> = randn(&mut rng, rows * d).iter().map(|v| v * 3.0 + 20.0).collect();
+    let (w, b) = (randn(&mut rng, d), randn(&mut rng, d));
+    let got = CpuBackend::exact().layer_norm(&x, &w, &b, 1e-6).unwrap();
+    let mut want = vec![0.0; rows * d];
+    for r in 0..rows {
+        let row: Vec<f64> = x[r * d..(r + 1) * d].iter().map(|v| *v as f64).collect();
+        let mean = row.iter().sum::<f64>() / d as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / d as f64;
+        for c in 0..d {
+            want[r * d + c] = (row[c] - mean) / (var + 1e-6).sqrt() * w[c] as f64 + b[c] as f64;
+        }
+    }
+    let err = max_abs_diff(&got, &want);
+    assert!(err < 1e-4, "error {err}");
+    assert!(CpuBackend::exact().layer_norm(&x, &w, &b[1..].to_vec(), 1e-6).is_err());
+}
+
+#[test]
+fn gelu_variants_match_their_formulas() {
+    let mut rng = rng();
+    let x: Vec<f32> = randn(&mut rng, 4096).iter().map(|v| v * 6.0).collect();
+    type Formula = fn(f64) -> f64;
+    let cases: [(Gelu, Formula); 3] = [
+        (Gelu::Erf, |v| 0.5 * v * (1.0 + libm::erf(v / 2f64.sqrt()))),
+        (Gelu::Tanh, |v| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())),
+        (Gelu::Quick, |v| v / (1.0 + (-1.702 * v).exp())),
+    ];
+    for (kind, f) in cases {
+        let mut got = x.clone();
+        CpuBackend::exact().gelu(&mut got, kind).unwrap();
+        let want: Vec<f64> = x.iter().map(|v| f(*v as f64)).collect();
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 2e-6, "{kind:?}: error {err}");
+    }
+    // The three differ: a tower run with the wrong one would not pass its fixture.
+    let (mut a, mut b) = (vec![1.0f32], vec![1.0f32]);
+    CpuBackend::exact().gelu(&mut a, Gelu::Erf).unwrap();
+    CpuBackend::exact().gelu(&mut b, Gelu::Quick).unwrap();
+    assert!((a[0] - b[0]).abs() > 1e-3);
+}
+
+#[test]
+fn scatter_rows_overwrites_only_the_named_rows() {
+    let mut x: Vec<f32> = (0..12).map(|v| v as f32).collect();
+    let src = vec![-1.0, -2.0, -3.0, -4.0, -5.0, -6.0];
+    CpuBackend::exact().scatter_rows(&mut x, 3, &vec![3, 1], &src).unwrap();
+    assert_eq!(x, [0.0, 1.0, 2.0, -4.0, -5.0, -6.0, 6.0, 7.0, 8.0, -1.0, -2.0, -3.0]);
+    assert!(CpuBackend::exact().scatter_rows(&mut x, 3, &vec![4], &src[..3].to_vec()).is_err());
+    assert!(CpuBackend::exact().scatter_rows(&mut x, 3, &vec![0], &src).is_err());
 }
 
 fn rope_ref(x: &[f32], positions: &[u32], heads: usize, hd: usize, inv_freq: &[f32], style: RopeStyle) -> Vec<f64> {

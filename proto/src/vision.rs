@@ -136,6 +136,39 @@ pub fn fit_inside(height: u32, width: u32, (th, tw): (u32, u32)) -> (u32, u32) {
     }
 }
 
+/// LLaVA-NeXT's feature grid of an image of `height` × `width` fitted and padded into
+/// a `cur_h` × `cur_w` grid: the rows and the columns that hold the image (the model's
+/// `unpad_image`, its `round(·, 7)` included).
+pub fn unpadded(
+    height: u32,
+    width: u32,
+    cur_h: usize,
+    cur_w: usize,
+) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    let (h, w) = (height as f64, width as f64);
+    let round7 = |x: f64| ((x * 1e7).round() / 1e7) as usize;
+    if w / h > cur_w as f64 / cur_h as f64 {
+        let new_h = round7(h * (cur_w as f64 / w));
+        let pad = cur_h.saturating_sub(new_h) / 2;
+        (pad..cur_h - pad, 0..cur_w)
+    } else {
+        let new_w = round7(w * (cur_h as f64 / h));
+        let pad = cur_w.saturating_sub(new_w) / 2;
+        (0..cur_h, pad..cur_w - pad)
+    }
+}
+
+/// The feature rows (and so `<image>` tokens) LLaVA-NeXT gives an image of `height` ×
+/// `width`: the squashed whole image's `grid`² patches, then the best resolution's
+/// patch grid with its padding cut away, each row ended by a newline row. `tile` is the
+/// encoder's image size and `grid` its patches a side.
+pub fn llava_next_tokens(height: u32, width: u32, pinpoints: &[(u32, u32)], tile: u32, grid: usize) -> Option<usize> {
+    let (bh, bw) = best_resolution(height, width, pinpoints)?;
+    let (cur_h, cur_w) = ((bh / tile) as usize * grid, (bw / tile) as usize * grid);
+    let (rows, cols) = unpadded(height, width, cur_h, cur_w);
+    Some(grid * grid + rows.len() * (cols.len() + 1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +183,19 @@ mod tests {
         assert_eq!(best_resolution(10, 10, &[]), None);
         assert_eq!(fit_inside(30, 50, (32, 64)), (32, 54));
         assert_eq!(fit_inside(50, 30, (32, 64)), (32, 20));
+    }
+
+    #[test]
+    fn llava_next_counts_the_unpadded_grid_and_its_newlines() {
+        let pinpoints = [(32, 64), (64, 32), (64, 64), (96, 32), (32, 96)];
+        // 50 wide, 30 high: 32 x 64, a 4 x 8 patch grid of which columns 1..7 hold the image.
+        assert_eq!(unpadded(30, 50, 4, 8), (0..4, 1..7));
+        assert_eq!(llava_next_tokens(30, 50, &pinpoints, 32, 4), Some(16 + 4 * (6 + 1)));
+        // Taller than the grid: rows cut instead.
+        assert_eq!(unpadded(50, 30, 8, 4), (1..7, 0..4));
+        // llava-v1.6 at 336 / 14: a 672 x 672 grid for a 480 x 640 image keeps 36 of 48 rows.
+        let big = [(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)];
+        assert_eq!(llava_next_tokens(480, 640, &big, 336, 24), Some(576 + 36 * 49));
     }
 
     const G: Idefics3Geometry = Idefics3Geometry { longest_edge: 48, tile: 16, image_seq_len: 2 };

@@ -73,7 +73,7 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_fairly_and_a_dead_one
     let (mut prompt_tokens, mut cached_tokens) = (0, 0);
     for round in 0..ROUNDS {
         let chosen: Vec<Dispatch> =
-            (0..TENANTS).map(|t| pool.choose(&pool.blocks(&prompt(t, round)), &[]).unwrap()).collect();
+            (0..TENANTS).map(|t| pool.choose(&pool.blocks(&prompt(t, round), &[]), &[]).unwrap()).collect();
         let ids: Vec<String> = chosen.iter().map(|d| d.id().to_string()).collect();
         let runs: Vec<_> = chosen
             .iter()
@@ -121,7 +121,7 @@ async fn tenants_stick_to_the_replica_caching_their_prefix_fairly_and_a_dead_one
     drop(workers[dead - 1].take());
     until("the dead replica is out of routing", || pool.loads().len() == REPLICAS - 1).await;
     for t in 0..TENANTS {
-        let d = pool.choose(&pool.blocks(&prompt(t, 99)), &[]).unwrap();
+        let d = pool.choose(&pool.blocks(&prompt(t, 99), &[]), &[]).unwrap();
         assert_ne!(d.id(), homes[0], "tenant {t} was sent to the dead replica");
     }
 }

@@ -34,8 +34,13 @@ impl<B: Backend> SingleSequence<B> {
         let mut logits = Vec::new();
         for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
             let last = (i + 1) * PREFILL_CHUNK >= tokens.len();
-            let seq =
-                SeqInput { tokens: chunk, cached: self.tokens.len(), block_table: &self.block_table, logits: last };
+            let seq = SeqInput {
+                tokens: chunk,
+                cached: self.tokens.len(),
+                block_table: &self.block_table,
+                logits: last,
+                embeds: &[],
+            };
             logits = model.forward(&[seq], &mut self.kv)?;
             self.tokens.extend_from_slice(chunk);
         }

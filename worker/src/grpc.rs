@@ -7,6 +7,9 @@ use crate::engine::runner::{EngineHandle, OutputEvent};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::sequence::SeqId;
 use crate::engine::thinking::ThinkingBudget;
+use crate::vision::Use;
+use crate::vision::placement::PlacedImages;
+use crate::vision::service::{ImageInput, PlaceImages};
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,6 +48,8 @@ pub struct WorkerService {
     closing: tokio::sync::watch::Receiver<bool>,
     /// The replica's metrics registry, served at GET /metrics.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// The vision encoder, for a model that reads images.
+    images: Option<Arc<dyn PlaceImages>>,
 }
 
 impl WorkerService {
@@ -56,7 +61,41 @@ impl WorkerService {
         ));
         let (_, closing) = tokio::sync::watch::channel(false);
         let next_id = AtomicU64::new(1);
-        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None }
+        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None, images: None }
+    }
+
+    /// The same, reading requests' images with `encoder`.
+    pub fn with_images(self, encoder: Arc<dyn PlaceImages>) -> Self {
+        Self { images: Some(encoder), ..self }
+    }
+
+    /// The request's images encoded and placed over its prompt, off the async threads.
+    async fn images(&self, prompt: &[u32], images: Vec<pb::ImageInput>) -> Result<Option<Arc<PlacedImages>>, Status> {
+        if images.is_empty() {
+            return Ok(None);
+        }
+        let Some(encoder) = self.images.clone() else {
+            return Err(Status::invalid_argument(format!(
+                "{} reads no images: its weights have no vision encoder",
+                self.card.model
+            )));
+        };
+        let inputs = images
+            .into_iter()
+            .enumerate()
+            .map(|(i, image)| {
+                let sha256 = <[u8; 32]>::try_from(image.sha256.as_slice())
+                    .map_err(|_| Status::invalid_argument(format!("images[{i}]: sha256 is not 32 bytes")))?;
+                let usage = if image.frame { Use::Frame } else { Use::Image { split: image.split } };
+                Ok(ImageInput { data: image.data, sha256, usage })
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let prompt = prompt.to_vec();
+        tokio::task::spawn_blocking(move || encoder.place(&prompt, &inputs))
+            .await
+            .map_err(|e| Status::internal(format!("image encoding: {e}")))?
+            .map(|placed| Some(Arc::new(placed)))
+            .map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     /// The same, serving `metrics` at GET /metrics.
@@ -88,7 +127,12 @@ impl WorkerService {
     }
 }
 
-fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> Result<EngineRequest, Status> {
+fn to_engine(
+    id: SeqId,
+    r: pb::GenerateRequest,
+    grammar: Option<Constraint>,
+    images: Option<Arc<PlacedImages>>,
+) -> Result<EngineRequest, Status> {
     let s = r.sampling.unwrap_or_default();
     let params = SamplingParams {
         temperature: s.temperature,
@@ -123,6 +167,7 @@ fn to_engine(id: SeqId, r: pb::GenerateRequest, grammar: Option<Constraint>) -> 
             budget: t.budget as usize,
         }),
         prompt_logprobs: r.prompt_logprobs,
+        images,
     })
 }
 
@@ -201,6 +246,7 @@ impl pb::worker_server::Worker for WorkerService {
             return Err(Status::invalid_argument("request_id is empty"));
         }
         let grammar = self.constraint(r.grammar.take()).await?;
+        let images = self.images(&r.prompt_token_ids, std::mem::take(&mut r.images)).await?;
         let client_id = r.request_id.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         {
@@ -211,7 +257,7 @@ impl pb::worker_server::Worker for WorkerService {
             live.insert(client_id.clone(), id);
         }
         let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone() };
-        let request = match to_engine(id, r, grammar) {
+        let request = match to_engine(id, r, grammar, images) {
             Ok(request) => request,
             Err(e) => {
                 self.live.lock().expect("live ids lock").remove(&client_id);

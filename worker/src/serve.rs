@@ -10,6 +10,7 @@ use crate::model::Model;
 use crate::model::ModelConfig;
 use crate::model::kv_block_bytes;
 use crate::model_cache;
+use crate::vision::service::{ImageEncoder, PlaceImages};
 use anyhow::Context;
 use std::future::Future;
 use std::sync::Arc;
@@ -69,6 +70,10 @@ pub struct ServeConfig {
     /// --max-num-batched-tokens bounds it.
     #[arg(long, default_value_t = DEFAULT_PROMPT_STEP_PERCENT)]
     pub prompt_step_percent: u32,
+    /// Memory for image features kept after encoding, so that a repeated image (and
+    /// requests in flight with the same one) is encoded once; a vision model's only.
+    #[arg(long, default_value_t = 256)]
+    pub encoder_cache_mb: usize,
 }
 
 /// Loads the model on the chosen device and starts the engine; returns the service
@@ -101,6 +106,7 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                     })
                     .collect()
             },
+            |hidden| encoder(CpuBackend::default(), &path, hidden, config),
             |_| {
                 // The ranks share the machine's memory.
                 let budget = config.kv_cache_bytes.unwrap_or_else(|| {
@@ -132,6 +138,8 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                     })
                     .collect()
             },
+            // The encoder's own handle on the first GPU: its own stream and cuBLAS.
+            |hidden| encoder(tessera_kernels::cuda::CudaBackend::new(gpus[0])?, &path, hidden, config),
             |model| match config.kv_cache_bytes {
                 Some(bytes) => bytes,
                 None => gpu_kv_budget(model, config),
@@ -160,10 +168,17 @@ fn build<B: Backend + 'static>(
     path: &std::path::Path,
     config: &ServeConfig,
     load_ranks: impl FnOnce(&ModelConfig, &dyn TensorSource) -> anyhow::Result<Vec<Model<B>>>,
+    load_encoder: impl FnOnce(usize) -> anyhow::Result<Option<Arc<Encoder>>>,
     kv_budget: impl FnOnce(&Model<B>) -> u64,
 ) -> anyhow::Result<WorkerService> {
     let (model_config, tokenizer, source) = load::open(path).with_context(|| format!("opening {}", path.display()))?;
     let ranks = load_ranks(&model_config, &*source).with_context(|| format!("loading {}", path.display()))?;
+    let encoder = load_encoder(model_config.hidden_size)
+        .with_context(|| format!("loading {}'s vision encoder", path.display()))?;
+    anyhow::ensure!(
+        encoder.is_none() || ranks.len() == 1,
+        "vision models run on one rank: tensor parallelism splits only text models"
+    );
     let rank0 = ranks.first().context("no ranks")?;
     let block_bytes = kv_block_bytes(
         rank0.backend().kv_element_bytes(),
@@ -208,12 +223,43 @@ fn build<B: Backend + 'static>(
         context_length: context_length as u32,
         kv_block_size: BLOCK_TOKENS as u32,
         vocab_size: c.vocab_size as u32,
+        vision: encoder.as_ref().map(|e| e.card.clone()),
     };
-    if config.no_metrics {
-        return Ok(WorkerService::new(EngineHandle::spawn(core), card));
+    let recorder = match config.no_metrics {
+        true => None,
+        false => Some(crate::metrics::registry(&config.model, &config.replica_id)),
+    };
+    let (engine, metrics) = match recorder {
+        None => (EngineHandle::spawn(core), None),
+        Some((recorder, metrics)) => (EngineHandle::spawn_recording(core, Some(recorder)), Some(metrics)),
+    };
+    let mut service = WorkerService::new(engine, card);
+    if let Some(metrics) = metrics {
+        service = service.with_metrics(metrics);
     }
-    let (recorder, metrics) = crate::metrics::registry(&config.model, &config.replica_id);
-    Ok(WorkerService::new(EngineHandle::spawn_recording(core, Some(recorder)), card).with_metrics(metrics))
+    if let Some(e) = encoder {
+        service = service.with_images(e.place.clone());
+    }
+    Ok(service)
+}
+
+/// A vision model's encoder, as the service uses it and the card describes it.
+struct Encoder {
+    place: Arc<dyn PlaceImages>,
+    card: pb::VisionCard,
+}
+
+/// The encoder of the model at `path` on `backend`, None for a text-only model.
+fn encoder<B: Backend + 'static>(
+    backend: B,
+    path: &std::path::Path,
+    hidden: usize,
+    config: &ServeConfig,
+) -> anyhow::Result<Option<Arc<Encoder>>> {
+    let Some(model) = load::open_vision(&backend, path, hidden)? else { return Ok(None) };
+    let card = model.config.card();
+    let place = Arc::new(ImageEncoder::new(backend, model, config.encoder_cache_mb << 20));
+    Ok(Some(Arc::new(Encoder { place, card })))
 }
 
 /// Serves on `listener` until `shutdown` resolves.

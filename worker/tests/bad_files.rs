@@ -87,7 +87,8 @@ fn the_unbroken_tiny_model_loads_and_runs() {
     let s = Scratch::new("ok");
     let model = load(&s.write("ok.gguf", &tiny_llama(|_, _| {}))).unwrap();
     let mut kv = model.new_kv_cache(4, 16).unwrap();
-    let seq = tessera_worker::model::SeqInput { tokens: &[1, 2, 3], cached: 0, block_table: &[0], logits: true };
+    let seq =
+        tessera_worker::model::SeqInput { tokens: &[1, 2, 3], cached: 0, block_table: &[0], logits: true, embeds: &[] };
     let logits = model.forward(&[seq], &mut kv).unwrap();
     assert_eq!(logits.len(), 32);
     assert!(logits.iter().all(|v| v.is_finite()));

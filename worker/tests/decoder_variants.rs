@@ -146,7 +146,10 @@ fn every_variant_matches_the_dense_f64_forward_in_prefill_and_decode() {
         let mut kv = model.new_kv_cache(8, 4).unwrap();
         let table = [7, 6, 5, 4, 3, 2, 1, 0];
         let got = model
-            .forward(&[SeqInput { tokens: &PROMPT, cached: 0, block_table: &table, logits: true }], &mut kv)
+            .forward(
+                &[SeqInput { tokens: &PROMPT, cached: 0, block_table: &table, logits: true, embeds: &[] }],
+                &mut kv,
+            )
             .unwrap();
         let err = max_diff(&got, want.last().unwrap());
         assert!(err < 1e-4, "{}: prefill logits differ by {err}", v.name);
@@ -154,12 +157,21 @@ fn every_variant_matches_the_dense_f64_forward_in_prefill_and_decode() {
         // Prefill 8, then decode the rest one token at a time from the cache.
         let mut kv = model.new_kv_cache(8, 4).unwrap();
         model
-            .forward(&[SeqInput { tokens: &PROMPT[..8], cached: 0, block_table: &table, logits: false }], &mut kv)
+            .forward(
+                &[SeqInput { tokens: &PROMPT[..8], cached: 0, block_table: &table, logits: false, embeds: &[] }],
+                &mut kv,
+            )
             .unwrap();
         for pos in 8..PROMPT.len() {
             let got = model
                 .forward(
-                    &[SeqInput { tokens: &PROMPT[pos..=pos], cached: pos, block_table: &table, logits: true }],
+                    &[SeqInput {
+                        tokens: &PROMPT[pos..=pos],
+                        cached: pos,
+                        block_table: &table,
+                        logits: true,
+                        embeds: &[],
+                    }],
                     &mut kv,
                 )
                 .unwrap();
@@ -182,9 +194,9 @@ fn a_batch_of_sequences_computes_what_each_computes_alone() {
     let mut kv = model.new_kv_cache(16, 4).unwrap();
     let (a, b, c) = (&PROMPT[..], &PROMPT[2..5], &PROMPT[..1]);
     let seqs = [
-        SeqInput { tokens: a, cached: 0, block_table: &[0, 1, 2], logits: true },
-        SeqInput { tokens: b, cached: 0, block_table: &[5], logits: true },
-        SeqInput { tokens: c, cached: 0, block_table: &[9], logits: true },
+        SeqInput { tokens: a, cached: 0, block_table: &[0, 1, 2], logits: true, embeds: &[] },
+        SeqInput { tokens: b, cached: 0, block_table: &[5], logits: true, embeds: &[] },
+        SeqInput { tokens: c, cached: 0, block_table: &[9], logits: true, embeds: &[] },
     ];
     let batched = model.forward(&seqs, &mut kv).unwrap();
     for (i, tokens) in [a, b, c].iter().enumerate() {

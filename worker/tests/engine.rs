@@ -387,7 +387,7 @@ fn prompt_log_probabilities_are_the_models_and_the_prefix_cache_does_not_change_
     let blocks = prompt.len().div_ceil(BLOCK_TOKENS);
     let mut kv = loaded.model.new_kv_cache(blocks, BLOCK_TOKENS).unwrap();
     let table: Vec<u32> = (0..blocks as u32).collect();
-    let seq = SeqInput { tokens: &prompt, cached: 0, block_table: &table, logits: true };
+    let seq = SeqInput { tokens: &prompt, cached: 0, block_table: &table, logits: true, embeds: &[] };
     let rows = loaded.model.forward_scoring(&[seq], &mut kv, &[true]).unwrap();
     assert_eq!(rows.len(), prompt.len() * vocab);
     for (i, p) in uncached.prompt_logprobs.iter().enumerate() {

@@ -255,7 +255,7 @@ fn gpu_decode_graphs_match_op_by_op_steps() {
     let mut graphed = model.new_kv_cache(scratch as usize + 1, 16).unwrap();
     for kv in [&mut eager, &mut graphed] {
         let seqs: Vec<SeqInput<'_>> = (0..3)
-            .map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: false })
+            .map(|s| SeqInput { tokens: &prompts[s], cached: 0, block_table: &tables[s], logits: false, embeds: &[] })
             .collect();
         model.forward(&seqs, kv).unwrap();
     }
@@ -270,6 +270,7 @@ fn gpu_decode_graphs_match_op_by_op_steps() {
                 cached: prompts[s].len() + step,
                 block_table: &tables[s],
                 logits: true,
+                embeds: &[],
             })
             .collect();
         let want = model.forward_on_device(&seqs, &mut eager).unwrap().unwrap();

@@ -11,6 +11,7 @@ use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading, Split};
 use crate::chat::tools::ToolChoice;
+use crate::chat::vision::Visual;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -29,6 +30,8 @@ struct ChatRequest {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    /// Video frames kept of those sent, where there was video.
+    frames: Option<(usize, usize)>,
 }
 
 impl ChatRequest {
@@ -45,8 +48,9 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, None)?;
-    let request = parse(&body, &model)?;
-    app.images.refuse_unseen(&chat::messages::image_parts(&body["messages"], "messages"), &model.entry).await?;
+    let visuals = super::visuals(&app, &model, &body["messages"], "messages").await?;
+    let request = parse(&body, &model, &visuals)?;
+    let frames = request.frames;
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,
@@ -59,11 +63,12 @@ pub async fn handle(
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
     if request.stream {
-        return Ok(sse::respond(move |tx| async move {
+        let response = sse::respond(move |tx| async move {
             // Gone: the client left; dropping `out` aborts the generation, and dropping
             // the meter settles what it used.
             let _: Result<(), Gone> = stream(tx, out, meta, &request, meter).await;
-        }));
+        });
+        return Ok(super::with_frames(response, frames));
     }
     let (choices, usage) = generate::gather(out, request.generation.n, request.reading).await?;
     let scores = choices.first().map(|c| c.prompt_scores.clone()).unwrap_or_default();
@@ -95,13 +100,13 @@ pub async fn handle(
     if request.scores_prompt() {
         reply["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores);
     }
-    Ok(Json(reply).into_response())
+    Ok(super::with_frames(Json(reply).into_response(), frames))
 }
 
-fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
+fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRequest, ApiError> {
     let mut f = Fields::new(body)?;
     f.raw("model");
-    let messages = chat::messages::for_template(f.required("messages")?, &model.entry.capabilities, &model.entry.id)?;
+    let messages = chat::messages_for(model, f.required("messages")?)?;
     let mut sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let (stream, include_usage) = params::stream(&mut f)?;
     let n = params::n(&mut f)?;
@@ -157,7 +162,9 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
     f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "thinking"]);
     f.finish()?;
 
-    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
+    let room = max_tokens.or(max_completion_tokens).map_or(1, |m| m.max(1) as usize);
+    let shown = chat::Shown { visuals, room };
+    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format, shown)?;
     let max_param = if max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens =
         params::max_tokens(model, prepared.prompt.len(), max_tokens.or(max_completion_tokens), "messages")?;
@@ -175,7 +182,10 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ChatRequest, ApiError> {
             thinking,
             prompt_logprobs,
             extensions,
+            images: prepared.images,
+            image_spans: prepared.image_spans,
         },
+        frames: prepared.frames,
         reading: prepared.reading,
         named_tool: tools.is_some_and(|t| matches!(t.choice, ToolChoice::Named(_))),
         stream,

@@ -180,6 +180,8 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
             thinking: None,
             prompt_logprobs: scored,
             extensions,
+            images: Vec::new(),
+            image_spans: Vec::new(),
         },
         echo,
         logprobs,

@@ -29,6 +29,9 @@ pub struct Generation {
     pub prompt_logprobs: Option<u32>,
     /// vLLM's sampling extensions.
     pub extensions: super::params::Extensions,
+    /// The images the prompt's placeholders stand for, and where they sit.
+    pub images: Vec<pb::ImageInput>,
+    pub image_spans: Vec<tessera_proto::block_hash::ImageSpan>,
 }
 
 pub struct Output {
@@ -92,9 +95,10 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         min_tokens: g.extensions.min_tokens,
         include_stop_str_in_output: g.extensions.include_stop_str_in_output,
         keep_special_tokens: !g.extensions.skip_special_tokens,
+        images: g.images,
         ..Default::default()
     };
-    let blocks = pool.blocks(&request.prompt_token_ids);
+    let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);
     let mut tried = Vec::new();
     while tried.len() < ATTEMPTS {
         let Some(dispatch) = pool.choose(&blocks, &tried) else { break };

@@ -245,6 +245,39 @@ pub fn read_request(
     Ok((body, model))
 }
 
+/// The images of the request's list `name` (`messages`, `input`) as the model will be
+/// shown them. A model whose weights read no images refuses them (after loading them,
+/// so that a bad one is named first); one whose catalog entry takes none leaves them to
+/// the message checks, which refuse them by part.
+pub async fn visuals(
+    app: &AppState,
+    model: &ServedModel,
+    list: &Value,
+    name: &str,
+) -> Result<Vec<crate::chat::vision::Visual>, ApiError> {
+    let parts = crate::chat::messages::image_parts(list, name);
+    if parts.is_empty() || !model.entry.capabilities.image_input {
+        return Ok(Vec::new());
+    }
+    match model.vision() {
+        None => app.images.refuse_unseen(&parts, &model.entry).await.map(|()| Vec::new()),
+        Some(v) => app.images.visuals(&parts, v.takes_video(&model.entry.capabilities)).await,
+    }
+}
+
+/// The response header that says how many of a request's video frames its prompt kept.
+pub const FRAMES_HEADER: &str = "x-video-frames";
+
+/// `response` with the frames header where the request sent video: `kept/sent`.
+pub fn with_frames(mut response: Response, frames: Option<(usize, usize)>) -> Response {
+    if let Some((kept, sent)) = frames
+        && let Ok(v) = HeaderValue::from_str(&format!("{kept}/{sent}"))
+    {
+        response.headers_mut().insert(FRAMES_HEADER, v);
+    }
+    response
+}
+
 /// The body as JSON, or the OpenAI error for an unreadable body or malformed JSON.
 fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
     let body = body.map_err(|e| ApiError::BadBody { status: e.status(), detail: e.body_text() })?;

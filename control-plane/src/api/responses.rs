@@ -11,6 +11,7 @@ use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading};
 use crate::chat::tools::{ToolChoice, Tools};
+use crate::chat::vision::Visual;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -27,6 +28,8 @@ struct ResponsesRequest {
     max_output_tokens: Option<i64>,
     tools: Option<Tools>,
     stream: bool,
+    /// Video frames kept of those sent, where there was video.
+    frames: Option<(usize, usize)>,
 }
 
 pub async fn handle(
@@ -36,8 +39,9 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, Some("model"))?;
-    let request = parse(&body, &model)?;
-    app.images.refuse_unseen(&chat::messages::image_parts(&body["input"], "input"), &model.entry).await?;
+    let visuals = super::visuals(&app, &model, &body["input"], "input").await?;
+    let request = parse(&body, &model, &visuals)?;
+    let frames = request.frames;
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,
@@ -50,9 +54,10 @@ pub async fn handle(
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     if meta.request.stream {
-        return Ok(sse::respond(move |tx| async move {
+        let response = sse::respond(move |tx| async move {
             let _: Result<(), Gone> = stream(tx, out, meta, meter).await;
-        }));
+        });
+        return Ok(super::with_frames(response, frames));
     }
     let (choices, usage) = generate::gather(out, 1, meta.request.reading).await?;
     let c = choices.into_iter().next().unwrap_or_default();
@@ -70,10 +75,10 @@ pub async fn handle(
     for (name, arguments) in &split.calls {
         output.push(function_call_item(&new_id("fc_"), &new_id("call_"), name, arguments, status));
     }
-    Ok(Json(meta.object(output, Some(&usage), Some(c.finish_reason))).into_response())
+    Ok(super::with_frames(Json(meta.object(output, Some(&usage), Some(c.finish_reason))).into_response(), frames))
 }
 
-fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError> {
+fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ResponsesRequest, ApiError> {
     let mut f = Fields::new(body)?;
     f.raw("model");
     let instructions = f.string("instructions")?.map(String::from);
@@ -85,8 +90,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
         }
     };
     // Checked on their own, so that errors name the client's own input items.
-    messages = chat::messages::for_template(&Value::Array(messages), &model.entry.capabilities, &model.entry.id)
-        .map_err(|e| rename_param(e, "messages", "input"))?;
+    messages = chat::messages_for(model, &Value::Array(messages)).map_err(|e| rename_param(e, "messages", "input"))?;
     if let Some(i) = &instructions {
         messages.insert(0, json!({"role": "system", "content": i}));
     }
@@ -136,7 +140,8 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
     f.finish()?;
     // Reasoning cannot be turned off here (SPEC.md): the catalog's defaults apply.
     let kwargs = chat::template_kwargs(model, None);
-    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format)?;
+    let shown = chat::Shown { visuals, room: max_output_tokens.map_or(1, |m| m.max(1) as usize) };
+    let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format, shown)?;
     let max_tokens = params::max_tokens(model, prepared.prompt.len(), max_output_tokens, "input")?;
     let thinking = chat::budget::for_worker(model, &prepared, budget, max_tokens, "max_output_tokens")?;
     Ok(ResponsesRequest {
@@ -152,7 +157,10 @@ fn parse(body: &Value, model: &ServedModel) -> Result<ResponsesRequest, ApiError
             prompt_logprobs: None,
             // The Responses API has no vLLM extensions.
             extensions: Default::default(),
+            images: prepared.images,
+            image_spans: prepared.image_spans,
         },
+        frames: prepared.frames,
         reading: prepared.reading,
         instructions,
         max_output_tokens,

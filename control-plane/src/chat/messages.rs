@@ -8,8 +8,28 @@ use serde_json::{Map, Value, json};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// The messages for the template, or the first problem found.
+/// The messages for the template, or the first problem found. A message with images
+/// keeps its parts, as Hugging Face's vision templates read them (`{"type": "text"}`,
+/// `{"type": "image"}`, and with `video` a run of image parts as one `{"type": "video"}`);
+/// others have their text joined.
 pub fn for_template(messages: &Value, caps: &Capabilities, model: &str) -> Result<Vec<Value>, ApiError> {
+    checked(messages, caps, model, None)
+}
+
+/// `for_template` for a vision model's template, which reads every message's content
+/// as parts (as Hugging Face's processors hand it over): a string becomes one text
+/// part. Where the model takes `video`, runs of image parts are videos.
+pub fn for_vision_template(
+    messages: &Value,
+    caps: &Capabilities,
+    model: &str,
+    video: bool,
+) -> Result<Vec<Value>, ApiError> {
+    checked(messages, caps, model, Some(video))
+}
+
+/// `parts`: None for text content, Some(video) for parts.
+fn checked(messages: &Value, caps: &Capabilities, model: &str, parts: Option<bool>) -> Result<Vec<Value>, ApiError> {
     let Value::Array(list) = messages else {
         return Err(ApiError::invalid_type("messages", "an array"));
     };
@@ -20,7 +40,8 @@ pub fn for_template(messages: &Value, caps: &Capabilities, model: &str) -> Resul
             message: "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.".into(),
         });
     }
-    let out: Vec<Value> = list.iter().enumerate().map(|(i, m)| message(i, m, caps, model)).collect::<Result<_, _>>()?;
+    let out: Vec<Value> =
+        list.iter().enumerate().map(|(i, m)| message(i, m, caps, model, parts)).collect::<Result<_, _>>()?;
     answered_calls(&out)?;
     Ok(out)
 }
@@ -91,7 +112,7 @@ fn rename(e: ApiError, path: &str) -> ApiError {
     }
 }
 
-fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Value, ApiError> {
+fn message(i: usize, m: &Value, caps: &Capabilities, model: &str, parts: Option<bool>) -> Result<Value, ApiError> {
     let at = format!("messages[{i}]");
     let Value::Object(m) = m else {
         return Err(ApiError::invalid_type(at, "an object"));
@@ -124,18 +145,23 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
         check_tool_calls(&at, calls)?;
     }
     let content = match m.get("content") {
-        None | Some(Value::Null) if role == "assistant" => String::new(),
+        None | Some(Value::Null) if role == "assistant" => json!(""),
         None | Some(Value::Null) => return Err(ApiError::MissingParam(format!("{at}.content"))),
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => text_of_parts(&at, parts, caps, model)?,
+        Some(Value::String(s)) => json!(s),
+        Some(Value::Array(list)) => content_of_parts(&at, list, caps, model, parts)?,
         Some(_) => {
             return Err(ApiError::invalid_type(format!("{at}.content"), "a string or array of parts"));
         }
     };
+    // A vision template reads parts everywhere.
+    let content = match (parts, content) {
+        (Some(_), Value::String(t)) => json!([{"type": "text", "text": t}]),
+        (_, c) => c,
+    };
     // Developer messages are system messages to templates that predate them.
     let mut out = Map::new();
     out.insert("role".into(), json!(if role == "developer" { "system" } else { role }));
-    out.insert("content".into(), json!(content));
+    out.insert("content".into(), content);
     for passed in ["tool_calls", "tool_call_id", "name"] {
         if let Some(v) = m.get(passed).filter(|v| !v.is_null()) {
             out.insert(passed.into(), v.clone());
@@ -164,16 +190,41 @@ fn message(i: usize, m: &Value, caps: &Capabilities, model: &str) -> Result<Valu
     Ok(Value::Object(out))
 }
 
-fn text_of_parts(at: &str, parts: &[Value], caps: &Capabilities, model: &str) -> Result<String, ApiError> {
+/// The parts' text joined, or for a vision template (`shape` Some(video)) the parts.
+fn content_of_parts(
+    at: &str,
+    parts: &[Value],
+    caps: &Capabilities,
+    model: &str,
+    shape: Option<bool>,
+) -> Result<Value, ApiError> {
+    let video = shape == Some(true);
     let mut text = String::new();
+    let mut out: Vec<Value> = Vec::new();
+    let mut pending = String::new();
+    let mut previous_image = false;
     for (j, part) in parts.iter().enumerate() {
         let at = format!("{at}.content[{j}]");
         match part.get("type").and_then(Value::as_str) {
             Some("text") | Some("input_text") | Some("output_text") => match part.get("text") {
-                Some(Value::String(t)) => text.push_str(t),
+                Some(Value::String(t)) => {
+                    text.push_str(t);
+                    pending.push_str(t);
+                    previous_image = false;
+                }
                 _ => return Err(ApiError::MissingParam(format!("{at}.text"))),
             },
-            Some("image_url") | Some("input_image") => image(&at, part, caps, model)?,
+            Some("image_url") | Some("input_image") => {
+                image(&at, part, caps, model)?;
+                if !pending.is_empty() {
+                    out.push(json!({"type": "text", "text": std::mem::take(&mut pending)}));
+                }
+                match out.last_mut() {
+                    Some(last) if video && previous_image => last["type"] = json!("video"),
+                    _ => out.push(json!({"type": "image"})),
+                }
+                previous_image = true;
+            }
             Some(other) => {
                 return Err(ApiError::invalid_value(
                     format!("{at}.type"),
@@ -183,7 +234,13 @@ fn text_of_parts(at: &str, parts: &[Value], caps: &Capabilities, model: &str) ->
             None => return Err(ApiError::MissingParam(format!("{at}.type"))),
         }
     }
-    Ok(text)
+    if shape.is_none() {
+        return Ok(json!(text));
+    }
+    if !pending.is_empty() {
+        out.push(json!({"type": "text", "text": pending}));
+    }
+    Ok(Value::Array(out))
 }
 
 /// Checks an image part's shape: images are refused on models without image input; on
@@ -224,21 +281,41 @@ fn image_url(part: &Value) -> Option<(&str, Option<&Value>)> {
     }
 }
 
+/// An image part of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImagePart {
+    /// Where it is: `messages[0].content[1].image_url`.
+    pub param: String,
+    pub url: String,
+    pub detail: Option<String>,
+    /// It comes right after another image part of the same content (a video's frames
+    /// do).
+    pub follows: bool,
+}
+
 /// Every image part of the request's list `name` (`messages`, or the responses
-/// endpoint's `input`; already checked by `for_template`), in order: where it is
-/// (`messages[0].content[1].image_url`) and its URL. Parts are looked for in `content`
-/// and in a tool result's `output` (the responses endpoint's function_call_output).
-pub fn image_parts(messages: &Value, name: &str) -> Vec<(String, String)> {
+/// endpoint's `input`; already checked by `for_template`), in order. Parts are looked
+/// for in `content` and in a tool result's `output` (the responses endpoint's
+/// function_call_output).
+pub fn image_parts(messages: &Value, name: &str) -> Vec<ImagePart> {
     let mut found = Vec::new();
     for (i, m) in messages.as_array().into_iter().flatten().enumerate() {
         for field in ["content", "output"] {
+            let mut previous_image = false;
             for (j, part) in m.get(field).and_then(Value::as_array).into_iter().flatten().enumerate() {
                 if !matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "input_image")) {
+                    previous_image = false;
                     continue;
                 }
-                if let Some((url, _)) = image_url(part) {
-                    found.push((format!("{name}[{i}].{field}[{j}].image_url"), url.to_string()));
+                if let Some((url, detail)) = image_url(part) {
+                    found.push(ImagePart {
+                        param: format!("{name}[{i}].{field}[{j}].image_url"),
+                        url: url.to_string(),
+                        detail: detail.and_then(Value::as_str).map(str::to_string),
+                        follows: previous_image,
+                    });
                 }
+                previous_image = true;
             }
         }
     }
@@ -308,17 +385,35 @@ mod tests {
         let ok = img(chat("https://example.com/cat.png"));
         assert_eq!(for_template(&ok, &VISION, "v/m").unwrap()[0]["content"], "see");
         assert_eq!(
+            for_vision_template(&ok, &VISION, "v/m", false).unwrap()[0]["content"],
+            json!([{"type": "text", "text": "see"}, {"type": "image"}])
+        );
+        let text = json!([{"role": "system", "content": "be brief"}]);
+        assert_eq!(
+            for_vision_template(&text, &VISION, "v/m", false).unwrap()[0]["content"],
+            json!([{"type": "text", "text": "be brief"}])
+        );
+        assert_eq!(
             image_parts(&ok, "messages"),
-            [("messages[0].content[1].image_url".into(), "https://example.com/cat.png".into())]
+            [ImagePart {
+                param: "messages[0].content[1].image_url".into(),
+                url: "https://example.com/cat.png".into(),
+                detail: Some("low".into()),
+                follows: false
+            }]
         );
         let responses = img(json!({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}));
-        assert_eq!(image_parts(&responses, "input")[0].1, "data:image/png;base64,AAAA");
+        assert_eq!(image_parts(&responses, "input")[0].url, "data:image/png;base64,AAAA");
         let bad = img(json!({"type": "input_image", "image_url": "https://x/y.png", "detail": "huge"}));
         assert_eq!(code(for_template(&bad, &VISION, "v/m").unwrap_err()).1, "messages[0].content[1].detail");
         // A tool result's output carries images too (the responses endpoint's shape).
         let output = json!([{"type": "function_call_output", "call_id": "c", "output": [
             {"type": "input_text", "text": "chart"}, {"type": "input_image", "image_url": "https://x/c.png"}]}]);
-        assert_eq!(image_parts(&output, "input"), [("input[0].output[1].image_url".into(), "https://x/c.png".into())]);
+        let found = image_parts(&output, "input");
+        assert_eq!(
+            (found[0].param.as_str(), found[0].url.as_str()),
+            ("input[0].output[1].image_url", "https://x/c.png")
+        );
         let bad_detail = img(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "huge"}}));
         assert_eq!(
             code(for_template(&bad_detail, &VISION, "v/m").unwrap_err()).1,
@@ -327,5 +422,22 @@ mod tests {
         let no_url = img(json!({"type": "image_url", "image_url": {}}));
         assert_eq!(code(for_template(&no_url, &VISION, "v/m").unwrap_err()).1, "messages[0].content[1].image_url.url");
         assert!(image_parts(&json!([{"role": "user", "content": "text"}]), "messages").is_empty());
+    }
+
+    #[test]
+    fn runs_of_image_parts_are_videos_on_models_that_take_video() {
+        let part = |u: &str| json!({"type": "image_url", "image_url": {"url": u}});
+        let m = json!([{"role": "user", "content": [
+            {"type": "text", "text": "what happens"}, part("https://x/1.png"), part("https://x/2.png"),
+            {"type": "text", "text": "and here"}, part("https://x/3.png")]}]);
+        let video = for_vision_template(&m, &VISION, "v/m", true).unwrap();
+        assert_eq!(
+            video[0]["content"],
+            json!([{"type": "text", "text": "what happens"}, {"type": "video"}, {"type": "text", "text": "and here"}, {"type": "image"}])
+        );
+        let images = for_vision_template(&m, &VISION, "v/m", false).unwrap();
+        assert_eq!(images[0]["content"].as_array().unwrap().iter().filter(|p| p["type"] == "image").count(), 3);
+        let follows: Vec<bool> = image_parts(&m, "messages").iter().map(|p| p.follows).collect();
+        assert_eq!(follows, [false, true, false]);
     }
 }

@@ -8,15 +8,18 @@ pub mod output;
 pub mod reasoning;
 pub mod shortest;
 pub mod tools;
+pub mod vision;
 
 use crate::api::error::ApiError;
 use crate::router::ServedModel;
 use output::Reading;
 use reasoning::Thinking;
 use serde_json::{Map, Value};
+use tessera_proto::block_hash::{ImageSpan, image_spans};
 use tessera_proto::chat_template::Rendered;
 use tessera_proto::worker as pb;
 use tools::Tools;
+use vision::{Expanded, Visual};
 
 /// A chat-shaped request made ready for a worker: its prompt, the grammar its output
 /// is decoded under, and how that output is read back.
@@ -29,6 +32,21 @@ pub struct Prepared {
     pub thinking: Thinking,
     /// With a constrained output, the shortest answer it allows (`shortest::answer`).
     pub shortest: Option<String>,
+    /// The images the prompt's placeholders stand for, as the worker takes them, and
+    /// the tokens each takes (for the prefix-block hashes it is routed by).
+    pub images: Vec<pb::ImageInput>,
+    pub image_spans: Vec<ImageSpan>,
+    /// A video's frames: how many the prompt kept of how many were sent, when the
+    /// request had any.
+    pub frames: Option<(usize, usize)>,
+}
+
+/// What a request shows the model, and the room its output needs after the prompt
+/// (frames are sampled down until prompt and room fit the context).
+#[derive(Debug, Clone, Copy)]
+pub struct Shown<'a> {
+    pub visuals: &'a [Visual],
+    pub room: usize,
 }
 
 /// Renders the prompt with the tools the model may call, and decides from the family's
@@ -39,9 +57,11 @@ pub fn prepare(
     tools: Option<&Tools>,
     kwargs: &Map<String, Value>,
     format: Option<(pb::Grammar, &'static str)>,
+    shown: Shown<'_>,
 ) -> Result<Prepared, ApiError> {
     let callable = tools.filter(|t| t.callable());
-    let (rendered, prompt) = prompt_tokens(model, messages, callable.map(Tools::for_template).as_ref(), kwargs)?;
+    let rendered = render(model, messages, callable.map(Tools::for_template).as_ref(), kwargs)?;
+    let (prompt, images, image_spans, frames) = with_visuals(model, &rendered.text, shown)?;
     let reasoning = &model.entry.reasoning;
     let thinking = Thinking::of(&rendered, reasoning.markers);
     let tool_format = model.entry.tool_format;
@@ -54,7 +74,77 @@ pub fn prepare(
         bare_calls: grammar.is_none(),
     };
     let shortest = shortest.filter(|_| grammar.is_some());
-    Ok(Prepared { prompt, grammar, reading, thinking, shortest })
+    Ok(Prepared { prompt, grammar, reading, thinking, shortest, images, image_spans, frames })
+}
+
+/// The rendered prompt's tokens with each visual's placeholder expanded, and the images
+/// the worker fills them with. Videos whose frames do not fit the context are sampled
+/// down, all to the same most frames that fit (SPEC.md, Reasoning rule 10).
+fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<WithVisuals, ApiError> {
+    if shown.visuals.is_empty() {
+        return Ok((tokenize(model, text)?, Vec::new(), Vec::new(), None));
+    }
+    let Some(vision) = model.vision() else {
+        return Err(ApiError::Internal(format!("{} was handed images but reads none", model.entry.id)));
+    };
+    let frames: Vec<usize> = shown
+        .visuals
+        .iter()
+        .filter_map(|v| match v {
+            Visual::Video { frames } => Some(frames.len()),
+            Visual::Image { .. } => None,
+        })
+        .collect();
+    let sent: usize = frames.iter().sum();
+    let expand = |most: usize| -> Result<(Vec<u32>, Expanded), ApiError> {
+        let keep: Vec<Vec<usize>> = frames.iter().map(|&n| vision::sample(n, most)).collect();
+        // The template is the model's: a mismatch is the deployment's fault, not the request's.
+        let expanded = vision
+            .expand(text, shown.visuals, &keep)
+            .map_err(|e| ApiError::Internal(format!("{}: {e}", model.entry.id)))?;
+        Ok((tokenize(model, &expanded.text)?, expanded))
+    };
+    let context = model.context_length() as usize;
+    let fits = |prompt: &[u32]| prompt.len() + shown.room <= context;
+    let longest = frames.iter().copied().max().unwrap_or(0).min(vision.max_frames().max(1));
+    let (mut prompt, mut expanded) = expand(longest)?;
+    if !frames.is_empty() && !fits(&prompt) {
+        // The most frames that fit, by bisection: the prompt grows with every frame.
+        let (mut lo, mut hi) = (1, longest);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if fits(&expand(mid)?.0) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        (prompt, expanded) = expand(lo)?;
+    }
+    let counted: Vec<(usize, [u8; 32])> = expanded
+        .tokens
+        .iter()
+        .zip(&expanded.images)
+        .map(|(&n, i)| (n, i.sha256.as_slice().try_into().unwrap_or([0; 32])))
+        .collect();
+    let spans = image_spans(&prompt, vision.image_token_id(), &counted).ok_or_else(|| {
+        ApiError::Internal(format!("{}: the prompt's image tokens do not match its images", model.entry.id))
+    })?;
+    let kept = expanded.images.iter().filter(|i| i.frame).count();
+    Ok((prompt, expanded.images, spans, (!frames.is_empty()).then_some((kept, sent))))
+}
+
+/// A prompt's tokens, its images, where they sit, and its video frames kept of sent.
+type WithVisuals = (Vec<u32>, Vec<pb::ImageInput>, Vec<ImageSpan>, Option<(usize, usize)>);
+
+/// The request's messages as the model's template reads them: parts for a vision
+/// model's, text for others.
+pub fn messages_for(model: &ServedModel, messages: &Value) -> Result<Vec<Value>, ApiError> {
+    let (caps, id) = (&model.entry.capabilities, &model.entry.id);
+    match model.vision() {
+        Some(v) => messages::for_vision_template(messages, caps, id, v.takes_video(caps)),
+        None => messages::for_template(messages, caps, id),
+    }
 }
 
 /// The catalog's `chat_template_kwargs` for the model with the request's merged over
@@ -69,14 +159,14 @@ pub fn template_kwargs(model: &ServedModel, request: Option<&Map<String, Value>>
     kwargs
 }
 
-/// Renders the template (with the tools, in the chat shape) and tokenizes the result
-/// (special tokens in the text are parsed as such; none are added).
-pub fn prompt_tokens(
+/// The template rendered over the messages, tools and kwargs (special tokens in the
+/// text are parsed as such when it is tokenized; none are added).
+fn render(
     model: &ServedModel,
     messages: &[Value],
     tools: Option<&Value>,
     kwargs: &Map<String, Value>,
-) -> Result<(Rendered, Vec<u32>), ApiError> {
+) -> Result<Rendered, ApiError> {
     let template = model.template.as_ref().ok_or_else(|| {
         ApiError::invalid_value("messages", format!("{} has no chat template; use /v1/completions", model.entry.id))
     })?;
@@ -84,8 +174,7 @@ pub fn prompt_tokens(
         .render_json(&Value::Array(messages.to_vec()), tools, true, kwargs)
         // A template's raise_exception is about the request: its messages or its kwargs.
         .map_err(|e| ApiError::invalid_value("messages", format!("The chat template refused this request: {e}")))?;
-    let tokens = tokenize(model, &rendered.text)?;
-    Ok((rendered, tokens))
+    Ok(rendered)
 }
 
 pub fn tokenize(model: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {

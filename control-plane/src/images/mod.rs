@@ -10,6 +10,8 @@ pub use fetch::Fetcher;
 
 use crate::api::error::ApiError;
 use crate::catalog::CatalogModel;
+use crate::chat::messages::ImagePart;
+use crate::chat::vision::{Detail, Visual};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +64,11 @@ pub enum ImageError {
     Decode(#[from] DecodeError),
     #[error("a request may carry at most {0} images or video frames")]
     TooMany(usize),
+}
+
+/// Each part's place and address.
+fn pairs(parts: &[ImagePart]) -> Vec<(String, String)> {
+    parts.iter().map(|p| (p.param.clone(), p.url.clone())).collect()
 }
 
 fn size_words(bytes: usize) -> String {
@@ -117,9 +124,9 @@ impl Images {
     /// A request's images (`chat::messages::image_parts`) loaded, so that a bad one is
     /// named, then refused: no worker of this deployment encodes images for `model`,
     /// whose weights are text-only.
-    pub async fn refuse_unseen(&self, parts: &[(String, String)], model: &CatalogModel) -> Result<(), ApiError> {
-        let Some((first, _)) = parts.first() else { return Ok(()) };
-        self.load_all(parts).await?;
+    pub async fn refuse_unseen(&self, parts: &[ImagePart], model: &CatalogModel) -> Result<(), ApiError> {
+        let Some(first) = parts.first().map(|p| p.param.clone()) else { return Ok(()) };
+        self.load_all(&pairs(parts)).await?;
         Err(ApiError::Unsupported {
             param: first.clone(),
             message: format!(
@@ -128,6 +135,25 @@ impl Images {
                 model.id, model.weights
             ),
         })
+    }
+
+    /// A vision model's request images loaded and grouped as the prompt shows them:
+    /// where the model takes `video`, a run of parts that follow one another is one
+    /// video's frames; otherwise each part is an image.
+    pub async fn visuals(&self, parts: &[ImagePart], video: bool) -> Result<Vec<Visual>, ApiError> {
+        let loaded = self.load_all(&pairs(parts)).await?;
+        let mut out: Vec<Visual> = Vec::with_capacity(parts.len());
+        for (part, image) in parts.iter().zip(loaded) {
+            match out.last_mut() {
+                Some(Visual::Video { frames }) if video && part.follows => frames.push(image),
+                Some(last) if video && part.follows => {
+                    let Visual::Image { image: first, .. } = last.clone() else { unreachable!("matched above") };
+                    *last = Visual::Video { frames: vec![first, image] };
+                }
+                _ => out.push(Visual::Image { image, detail: Detail::parse(part.detail.as_deref()) }),
+            }
+        }
+        Ok(out)
     }
 
     /// One image: fetched, then decoded off the async threads (its pixels are dropped:

@@ -28,6 +28,11 @@ pub struct ServedModel {
 }
 
 impl ServedModel {
+    /// How the model reads images, when its weights do.
+    pub fn vision(&self) -> Option<crate::chat::vision::Vision> {
+        self.replica.card.vision.clone().map(crate::chat::vision::Vision::new)
+    }
+
     /// The model served by `pool`, `replica` being one of its replicas; an error names a
     /// catalog template that does not compile.
     pub fn new(entry: CatalogModel, replica: Arc<Replica>, pool: Arc<Pool>) -> Result<Self, String> {

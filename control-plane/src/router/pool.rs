@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
-use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher, ImageSpan};
 use tessera_proto::worker as pb;
 
 #[derive(Debug, thiserror::Error)]
@@ -129,8 +129,8 @@ impl Pool {
 
     /// A prompt's chained block hashes, as `choose` takes them (computed once per
     /// request, however many replicas it tries).
-    pub fn blocks(&self, prompt: &[u32]) -> Vec<BlockHash> {
-        self.hasher.hash_prefix(prompt)
+    pub fn blocks(&self, prompt: &[u32], images: &[ImageSpan]) -> Vec<BlockHash> {
+        self.hasher.hash_prompt(prompt, images)
     }
 
     /// The replica for a prompt of these `blocks`, counted in its load while the dispatch

@@ -1,9 +1,10 @@
-//! Row-wise and elementwise ops: embedding, RMSNorm, RoPE, SiLU·up, softmax, gather.
+//! Row-wise and elementwise ops: embedding, RMSNorm, LayerNorm, RoPE, SiLU·up, GELU,
+//! softmax, gather and scatter of rows.
 
 use super::CpuWeight;
 use super::simd::{exp, multiversion};
 use crate::error::expect_len;
-use crate::{KernelError, Result, RopeStyle};
+use crate::{Gelu, KernelError, Result, RopeStyle};
 use rayon::prelude::*;
 
 /// Below this many output floats an op runs on the calling thread: handing a single
@@ -168,4 +169,53 @@ pub(super) fn split_columns(x: &[f32], widths: &[usize]) -> Result<Vec<Vec<f32>>
         }
     }
     Ok(outs)
+}
+
+pub(super) fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32) -> Result<Vec<f32>> {
+    let d = weight.len();
+    expect_len("layer_norm", "bias", bias.len(), d)?;
+    if d == 0 || !x.len().is_multiple_of(d) {
+        return Err(KernelError::shape("layer_norm", format!("input of {} floats is not rows of {d}", x.len())));
+    }
+    let mut out = vec![0.0; x.len()];
+    zip_rows(&mut out, d, x, d, |o, row| {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (((o, v), w), b) in o.iter_mut().zip(row).zip(weight).zip(bias) {
+            *o = (v - mean) * inv * w + b;
+        }
+    });
+    Ok(out)
+}
+
+pub(super) fn gelu(x: &mut [f32], kind: Gelu) {
+    let f = match kind {
+        Gelu::Erf => |v: f32| 0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2)),
+        Gelu::Tanh => |v: f32| {
+            const C: f32 = 0.797_884_6; // sqrt(2/π)
+            0.5 * v * (1.0 + (C * (v + 0.044_715 * v * v * v)).tanh())
+        },
+        Gelu::Quick => |v: f32| v / (1.0 + (-1.702 * v).exp()),
+    };
+    if x.len() >= PAR_MIN {
+        x.par_iter_mut().for_each(|v| *v = f(*v));
+    } else {
+        x.iter_mut().for_each(|v| *v = f(*v));
+    }
+}
+
+pub(super) fn scatter_rows(x: &mut [f32], cols: usize, rows: &[u32], src: &[f32]) -> Result<()> {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
+        return Err(KernelError::shape("scatter_rows", format!("input of {} floats is not rows of {cols}", x.len())));
+    }
+    expect_len("scatter_rows", "source", src.len(), rows.len() * cols)?;
+    let n = x.len() / cols;
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
+        return Err(KernelError::shape("scatter_rows", format!("row {r} of {n}")));
+    }
+    for (&r, row) in rows.iter().zip(src.chunks_exact(cols)) {
+        x[r as usize * cols..(r as usize + 1) * cols].copy_from_slice(row);
+    }
+    Ok(())
 }

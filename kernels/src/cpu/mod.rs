@@ -6,6 +6,7 @@
 //! cleverness except in `linear` and `paged_attention`, where the time goes.
 
 mod attention;
+mod dense_attention;
 mod elementwise;
 mod int8;
 mod key_scores;
@@ -24,7 +25,7 @@ pub use weight::CpuWeight;
 
 use crate::error::expect_len;
 use crate::quant;
-use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
 use kv_store::KvStore;
 
 /// The CPU backend. `Default` serves: integer products for quantised weights.
@@ -187,6 +188,32 @@ impl Backend for CpuBackend {
 
     fn gather_rows(&self, x: &Vec<f32>, cols: usize, rows: &Vec<u32>) -> Result<Vec<f32>> {
         elementwise::gather_rows(x, cols, rows)
+    }
+
+    fn layer_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, bias: &Vec<f32>, eps: f32) -> Result<Vec<f32>> {
+        elementwise::layer_norm(x, weight, bias, eps)
+    }
+
+    fn gelu(&self, x: &mut Vec<f32>, kind: Gelu) -> Result<()> {
+        elementwise::gelu(x, kind);
+        Ok(())
+    }
+
+    fn scatter_rows(&self, x: &mut Vec<f32>, cols: usize, rows: &Vec<u32>, src: &Vec<f32>) -> Result<()> {
+        elementwise::scatter_rows(x, cols, rows, src)
+    }
+
+    fn dense_attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        seqs: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Result<Vec<f32>> {
+        dense_attention::dense_attention(q, k, v, &dense_attention::Dims { seqs, heads, head_dim, scale })
     }
 
     fn write_kv(

@@ -17,7 +17,7 @@ mod tests;
 
 use crate::error::expect_len;
 use crate::paged::HostBatch;
-use crate::{AttentionShape, Backend, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData, quant};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData, quant};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -115,6 +115,10 @@ struct Kernels {
     softmax: CudaFunction,
     copy_columns: CudaFunction,
     gather_rows: CudaFunction,
+    layer_norm: CudaFunction,
+    gelu: CudaFunction,
+    scatter_rows: CudaFunction,
+    dense_attention: CudaFunction,
     write_kv: CudaFunction,
     paged_attention: CudaFunction,
     /// The grouped, split fast path by (head size, query heads per KV head), and its
@@ -136,6 +140,8 @@ const THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
 /// Largest head size the attention kernel keeps in registers (32 × ATTN_MAX_R).
 const MAX_HEAD_DIM: usize = 256;
+/// Dynamic shared memory `dense_attention` may take (the default limit of a block).
+const DENSE_ATTENTION_SHARED_BYTES: usize = 48 * 1024;
 /// Fewest keys a split of the fast attention path takes.
 const MIN_SPLIT_KEYS: usize = 128;
 
@@ -246,6 +252,10 @@ impl CudaBackend {
             softmax: find("softmax")?,
             copy_columns: find("copy_columns")?,
             gather_rows: find("gather_rows")?,
+            layer_norm: find("layer_norm")?,
+            gelu: find("gelu")?,
+            scatter_rows: find("scatter_rows")?,
+            dense_attention: find("dense_attention")?,
             write_kv: find("write_kv")?,
             paged_attention: find("paged_attention")?,
             paged_attention_fast: [64, 128, 256]
@@ -702,6 +712,96 @@ impl Backend for CudaBackend {
             l.arg(&mut out).arg(&*xs).arg(&rows.dev).arg(&count).arg(&c);
             launch(&mut l, flat(len), OP)?;
         }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn layer_norm(&self, x: &CudaBuffer, weight: &CudaBuffer, bias: &CudaBuffer, eps: f32) -> Result<CudaBuffer> {
+        const OP: &str = "layer_norm";
+        expect_len(OP, "bias", bias.len(), weight.len())?;
+        let rows = rows_of(OP, x.len(), weight.len())?;
+        let mut out = self.alloc(OP, x.len())?;
+        if rows > 0 {
+            let (xs, w, b) = (self.act(OP, x)?, self.param(OP, weight)?, self.param(OP, bias)?);
+            let dim = u32_of(OP, weight.len())?;
+            let mut l = self.stream.launch_builder(&self.k.layer_norm);
+            l.arg(&mut out).arg(&*xs).arg(&*w).arg(&*b).arg(&dim).arg(&eps);
+            launch(&mut l, per_row(rows, THREADS), OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn gelu(&self, x: &mut CudaBuffer, kind: Gelu) -> Result<()> {
+        const OP: &str = "gelu";
+        if x.is_empty() {
+            return Ok(());
+        }
+        let xs = self.act_mut(OP, x)?;
+        let n = xs.len() as u64;
+        let kind: u32 = match kind {
+            Gelu::Erf => 0,
+            Gelu::Tanh => 1,
+            Gelu::Quick => 2,
+        };
+        let mut l = self.stream.launch_builder(&self.k.gelu);
+        l.arg(&mut *xs).arg(&n).arg(&kind);
+        launch(&mut l, flat(n as usize), OP)
+    }
+
+    fn scatter_rows(&self, x: &mut CudaBuffer, cols: usize, rows: &CudaIndex, src: &CudaBuffer) -> Result<()> {
+        const OP: &str = "scatter_rows";
+        let n = rows_of(OP, x.len(), cols)?;
+        expect_len(OP, "source", src.len(), rows.host.len() * cols)?;
+        if let Some(&r) = rows.host.iter().find(|&&r| r as usize >= n) {
+            return Err(KernelError::shape(OP, format!("row {r} of {n}")));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let ss = self.act(OP, src)?;
+        let xs = self.act_mut(OP, x)?;
+        let (count, c) = (u32_of(OP, rows.host.len())?, u32_of(OP, cols)?);
+        let mut l = self.stream.launch_builder(&self.k.scatter_rows);
+        l.arg(&mut *xs).arg(&*ss).arg(&rows.dev).arg(&count).arg(&c);
+        launch(&mut l, flat(src.len()), OP)
+    }
+
+    fn dense_attention(
+        &self,
+        q: &CudaBuffer,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        seqs: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Result<CudaBuffer> {
+        const OP: &str = "dense_attention";
+        let width = heads * head_dim;
+        let rows = rows_of(OP, q.len(), width.max(1) * seqs.max(1))?;
+        if seqs == 0 || width == 0 {
+            return Err(KernelError::shape(OP, format!("{seqs} sequences of {heads} heads of {head_dim}")));
+        }
+        expect_len(OP, "keys", k.len(), q.len())?;
+        expect_len(OP, "values", v.len(), q.len())?;
+        let len = rows;
+        let shared = (len + head_dim) * 4;
+        if shared > DENSE_ATTENTION_SHARED_BYTES {
+            return Err(KernelError::shape(OP, format!("sequences of {len} do not fit the kernel's shared memory")));
+        }
+        let mut out = self.alloc(OP, q.len())?;
+        if len == 0 {
+            return Ok(CudaBuffer(Data::Bf16(out)));
+        }
+        let (qs, ks, vs) = (self.act(OP, q)?, self.act(OP, k)?, self.act(OP, v)?);
+        let (l32, h32, d32) = (u32_of(OP, len)?, u32_of(OP, heads)?, u32_of(OP, head_dim)?);
+        let cfg = LaunchConfig {
+            grid_dim: (l32, h32, u32_of(OP, seqs)?),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let mut l = self.stream.launch_builder(&self.k.dense_attention);
+        l.arg(&mut out).arg(&*qs).arg(&*ks).arg(&*vs).arg(&l32).arg(&h32).arg(&d32).arg(&scale);
+        launch(&mut l, cfg, OP)?;
         Ok(CudaBuffer(Data::Bf16(out)))
     }
 

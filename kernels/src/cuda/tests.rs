@@ -10,7 +10,7 @@
 
 use super::CudaBackend;
 use crate::cpu::CpuBackend;
-use crate::{AttentionShape, Backend, HostWeight, PagedBatch, RopeStyle, WeightData};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -151,6 +151,49 @@ fn gpu_elementwise_and_row_ops_match_cpu() {
     assert_eq!(g.download(&got).unwrap(), want, "embedding copies exactly");
     let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
     assert!(err.is_err(), "an id past the vocabulary is refused");
+}
+
+/// The vision tower's ops: LayerNorm over an offset stream, the three GELUs, rows
+/// scattered into place, and bidirectional attention over a few images of patches.
+#[test]
+fn gpu_vision_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (rows, dim) = (rng.random_range(1..80), rng.random_range(1..1200));
+    let x: Vec<f32> = randn(&mut rng, rows * dim).iter().map(|v| bf16::from_f32(v + 4.0).to_f32()).collect();
+    let (w, b) = (randn(&mut rng, dim), randn(&mut rng, dim));
+    let want = CpuBackend::exact().layer_norm(&x, &w, &b, 1e-6).unwrap();
+    let got = g.layer_norm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &g.upload(&b).unwrap(), 1e-6).unwrap();
+    check("layer_norm", &g.download(&got).unwrap(), &want);
+
+    for kind in [Gelu::Erf, Gelu::Tanh, Gelu::Quick] {
+        let x: Vec<f32> = randn(&mut rng, 5000).iter().map(|v| bf16::from_f32(v * 5.0).to_f32()).collect();
+        let mut want = x.clone();
+        CpuBackend::exact().gelu(&mut want, kind).unwrap();
+        let mut got = g.upload(&x).unwrap();
+        g.gelu(&mut got, kind).unwrap();
+        check(&format!("gelu {kind:?}"), &g.download(&got).unwrap(), &want);
+    }
+
+    let mut want = randn(&mut rng, rows * dim);
+    let pick: Vec<u32> = (0..rows as u32).filter(|_| rng.random_bool(0.5)).collect();
+    let src = randn(&mut rng, pick.len() * dim);
+    let mut got = g.upload(&want).unwrap();
+    CpuBackend::exact().scatter_rows(&mut want, dim, &pick, &src).unwrap();
+    g.scatter_rows(&mut got, dim, &g.upload_index(&pick).unwrap(), &g.upload(&src).unwrap()).unwrap();
+    check("scatter_rows", &g.download(&got).unwrap(), &want);
+
+    for (seqs, len, heads, head_dim) in [(1, 1, 1, 8), (3, 17, 4, 16), (2, 577, 16, 64), (1, 1024, 12, 72)] {
+        let n = seqs * len * heads * head_dim;
+        let scaled =
+            |rng: &mut StdRng| -> Vec<f32> { randn(rng, n).iter().map(|v| bf16::from_f32(v * 3.0).to_f32()).collect() };
+        let (q, k, v) = (scaled(&mut rng), scaled(&mut rng), randn(&mut rng, n));
+        let scale = (head_dim as f32).powf(-0.5);
+        let want = CpuBackend::exact().dense_attention(&q, &k, &v, seqs, heads, head_dim, scale).unwrap();
+        let (gq, gk, gv) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let got = g.dense_attention(&gq, &gk, &gv, seqs, heads, head_dim, scale).unwrap();
+        check(&format!("dense_attention {seqs}x{len} {heads}x{head_dim}"), &g.download(&got).unwrap(), &want);
+    }
 }
 
 /// The same mixed batch as the CPU's reference test — a decode, a whole prefill, a

@@ -142,6 +142,7 @@ impl Replicas {
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
             prompt_step_percent: crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
+            encoder_cache_mb: 256,
         };
         let (stop, stopped) = watch::channel(false);
         let drain = (self.template.drain_grace, self.template.drain_deadline);

@@ -11,9 +11,11 @@ use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, sample_
 use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
 use super::thinking::{Thinking, ThinkingBudget};
-use crate::model::{Forwarded, Model, ModelConfig, ModelError, SeqInput};
+use crate::model::{Embeds, Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
+use crate::vision::placement::PlacedImages;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 use tessera_kernels::Backend;
 use tessera_kernels::pick::PickRow;
@@ -95,6 +97,8 @@ pub struct Request {
     /// Score the prompt's tokens too, with this many top alternatives each (0..=20).
     /// `max_tokens` may then be 0: the prompt is scored and nothing generated.
     pub prompt_logprobs: Option<u32>,
+    /// The prompt's images, encoded and placed over their placeholder tokens.
+    pub images: Option<Arc<PlacedImages>>,
 }
 
 impl Request {
@@ -114,6 +118,7 @@ impl Request {
             grammar: None,
             thinking: None,
             prompt_logprobs: None,
+            images: None,
         }
     }
 }
@@ -373,7 +378,8 @@ impl<B: Backend> EngineCore<B> {
             );
             let after = members.first().copied();
             let score_prompt = index == 0 && req.prompt_logprobs.is_some();
-            self.scheduler.add(Sequence { after, score_prompt, ..Sequence::new(seq_id, req.prompt.clone()) });
+            let images = req.images.clone();
+            self.scheduler.add(Sequence { after, score_prompt, images, ..Sequence::new(seq_id, req.prompt.clone()) });
             members.push(seq_id);
         }
         self.families.insert(req.id, members);
@@ -524,16 +530,30 @@ impl<B: Backend> EngineCore<B> {
         };
         let started = Instant::now();
         let forwarded = {
-            let inputs: Vec<SeqInput<'_>> = step
+            // Image rows for the chunks that cover placeholders (none past the prompt).
+            let embeds: Vec<Vec<Embeds<'_>>> = step
                 .scheduled
                 .iter()
                 .map(|s| {
+                    let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
+                    match &seq.images {
+                        Some(images) if s.start < seq.prompt_len => images.chunk(s.start, s.start + s.len),
+                        _ => Vec::new(),
+                    }
+                })
+                .collect();
+            let inputs: Vec<SeqInput<'_>> = step
+                .scheduled
+                .iter()
+                .zip(&embeds)
+                .map(|(s, embeds)| {
                     let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
                     SeqInput {
                         tokens: &seq.tokens[s.start..s.start + s.len],
                         cached: s.start,
                         block_table: &seq.block_table,
                         logits: s.sample,
+                        embeds,
                     }
                 })
                 .collect();

@@ -3,7 +3,7 @@
 //! (its KV heads of every block). The engine's thread hands every rank the same batch
 //! and takes rank 0's logits; the ranks meet in their all-reduces.
 
-use crate::model::{Forwarded, KvCache, Model, ModelConfig, ModelError, SeqInput};
+use crate::model::{Embeds, Forwarded, KvCache, Model, ModelConfig, ModelError, SeqInput};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
@@ -81,6 +81,8 @@ struct OwnedSeq {
     block_table: Vec<u32>,
     logits: bool,
     all_rows: bool,
+    /// Image rows: where they go in `tokens`, and the rows.
+    embeds: Vec<(usize, Vec<f32>)>,
 }
 
 struct Rank {
@@ -131,6 +133,7 @@ impl TensorParallel {
                     block_table: s.block_table.to_vec(),
                     logits: s.logits,
                     all_rows: all_rows.get(i).copied().unwrap_or(false),
+                    embeds: s.embeds.iter().map(|e| (e.at, e.rows.to_vec())).collect(),
                 })
                 .collect(),
         );
@@ -186,9 +189,18 @@ fn rank_loop<B: Backend>(
         return;
     }
     while let Ok(batch) = jobs.recv() {
+        let embeds: Vec<Vec<Embeds<'_>>> =
+            batch.iter().map(|s| s.embeds.iter().map(|(at, rows)| Embeds { at: *at, rows }).collect()).collect();
         let seqs: Vec<SeqInput<'_>> = batch
             .iter()
-            .map(|s| SeqInput { tokens: &s.tokens, cached: s.cached, block_table: &s.block_table, logits: s.logits })
+            .zip(&embeds)
+            .map(|(s, embeds)| SeqInput {
+                tokens: &s.tokens,
+                cached: s.cached,
+                block_table: &s.block_table,
+                logits: s.logits,
+                embeds,
+            })
             .collect();
         let all_rows: Vec<bool> = batch.iter().map(|s| s.all_rows).collect();
         let out = if all_rows.contains(&true) {

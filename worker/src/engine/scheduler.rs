@@ -291,15 +291,11 @@ impl Scheduler {
     }
 }
 
-/// Extends the sequence's block hashes over its full blocks.
+/// Extends the sequence's block hashes over its full blocks, each block holding an
+/// image's tokens keyed by that image's content too.
 fn update_hashes(hasher: &BlockHasher, seq: &mut Sequence) {
-    let full = seq.tokens.len() / BLOCK_TOKENS;
-    while seq.block_hashes.len() < full {
-        let b = seq.block_hashes.len();
-        let parent = seq.block_hashes.last().copied();
-        let h = hasher.next(parent, &seq.tokens[b * BLOCK_TOKENS..(b + 1) * BLOCK_TOKENS]);
-        seq.block_hashes.push(h);
-    }
+    let spans = seq.images.as_ref().map_or(&[][..], |i| &i.spans[..]);
+    hasher.extend(&mut seq.block_hashes, &seq.tokens, spans);
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! One sequence's tokens and its place in the KV cache, as the scheduler sees them.
 
 use super::block_pool::BlockId;
+use crate::vision::placement::PlacedImages;
+use std::sync::Arc;
 use tessera_proto::block_hash::BlockHash;
 
 pub type SeqId = u64;
@@ -26,6 +28,9 @@ pub struct Sequence {
     /// Its prompt is scored (prompt log-probabilities): the prefix cache cannot serve
     /// it, since a cached block's logits are not kept.
     pub score_prompt: bool,
+    /// The prompt's images: their rows go in at their placeholders, and their hashes
+    /// into the hashes of the blocks holding them.
+    pub images: Option<Arc<PlacedImages>>,
 }
 
 impl Sequence {
@@ -41,6 +46,7 @@ impl Sequence {
             num_cached_blocks: 0,
             after: None,
             score_prompt: false,
+            images: None,
         }
     }
 

@@ -107,12 +107,34 @@ impl ModelConfig {
         config.validate(f.path())
     }
 
+    /// A Hugging Face `config.json`: a decoder's, or a vision-language model's, whose
+    /// decoder is its `text_config`.
     pub fn from_hf_config(path: &Path) -> Result<Self, LoadError> {
         let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
-        let hf: HfConfig = serde_json::from_str(&text).map_err(|e| LoadError::format(path, e.to_string()))?;
-        let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| LoadError::format(path, e.to_string()))?;
+        let (hf, arch_name) = match json.get("text_config") {
+            // Nested configs name their type (a vision model's text config may carry
+            // an architecture name of its own, "VLlama3ForCausalLM") and leave out
+            // what equals the type's defaults, as llava-1.5's does.
+            Some(nested) => {
+                let kind = nested.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama").to_string();
+                let hf: HfConfig = serde_json::from_value(with_defaults(nested, &kind))
+                    .map_err(|e| LoadError::format(path, format!("text_config: {e}")))?;
+                (hf, kind)
+            }
+            None => {
+                let hf: HfConfig =
+                    serde_json::from_value(json.clone()).map_err(|e| LoadError::format(path, e.to_string()))?;
+                let name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
+                (hf, name)
+            }
+        };
         let architecture = Architecture::parse(path, &arch_name)?;
-        let llama3_scaling = match &hf.rope_scaling {
+        // transformers 5 writes `rope_parameters` (theta and scaling together) where
+        // earlier files have `rope_theta` and `rope_scaling`.
+        let rope_theta = hf.rope_theta.or(hf.rope_parameters.as_ref().and_then(|p| p.rope_theta));
+        let llama3_scaling = match hf.rope_scaling.as_ref().or(hf.rope_parameters.as_ref()) {
             Some(s) if s.rope_type.as_deref().or(s.kind.as_deref()) == Some("llama3") => Some(Llama3Scaling {
                 factor: s.factor.unwrap_or(8.0),
                 low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
@@ -120,7 +142,7 @@ impl ModelConfig {
                 original_max_position: s.original_max_position_embeddings.unwrap_or(8192.0),
             }),
             Some(s) => {
-                let kind = s.rope_type.clone().or(s.kind.clone()).unwrap_or_default();
+                let kind = s.rope_type.clone().or(s.kind.clone()).unwrap_or_else(|| "default".into());
                 if kind != "default" {
                     return Err(LoadError::metadata(
                         path,
@@ -143,7 +165,7 @@ impl ModelConfig {
             head_dim: hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
             vocab_size: hf.vocab_size,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+            rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_style: RopeStyle::Neox,
             llama3_scaling,
             context_length: hf.max_position_embeddings.unwrap_or(2048),
@@ -326,6 +348,7 @@ struct HfConfig {
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<HfRopeScaling>,
+    rope_parameters: Option<HfRopeScaling>,
     max_position_embeddings: Option<usize>,
     attention_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
@@ -333,6 +356,7 @@ struct HfConfig {
 
 #[derive(Deserialize)]
 struct HfRopeScaling {
+    rope_theta: Option<f64>,
     rope_type: Option<String>,
     #[serde(rename = "type")]
     kind: Option<String>,
@@ -340,6 +364,32 @@ struct HfRopeScaling {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
+}
+
+/// `config` with the fields its type's configuration class defaults filled in, where
+/// the file leaves them out (transformers writes only what differs from them in nested
+/// configs). Only llama-family decoders are known; others come back as they are.
+fn with_defaults(config: &serde_json::Value, model_type: &str) -> serde_json::Value {
+    let defaults = match model_type {
+        // LlamaConfig's defaults (transformers' configuration_llama.py).
+        "llama" => serde_json::json!({
+            "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "vocab_size": 32000, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048, "rope_theta": 10000.0
+        }),
+        _ => serde_json::json!({}),
+    };
+    let mut out = config.clone();
+    if let (Some(o), Some(d)) = (out.as_object_mut(), defaults.as_object()) {
+        for (k, v) in d {
+            // `rope_theta` is not a default when `rope_parameters` carries it.
+            if k == "rope_theta" && o.contains_key("rope_parameters") {
+                continue;
+            }
+            o.entry(k.clone()).or_insert(v.clone());
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -397,6 +447,18 @@ mod tests {
         let err = ModelConfig::from_hf_config(&gpt2).unwrap_err();
         assert!(matches!(err, LoadError::UnsupportedArchitecture { .. }), "{err}");
         assert!(err.to_string().contains("config.json") && err.to_string().contains("GPT2LMHeadModel"));
+        // A vision model's decoder: the nested text config, its type's defaults filled in
+        // (llava-1.5 leaves out the sizes), rope theta from transformers 5's rope_parameters.
+        let llava = write(
+            &dir,
+            r#"{"architectures":["LlavaForConditionalGeneration"],"model_type":"llava",
+            "text_config":{"architectures":["VLlama3ForCausalLM"],"model_type":"llama","vocab_size":32064,
+            "rope_parameters":{"rope_type":"default","rope_theta":100000.0}},
+            "vision_config":{"model_type":"clip_vision_model"}}"#,
+        );
+        let c = ModelConfig::from_hf_config(&llava).unwrap();
+        assert_eq!((c.hidden_size, c.num_layers, c.num_heads, c.vocab_size), (4096, 32, 32, 32064));
+        assert_eq!((c.architecture, c.rope_theta), (Architecture::Llama, 100000.0));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -39,6 +39,16 @@ pub struct SeqInput<'a> {
     pub block_table: &'a [u32],
     /// Whether to return logits for the last of `tokens`.
     pub logits: bool,
+    /// Rows that stand in for some of `tokens`' embeddings: an image's features at
+    /// its placeholder tokens (none for text).
+    pub embeds: &'a [Embeds<'a>],
+}
+
+/// `rows` (`n × hidden_size` floats) replace the embeddings of `tokens[at..at + n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Embeds<'a> {
+    pub at: usize,
+    pub rows: &'a [f32],
 }
 
 /// The batch flattened into the index arrays the kernels read.
@@ -52,6 +62,9 @@ pub(super) struct Flat {
     pub(super) block_tables: Vec<u32>,
     pub(super) max_blocks: usize,
     pub(super) logit_rows: Vec<u32>,
+    /// Batch rows whose embeddings `embed_data` replaces, `hidden_size` floats each.
+    pub(super) embed_rows: Vec<u32>,
+    pub(super) embed_data: Vec<f32>,
 }
 
 /// `Flat` on the device.
@@ -65,6 +78,7 @@ pub(super) struct DeviceFlat<B: Backend> {
     pub(super) block_tables: B::Index,
     pub(super) logit_rows: Option<B::Index>,
     pub(super) num_logits: usize,
+    pub(super) embeds: Option<(B::Index, B::Buffer)>,
 }
 
 impl<B: Backend> Model<B> {
@@ -205,6 +219,10 @@ impl<B: Backend> Model<B> {
             block_tables: b.upload_index(&f.block_tables)?,
             logit_rows: (!f.logit_rows.is_empty()).then(|| b.upload_index(&f.logit_rows)).transpose()?,
             num_logits: f.logit_rows.len(),
+            embeds: match f.embed_rows.is_empty() {
+                true => None,
+                false => Some((b.upload_index(&f.embed_rows)?, b.upload(&f.embed_data)?)),
+            },
         })
     }
 
@@ -244,6 +262,9 @@ impl<B: Backend> Model<B> {
         };
 
         let mut h = b.embedding(&d.token_ids, &w.embed)?;
+        if let Some((rows, data)) = &d.embeds {
+            b.scatter_rows(&mut h, c.hidden_size, rows, data)?;
+        }
         let Some(first) = w.layers.first() else {
             return Err(ModelError::Input("the model has no layers".into()));
         };
@@ -306,6 +327,8 @@ impl<B: Backend> Model<B> {
             block_tables: Vec::with_capacity(seqs.len() * max_blocks),
             max_blocks,
             logit_rows: Vec::new(),
+            embed_rows: Vec::new(),
+            embed_data: Vec::new(),
         };
         for (i, s) in seqs.iter().enumerate() {
             let context = s.cached + s.tokens.len();
@@ -333,6 +356,21 @@ impl<B: Backend> Model<B> {
                 f.token_ids.push(t);
                 f.positions.push(pos as u32);
                 f.slots.push(s.block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
+            }
+            let first = f.token_ids.len() - s.tokens.len();
+            for e in s.embeds {
+                let n = e.rows.len() / self.config.hidden_size;
+                if e.rows.len() % self.config.hidden_size != 0 || e.at + n > s.tokens.len() {
+                    return Err(ModelError::Input(format!(
+                        "sequence {i}: {} embedding floats at token {} do not fit {} tokens of width {}",
+                        e.rows.len(),
+                        e.at,
+                        s.tokens.len(),
+                        self.config.hidden_size
+                    )));
+                }
+                f.embed_rows.extend((first + e.at..first + e.at + n).map(|r| r as u32));
+                f.embed_data.extend_from_slice(e.rows);
             }
             f.query_start.push(f.token_ids.len() as u32);
             f.context_lens.push(context as u32);

@@ -88,7 +88,7 @@ impl<B: Backend> Model<B> {
         kv: &'k mut KvCache<B>,
     ) -> Result<Option<(&'k B::Buffer, usize)>, ModelError> {
         let Some(graphs) = &mut kv.graphs else { return Ok(None) };
-        if seqs.is_empty() || seqs.iter().any(|s| s.tokens.len() != 1 || !s.logits) {
+        if seqs.is_empty() || seqs.iter().any(|s| s.tokens.len() != 1 || !s.logits || !s.embeds.is_empty()) {
             return Ok(None);
         }
         let Some(g) = graphs.graphs.iter_mut().find(|g| g.batch >= seqs.len()) else { return Ok(None) };
@@ -131,6 +131,8 @@ fn pad(flat: &Flat, n: usize, batch: usize, max_blocks: usize, bs: usize, scratc
         block_tables: Vec::with_capacity(batch * max_blocks),
         max_blocks,
         logit_rows: (0..batch as u32).collect(),
+        embed_rows: Vec::new(),
+        embed_data: Vec::new(),
     };
     for i in 0..n {
         let row = &flat.block_tables[i * flat.max_blocks..(i + 1) * flat.max_blocks];

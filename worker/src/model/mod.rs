@@ -9,7 +9,7 @@ pub mod shard;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
-pub use forward::{Forwarded, Model, SeqInput};
+pub use forward::{Embeds, Forwarded, Model, SeqInput};
 pub use graphs::DecodeGraphs;
 pub use kv_cache::{KvCache, block_bytes as kv_block_bytes};
 

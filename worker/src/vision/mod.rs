@@ -1,9 +1,20 @@
 //! Image input for vision-language models: the reference processors' preprocessing,
-//! reproduced exactly (`resize`: Pillow's resampling).
+//! reproduced exactly (`resize`: Pillow's resampling), the vision towers and connectors
+//! of the Idefics3 / SmolVLM and LLaVA / LLaVA-NeXT families (`encoder`), and where
+//! their checkpoints keep each part (`names`).
 
+pub mod config;
+pub mod encoder;
 pub mod idefics3;
 pub mod llava;
+pub mod names;
+pub mod placement;
 pub mod resize;
+pub mod service;
+mod tower;
+
+pub use config::VisionConfig;
+pub use encoder::{Features, Prepared, Use, VisionModel};
 
 /// How a processor turns 8-bit pixels into the encoder's input.
 #[derive(Debug, Clone, PartialEq)]

@@ -163,10 +163,11 @@ pub fn prefill_then_decode<B: Backend>(
 ) -> Vec<Vec<f32>> {
     let mut kv = model.new_kv_cache(64, block_size).unwrap();
     let table: Vec<u32> = (0..64).rev().collect();
-    let first = SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true };
+    let first = SeqInput { tokens: &prompt[..split], cached: 0, block_table: &table, logits: true, embeds: &[] };
     let mut out = vec![model.forward(&[first], &mut kv).unwrap()];
     for pos in split..prompt.len() {
-        let step = [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true }];
+        let step =
+            [SeqInput { tokens: &prompt[pos..=pos], cached: pos, block_table: &table, logits: true, embeds: &[] }];
         out.push(model.forward(&step, &mut kv).unwrap());
     }
     out
