@@ -76,9 +76,20 @@ class Vision(unittest.TestCase):
 
     def test_the_responses_endpoint_takes_input_images(self):
         png = image("wide.png")["image_url"]["url"]
-        r = client().responses.create(model=MODEL, max_output_tokens=4, input=[{"role": "user", "content": [
-            {"type": "input_text", "text": "Describe this."}, {"type": "input_image", "image_url": png}]}])
+        content = [{"type": "input_text", "text": "Describe this."}, {"type": "input_image", "image_url": png}]
+        r = client().responses.create(model=MODEL, max_output_tokens=4, input=[{"role": "user", "content": content}])
         self.assertGreater(r.usage.input_tokens, 7 * 4)
+        # Instructions reach the template as text too (a vision template reads parts).
+        told = client().responses.create(model=MODEL, max_output_tokens=4, instructions="Answer in French, briefly.",
+                                         input=[{"role": "user", "content": content}])
+        # Their text, not only an empty system turn (10 tokens here; 36 with the text).
+        self.assertGreater(told.usage.input_tokens, r.usage.input_tokens + 20)
+
+    def test_the_image_token_typed_as_text_is_the_clients_mistake(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            ask({"type": "text", "text": "look: <image>"}, image("wide.png"))
+        self.assertEqual(e.exception.body["param"], "messages")
+        self.assertIn("<image>", e.exception.body["message"])
 
     def test_a_bad_image_is_named_on_a_vision_model_too(self):
         junk = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}

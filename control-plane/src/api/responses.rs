@@ -92,7 +92,9 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
     // Checked on their own, so that errors name the client's own input items.
     messages = chat::messages_for(model, &Value::Array(messages)).map_err(|e| rename_param(e, "messages", "input"))?;
     if let Some(i) = &instructions {
-        messages.insert(0, json!({"role": "system", "content": i}));
+        // A vision model's template reads parts everywhere.
+        let content = if model.vision().is_some() { json!([{"type": "text", "text": i}]) } else { json!(i) };
+        messages.insert(0, json!({"role": "system", "content": content}));
     }
     let sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let stream = f.bool("stream", false)?;

@@ -98,10 +98,19 @@ fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<Wit
     let sent: usize = frames.iter().sum();
     let expand = |most: usize| -> Result<(Vec<u32>, Expanded), ApiError> {
         let keep: Vec<Vec<usize>> = frames.iter().map(|&n| vision::sample(n, most)).collect();
-        // The template is the model's: a mismatch is the deployment's fault, not the request's.
-        let expanded = vision
-            .expand(text, shown.visuals, &keep)
-            .map_err(|e| ApiError::Internal(format!("{}: {e}", model.entry.id)))?;
+        // Too few image tokens: the model's template dropped some, the deployment's
+        // fault. Too many: the request's text spells the token itself.
+        let expanded = vision.expand(text, shown.visuals, &keep).map_err(|e| match e.as_str() {
+            vision::TEXT_HAS_TOKEN => ApiError::invalid_value(
+                "messages",
+                format!(
+                    "Invalid content: the messages' text contains {}, the model's image placeholder; \
+                     send images as image parts.",
+                    vision.image_token()
+                ),
+            ),
+            _ => ApiError::Internal(format!("{}: {e}", model.entry.id)),
+        })?;
         Ok((tokenize(model, &expanded.text)?, expanded))
     };
     let context = model.context_length() as usize;

@@ -167,7 +167,7 @@ impl Vision {
             }
         }
         if rest.contains(image) || video.is_some_and(|v| rest.contains(v)) {
-            return Err("the prompt has more image tokens than the request has images".into());
+            return Err(TEXT_HAS_TOKEN.into());
         }
         out.push_str(rest);
         Ok(Expanded { text: out, images: inputs, tokens })
@@ -188,6 +188,11 @@ pub struct Expanded {
     /// Image tokens each of `images` takes.
     pub tokens: Vec<usize>,
 }
+
+/// `expand`'s complaint when the prompt has image tokens no image part put there: the
+/// request's own text spells the token (the client's mistake, unlike a template that
+/// places too few).
+pub const TEXT_HAS_TOKEN: &str = "the prompt has more image tokens than the request has images";
 
 fn input(image: &LoadedImage, split: bool, frame: bool) -> pb::ImageInput {
     pb::ImageInput { data: image.bytes.clone(), sha256: image.sha256.to_vec(), split, frame }
