@@ -209,7 +209,7 @@ impl ImageArgs {
             max_redirects: self.image_max_redirects,
             allow_internal: self.image_allow_internal,
             max_images: self.max_images as usize,
-            limits: Default::default(),
+            ..Default::default()
         }
     }
 }

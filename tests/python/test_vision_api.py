@@ -5,7 +5,9 @@ a short context, for frame sampling). Images go inline as data URIs."""
 
 import base64
 import os
+import struct
 import unittest
+import zlib
 
 import openai
 
@@ -26,6 +28,17 @@ def image(name, detail=None):
     if detail:
         part["image_url"]["detail"] = detail
     return part
+
+
+def big_png(width, height):
+    """An uncompressed PNG of noise: its bytes are its pixels, over 4 MiB here."""
+    rows = b"".join(b"\0" + os.urandom(width * 3) for _ in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 0)) + chunk(b"IEND", b"")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
 
 
 def ask(*parts, model=MODEL, **kw):
@@ -90,6 +103,12 @@ class Vision(unittest.TestCase):
             ask({"type": "text", "text": "look: <image>"}, image("wide.png"))
         self.assertEqual(e.exception.body["param"], "messages")
         self.assertIn("<image>", e.exception.body["message"])
+
+    def test_an_image_larger_than_a_default_grpc_message_reaches_the_worker(self):
+        part = big_png(1300, 1100)
+        self.assertGreater(len(part["image_url"]["url"]) * 3 // 4, 4 << 20)
+        r = ask(part)
+        self.assertGreater(r.usage.prompt_tokens, 7 * 4)
 
     def test_a_bad_image_is_named_on_a_vision_model_too(self):
         junk = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}

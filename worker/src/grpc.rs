@@ -9,7 +9,7 @@ use crate::engine::sequence::SeqId;
 use crate::engine::thinking::ThinkingBudget;
 use crate::vision::Use;
 use crate::vision::placement::PlacedImages;
-use crate::vision::service::{ImageInput, PlaceImages};
+use crate::vision::service::{ImageError, ImageInput, PlaceImages};
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -95,7 +95,11 @@ impl WorkerService {
             .await
             .map_err(|e| Status::internal(format!("image encoding: {e}")))?
             .map(|placed| Some(Arc::new(placed)))
-            .map_err(|e| Status::invalid_argument(e.to_string()))
+            .map_err(|e| match e {
+                // The encoder's own failure, not the request's.
+                ImageError::Encoder { .. } => Status::internal(e.to_string()),
+                _ => Status::invalid_argument(e.to_string()),
+            })
     }
 
     /// The same, serving `metrics` at GET /metrics.

@@ -277,7 +277,11 @@ pub async fn serve(
     };
     // gRPC, and beside it (over HTTP/1.1) GET /metrics for Prometheus.
     let metrics = service.metrics.clone();
-    let routes = tonic::service::Routes::new(WorkerServer::new(service.closing_on(closed)))
+    // A request carries its images' bytes: up to the control plane's per-request cap,
+    // far over tonic's 4 MiB default.
+    let server =
+        WorkerServer::new(service.closing_on(closed)).max_decoding_message_size(tessera_proto::MAX_MESSAGE_BYTES);
+    let routes = tonic::service::Routes::new(server)
         .into_axum_router()
         .route("/metrics", axum::routing::get(move || render(metrics.clone())));
     tonic::transport::Server::builder()

@@ -163,7 +163,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRe
     f.finish()?;
 
     let room = max_tokens.or(max_completion_tokens).map_or(1, |m| m.max(1) as usize);
-    let shown = chat::Shown { visuals, room };
+    let shown = chat::Shown { visuals, room, param: "messages" };
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format, shown)?;
     let max_param = if max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens =

@@ -142,7 +142,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
     f.finish()?;
     // Reasoning cannot be turned off here (SPEC.md): the catalog's defaults apply.
     let kwargs = chat::template_kwargs(model, None);
-    let shown = chat::Shown { visuals, room: max_output_tokens.map_or(1, |m| m.max(1) as usize) };
+    let shown = chat::Shown { visuals, room: max_output_tokens.map_or(1, |m| m.max(1) as usize), param: "input" };
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format, shown)?;
     let max_tokens = params::max_tokens(model, prepared.prompt.len(), max_output_tokens, "input")?;
     let thinking = chat::budget::for_worker(model, &prepared, budget, max_tokens, "max_output_tokens")?;

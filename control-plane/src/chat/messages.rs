@@ -300,7 +300,14 @@ pub struct ImagePart {
 pub fn image_parts(messages: &Value, name: &str) -> Vec<ImagePart> {
     let mut found = Vec::new();
     for (i, m) in messages.as_array().into_iter().flatten().enumerate() {
-        for field in ["content", "output"] {
+        // Only what reaches the template: a message's content, a tool result's output
+        // (the responses endpoint's); items it drops (reasoning) show no images.
+        let fields: &[&str] = match m.get("type").and_then(Value::as_str) {
+            None | Some("message") => &["content"],
+            Some("function_call_output") => &["output"],
+            Some(_) => &[],
+        };
+        for &field in fields {
             let mut previous_image = false;
             for (j, part) in m.get(field).and_then(Value::as_array).into_iter().flatten().enumerate() {
                 if !matches!(part.get("type").and_then(Value::as_str), Some("image_url" | "input_image")) {
@@ -422,6 +429,10 @@ mod tests {
         let no_url = img(json!({"type": "image_url", "image_url": {}}));
         assert_eq!(code(for_template(&no_url, &VISION, "v/m").unwrap_err()).1, "messages[0].content[1].image_url.url");
         assert!(image_parts(&json!([{"role": "user", "content": "text"}]), "messages").is_empty());
+        // Fields and items the template never reads show no images.
+        let unread = json!([{"role": "user", "content": "hi", "output": [{"type": "image_url", "image_url": "https://x/a.png"}]},
+                            {"type": "reasoning", "content": [{"type": "input_image", "image_url": "https://x/b.png"}]}]);
+        assert!(image_parts(&unread, "input").is_empty());
     }
 
     #[test]

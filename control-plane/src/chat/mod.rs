@@ -47,6 +47,8 @@ pub struct Prepared {
 pub struct Shown<'a> {
     pub visuals: &'a [Visual],
     pub room: usize,
+    /// The parameter holding the messages (`messages`, `input`), named in errors.
+    pub param: &'static str,
 }
 
 /// Renders the prompt with the tools the model may call, and decides from the family's
@@ -98,18 +100,20 @@ fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<Wit
     let sent: usize = frames.iter().sum();
     let expand = |most: usize| -> Result<(Vec<u32>, Expanded), ApiError> {
         let keep: Vec<Vec<usize>> = frames.iter().map(|&n| vision::sample(n, most)).collect();
-        // Too few image tokens: the model's template dropped some, the deployment's
-        // fault. Too many: the request's text spells the token itself.
-        let expanded = vision.expand(text, shown.visuals, &keep).map_err(|e| match e.as_str() {
-            vision::TEXT_HAS_TOKEN => ApiError::invalid_value(
-                "messages",
-                format!(
-                    "Invalid content: the messages' text contains {}, the model's image placeholder; \
-                     send images as image parts.",
+        // Either way it is the request's own doing: its text spells the token, or its
+        // images sit where the model's template shows none.
+        let expanded = vision.expand(text, shown.visuals, &keep).map_err(|e| {
+            let message = match e.as_str() {
+                vision::TEXT_HAS_TOKEN => format!(
+                    "Invalid content: the text contains {}, the model's image placeholder; send images as image parts.",
                     vision.image_token()
                 ),
-            ),
-            _ => ApiError::Internal(format!("{}: {e}", model.entry.id)),
+                _ => format!(
+                    "Invalid content: {}'s chat template does not show images where this request puts them.",
+                    model.entry.id
+                ),
+            };
+            ApiError::invalid_value(shown.param, message)
         })?;
         Ok((tokenize(model, &expanded.text)?, expanded))
     };

@@ -143,11 +143,9 @@ impl Vision {
         for visual in visuals {
             let token = match visual {
                 Visual::Image { .. } => image,
-                Visual::Video { .. } => video.ok_or("this model takes no video")?,
+                Visual::Video { .. } => video.ok_or(TEMPLATE_DROPS)?,
             };
-            let at = rest
-                .find(token)
-                .ok_or_else(|| format!("the chat template placed fewer {token} tokens than the request has images"))?;
+            let at = rest.find(token).ok_or(TEMPLATE_DROPS)?;
             out.push_str(&rest[..at]);
             rest = &rest[at + token.len()..];
             match visual {
@@ -193,6 +191,10 @@ pub struct Expanded {
 /// request's own text spells the token (the client's mistake, unlike a template that
 /// places too few).
 pub const TEXT_HAS_TOKEN: &str = "the prompt has more image tokens than the request has images";
+
+/// `expand`'s complaint when the template showed fewer images than the request has: it
+/// leaves out the messages (or roles) some of them are in.
+pub const TEMPLATE_DROPS: &str = "the chat template placed fewer image tokens than the request has images";
 
 fn input(image: &LoadedImage, split: bool, frame: bool) -> pb::ImageInput {
     pb::ImageInput { data: image.bytes.clone(), sha256: image.sha256.to_vec(), split, frame }
@@ -327,8 +329,8 @@ mod tests {
         assert!(text.contains("\nFrame from 00:03:") && text.ends_with("\n\nC"), "{text}");
         assert_eq!(inputs.len(), 3);
         assert_eq!((inputs[0].split, inputs[1].frame, inputs[2].sha256[0]), (false, true, 13));
-        assert!(v.expand("A B", &visuals, &[]).unwrap_err().contains("fewer"));
-        assert!(v.expand("<image><image>", &visuals[..1], &[]).unwrap_err().contains("more image tokens"));
+        assert_eq!(v.expand("A B", &visuals, &[]).unwrap_err(), TEMPLATE_DROPS);
+        assert_eq!(v.expand("<image><image>", &visuals[..1], &[]).unwrap_err(), TEXT_HAS_TOKEN);
     }
 
     #[test]

@@ -301,6 +301,20 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn images_together_are_capped_and_the_part_going_over_is_named() {
+        let inline = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png()));
+        let one = png().len();
+        let images =
+            Images::new(ImageConfig { max_total_bytes: one * 2, max_images: 8, ..ImageConfig::default() }).unwrap();
+        let parts: Vec<(String, String)> =
+            (0..3).map(|i| (format!("messages[0].content[{i}]"), inline.clone())).collect();
+        assert_eq!(images.load_all(&parts[..2]).await.unwrap().len(), 2);
+        let e = images.load_all(&parts).await.unwrap_err().body();
+        assert_eq!(e["error"]["param"], "messages[0].content[2]");
+        assert!(e["error"]["message"].as_str().unwrap().contains("together are larger"), "{e}");
+    }
+
     #[test]
     fn each_hop_is_checked_for_scheme_and_literal_internal_addresses() {
         use super::{Refusal, check_hop};

@@ -31,6 +31,9 @@ pub struct ImageConfig {
     pub allow_internal: bool,
     /// Images (or video frames) one request may carry.
     pub max_images: usize,
+    /// Their bytes together: what one message to a worker may carry, less room for the
+    /// prompt (`tessera_proto::MAX_MESSAGE_BYTES`).
+    pub max_total_bytes: usize,
     pub limits: ImageLimits,
 }
 
@@ -42,6 +45,7 @@ impl Default for ImageConfig {
             max_redirects: 3,
             allow_internal: false,
             max_images: 64,
+            max_total_bytes: tessera_proto::MAX_MESSAGE_BYTES - (4 << 20),
             limits: ImageLimits::default(),
         }
     }
@@ -64,6 +68,8 @@ pub enum ImageError {
     Decode(#[from] DecodeError),
     #[error("a request may carry at most {0} images or video frames")]
     TooMany(usize),
+    #[error("the request's images together are larger than the limit of {}", size_words(*.0))]
+    TooLargeTogether(usize),
 }
 
 /// Each part's place and address.
@@ -118,7 +124,20 @@ impl Images {
         }
         let loads = parts.iter().map(|(_, url)| self.load(url));
         let loaded = futures_util::future::join_all(loads).await;
-        loaded.into_iter().zip(parts).map(|(r, (param, _))| r.map_err(|e| e.at(param))).collect()
+        let loaded: Vec<LoadedImage> = loaded
+            .into_iter()
+            .zip(parts)
+            .map(|(r, (param, _))| r.map_err(|e| e.at(param)))
+            .collect::<Result<_, _>>()?;
+        // Named by the part that takes the total over.
+        let mut total = 0;
+        for (image, (param, _)) in loaded.iter().zip(parts) {
+            total += image.bytes.len();
+            if total > self.config.max_total_bytes {
+                return Err(ImageError::TooLargeTogether(self.config.max_total_bytes).at(param));
+            }
+        }
+        Ok(loaded)
     }
 
     /// A request's images (`chat::messages::image_parts`) loaded, so that a bad one is
