@@ -18,6 +18,7 @@ use tessera_kernels::Backend;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Request};
 use tessera_worker::vision::Use;
+use tessera_worker::vision::config::Processor;
 use tessera_worker::vision::service::{ImageEncoder, ImageInput};
 use tessera_worker::{device, load, model_cache};
 
@@ -78,11 +79,10 @@ fn bench<B: Backend + 'static>(backend: B, dir: &Path, args: &Args) -> Result<()
     for _ in 0..args.images {
         let image = input(picture()?, false);
         let started = Instant::now();
-        encode(&encoder, &image, &text)?;
+        encode(&encoder, &image, (args.width, args.height), &text)?;
         low_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
-    let tiles = |split| encoder.model().prepare(&image::RgbImage::new(args.width, args.height), Use::Image { split });
-    let tile_count = |split| tiles(split).pixels.len() / (3 * IMAGE * IMAGE);
+    let tile_count = |split| tiles(&encoder, args.width, args.height, split);
     let mut out = json!({
         "bench": "vision",
         "device": device,
@@ -97,7 +97,7 @@ fn bench<B: Backend + 'static>(backend: B, dir: &Path, args: &Args) -> Result<()
     for (name, split) in [("low", false), ("auto", true)] {
         let image = input(picture()?, split);
         let started = Instant::now();
-        let (placed, tokens) = encode(&encoder, &image, &text)?;
+        let (placed, tokens) = encode(&encoder, &image, (args.width, args.height), &text)?;
         let encoded = started.elapsed();
         let prompt_len = tokens.len();
         let request = Request { images: Some(Arc::new(placed)), ..Request::greedy(1, tokens, 1) };
@@ -124,23 +124,28 @@ fn input(data: Vec<u8>, split: bool) -> ImageInput {
     ImageInput { data, sha256, usage: Use::Image { split } }
 }
 
-/// Encodes `image` for a prompt of `text` around its placeholder tokens; the prompt is
-/// returned with the placed rows.
+/// Encodes `image` (`width` × `height`) for a prompt of `text` around its placeholder
+/// tokens; the prompt is returned with the placed rows.
 fn encode<B: Backend>(
     encoder: &ImageEncoder<B>,
     image: &ImageInput,
+    (width, height): (u32, u32),
     text: &[u32],
 ) -> Result<(tessera_worker::vision::placement::PlacedImages, Vec<u32>)> {
-    // The rows the image takes: one encoding tells (the cache keeps it for the placing).
-    let rgb = tessera_proto::image::decode(&image.data, Default::default())?.rgb;
-    let prepared = encoder.model().prepare(&rgb, image.usage);
-    let tiles = prepared.pixels.len() / (3 * IMAGE * IMAGE);
-    let rows = tiles * (IMAGE / PATCH) * (IMAGE / PATCH) / (SCALE * SCALE);
+    let split = image.usage == (Use::Image { split: true });
+    let rows = tiles(encoder, width, height, split) * (IMAGE / PATCH) * (IMAGE / PATCH) / (SCALE * SCALE);
     let mut prompt = text.to_vec();
     prompt.extend(std::iter::repeat_n(IMAGE_TOKEN, rows));
     prompt.extend_from_slice(text);
     let placed = encoder.place(&prompt, std::slice::from_ref(image)).map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok((placed, prompt))
+}
+
+/// Tiles the processor cuts a `width` × `height` picture into, from its geometry alone.
+fn tiles<B: Backend>(encoder: &ImageEncoder<B>, width: u32, height: u32, split: bool) -> usize {
+    let Processor::Idefics3 { processor, .. } = &encoder.model().config.processor else { return 1 };
+    let (rows, cols) = processor.geometry.grid(width, height, split);
+    (rows * cols) as usize + 1
 }
 
 /// A `width` × `height` PNG of gradients and noise.
