@@ -11,6 +11,7 @@ pub mod loader;
 pub mod metrics;
 pub mod model;
 pub mod model_cache;
+pub mod pypi;
 pub mod serve;
 pub mod tokenizer;
 pub mod vision;

