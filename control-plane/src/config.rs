@@ -28,6 +28,10 @@ pub enum LogFormat {
 pub enum Command {
     /// Runs the API on one machine, with local workers and a SQLite database.
     Serve(ServeConfig),
+    /// The worker built into this binary (`tessera-worker`'s commands): what `tessera
+    /// serve` starts when no `tessera-worker` lies beside it.
+    #[command(subcommand, hide = true)]
+    Worker(tessera_worker::cli::Command),
     /// Runs a control plane of a cluster: placement through etcd (one leader among the
     /// control planes), the API over the replicas the nodes serve, a shared database.
     ControlPlane(ClusterConfig),
@@ -104,7 +108,8 @@ pub struct ServeConfig {
     pub store: StoreArgs,
     #[command(flatten)]
     pub api: ApiArgs,
-    /// The `tessera-worker` binary; default: beside this one, else on PATH.
+    /// The `tessera-worker` binary; default: the one beside this binary, else the worker
+    /// built into this one.
     #[arg(long, env = "TESSERA_WORKER_BIN")]
     pub worker_bin: Option<PathBuf>,
     /// KV cache size of each worker, in bytes (default: the worker's).

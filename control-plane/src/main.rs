@@ -4,9 +4,16 @@ use clap::Parser;
 use tessera_control_plane::config::{Cli, Command, LogFormat};
 use tessera_control_plane::{cluster, ops, serve};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The built-in worker starts the runtimes it needs itself.
+    if let Command::Worker(command) = cli.command {
+        return tessera_worker::cli::run(command);
+    }
+    tokio::runtime::Runtime::new()?.block_on(control_plane(cli))
+}
+
+async fn control_plane(cli: Cli) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "warn,tessera_control_plane::api=info,tessera_control_plane::console=info".into());
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
@@ -28,5 +35,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Nodes(cmd) => cluster::commands::nodes(cmd).await,
         Command::Deployments(cmd) => cluster::commands::deployments(cmd).await,
         Command::Replicas(cmd) => cluster::commands::replicas(cmd).await,
+        Command::Worker(_) => unreachable!("run before the runtime starts"),
     }
 }

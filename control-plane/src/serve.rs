@@ -29,7 +29,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
     bootstrap(&store, data_dir, config.dev_credit_usd).await?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
-    let binary = workers::worker_binary(config.worker_bin.as_deref());
+    let worker = workers::worker_command(config.worker_bin.as_deref())?;
     let mut local = Vec::new();
     let mut pools = BTreeMap::new();
     for weights in catalog.weights() {
@@ -38,7 +38,7 @@ pub async fn run(config: ServeConfig) -> Result<()> {
             eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
             let replica = format!("{weights}-{n}");
             let worker =
-                workers::start(&binary, &weights, &replica, config.kv_cache_bytes, !config.api.no_metrics).await?;
+                workers::start(&worker, &weights, &replica, config.kv_cache_bytes, !config.api.no_metrics).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
             let (_, pool) = pool
                 .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));

@@ -22,29 +22,40 @@ async fn next_line(reader: &mut BufReader<tokio::process::ChildStderr>) -> Optio
     }
 }
 
-/// The worker binary: as configured, else beside this executable, else on PATH.
-pub fn worker_binary(configured: Option<&Path>) -> PathBuf {
+/// How to start a worker: a program and the arguments before the worker's own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerCommand {
+    pub program: PathBuf,
+    pub prefix: Vec<&'static str>,
+}
+
+/// The worker: as configured, else the `tessera-worker` beside this executable, else
+/// the worker built into this binary (`tessera worker`), so that `cargo run --bin
+/// tessera` alone, which builds no other binary, serves.
+pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
+    let own = |program: PathBuf| WorkerCommand { program, prefix: Vec::new() };
     if let Some(p) = configured {
-        return p.to_path_buf();
+        return Ok(own(p.to_path_buf()));
     }
-    let sibling = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("tessera-worker")));
-    match sibling {
-        Some(p) if p.exists() => p,
-        _ => PathBuf::from("tessera-worker"),
-    }
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let sibling = exe.parent().map(|d| d.join("tessera-worker"));
+    Ok(match sibling {
+        Some(p) if p.is_file() => own(p),
+        _ => WorkerCommand { program: exe, prefix: vec!["worker"] },
+    })
 }
 
 /// Starts a worker serving `weights` (named `replica` in its metrics) and waits until it listens (it fetches and loads
 /// the model first, which may take minutes on a first start).
 pub async fn start(
-    binary: &Path,
+    worker: &WorkerCommand,
     weights: &str,
     replica: &str,
     kv_cache_bytes: Option<u64>,
     metrics: bool,
 ) -> Result<LocalWorker> {
-    let mut cmd = Command::new(binary);
-    cmd.args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
+    let mut cmd = Command::new(&worker.program);
+    cmd.args(&worker.prefix).args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
     if !metrics {
         cmd.arg("--no-metrics");
     }
@@ -70,7 +81,7 @@ pub async fn start(
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .with_context(|| format!("starting {}", binary.display()))?;
+        .with_context(|| format!("starting {}", worker.program.display()))?;
     let mut lines = BufReader::new(child.stderr.take().context("worker stderr")?);
     let addr = loop {
         let Some(line) = next_line(&mut lines).await else {
@@ -90,4 +101,19 @@ pub async fn start(
         }
     });
     Ok(LocalWorker { weights: weights.to_string(), addr, _child: child })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configured_worker_wins_else_the_built_in_one_runs_when_none_lies_beside() {
+        let configured = worker_command(Some(Path::new("/opt/w/tessera-worker"))).unwrap();
+        assert_eq!(configured, WorkerCommand { program: "/opt/w/tessera-worker".into(), prefix: vec![] });
+        // A test binary has no tessera-worker beside it (target/*/deps).
+        let exe = std::env::current_exe().unwrap();
+        assert!(!exe.parent().unwrap().join("tessera-worker").exists());
+        assert_eq!(worker_command(None).unwrap(), WorkerCommand { program: exe, prefix: vec!["worker"] });
+    }
 }

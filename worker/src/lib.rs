@@ -2,6 +2,7 @@
 //! at once through its engine, over gRPC.
 
 pub mod agent;
+pub mod cli;
 pub mod device;
 pub mod engine;
 pub mod generate;
