@@ -234,6 +234,9 @@ mod tests {
         Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// A wheel the test index serves: project name, file name, bytes, claimed SHA-256.
+    type Served = (String, String, Vec<u8>, String);
+
     /// A package index on loopback serving PEP 691 listings of `wheels` (requirement,
     /// bytes, the SHA-256 it claims); returns its simple API's URL.
     fn index(wheels: Vec<(&'static str, Vec<u8>, String)>) -> String {
@@ -241,7 +244,7 @@ mod tests {
         use std::sync::Arc;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let files: Arc<Vec<(String, String, Vec<u8>, String)>> = Arc::new(
+        let files: Arc<Vec<Served>> = Arc::new(
             wheels
                 .into_iter()
                 .map(|(req, bytes, claimed)| {
