@@ -46,6 +46,11 @@ pub struct AgentConfig {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Each replica's pacing, as `tessera-worker serve --prompt-step-percent`: while
+    /// others decode, a step with prompt chunks takes at most this percentage of a decode
+    /// step's time; 0: only --max-num-batched-tokens bounds it.
+    #[arg(long, default_value_t = crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT)]
+    pub prompt_step_percent: u32,
     /// Milliseconds a draining replica keeps accepting requests, for routers to learn
     /// that it drains.
     #[arg(long, default_value_t = 1000)]
@@ -187,6 +192,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         kv_cache_bytes: config.kv_cache_bytes,
         max_num_seqs: config.max_num_seqs,
         max_num_batched_tokens: config.max_num_batched_tokens,
+        prompt_step_percent: config.prompt_step_percent,
         drain_grace: Duration::from_millis(config.drain_grace_ms),
         drain_deadline: Duration::from_secs(config.drain_timeout_secs),
     };

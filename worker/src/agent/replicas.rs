@@ -19,6 +19,7 @@ pub struct EngineTemplate {
     pub kv_cache_bytes: Option<u64>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    pub prompt_step_percent: u32,
     /// Between saying "draining" and refusing new requests: time for routers to hear.
     pub drain_grace: Duration,
     /// The longest a drain waits for running requests before they are cut off.
@@ -141,7 +142,7 @@ impl Replicas {
             no_metrics: false,
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
-            prompt_step_percent: crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
+            prompt_step_percent: self.template.prompt_step_percent,
             encoder_cache_mb: 256,
         };
         let (stop, stopped) = watch::channel(false);
