@@ -45,6 +45,15 @@ pub fn serve_worker() -> (Process, String) {
 /// A child process, killed (SIGKILL) when dropped.
 pub struct Process(pub Child);
 
+impl Process {
+    /// Sends SIGTERM and waits up to `secs` for the process to end; its exit status.
+    pub fn terminate(&mut self, secs: u64) -> std::process::ExitStatus {
+        let pid = self.0.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success(), "kill -TERM {pid}");
+        until(secs, "the process to end after SIGTERM", || self.0.try_wait().unwrap())
+    }
+}
+
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.0.kill();

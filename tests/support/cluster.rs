@@ -88,7 +88,11 @@ impl Cluster {
 
     /// `tessera control-plane` on a free port, over the cluster's database.
     pub fn control_plane(&self) -> ControlPlane {
-        let port = free_port();
+        self.control_plane_on(free_port(), &[])
+    }
+
+    /// `tessera control-plane` on `port` (a restart takes its old one), `extra` flags.
+    pub fn control_plane_on(&self, port: u16, extra: &[&str]) -> ControlPlane {
         let child = Command::new(binary("tessera-control-plane", "tessera"))
             .args(["control-plane", "--etcd", &self.endpoint(), "--data-dir", self.data_dir()])
             // Traffic tests are about placement, not limits: clients that finish many short
@@ -102,17 +106,19 @@ impl Cluster {
                 "100000",
             ])
             .args(["--lease-ttl-secs", &LEASE_TTL_SECS.to_string(), "--node-grace-secs", "1"])
+            .args(extra)
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         ControlPlane { port, process: Process(child) }
     }
 
-    /// A node of one CPU device with a 64 MiB KV cache; `extra` agent flags.
+    /// A node of one CPU device with a 64 MiB KV cache unless `extra` (agent flags) sizes it.
     pub fn agent(&self, node: &str, extra: &[&str]) -> Process {
         let child = Command::new(binary("tessera-worker", "tessera-worker"))
             .args(["agent", "--etcd", &self.endpoint(), "--node-id", node, "--devices", "1"])
-            .args(["--lease-ttl-secs", "3", "--kv-cache-bytes", "67108864"])
+            .args(["--lease-ttl-secs", "3"])
+            .args(if extra.contains(&"--kv-cache-bytes") { &[][..] } else { &["--kv-cache-bytes", "67108864"][..] })
             .args(extra)
             .stderr(Stdio::null())
             .spawn()
@@ -155,6 +161,93 @@ impl Cluster {
     /// The organization's spendable balance and held credit, in micro-dollars.
     pub fn credits(&self) -> Value {
         tessera(&["credits", "show", "--org", &self.org, "--data-dir", self.data_dir()])
+    }
+}
+
+/// SDK clients (`THREADS`) sending streamed chat completions back to back until the file
+/// `STOP` exists; prints how many succeeded, then each failure.
+pub const STEADY: &str = r#"
+import os, sys, threading, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
+done, failures = [0], []
+# print writes the text and the newline apart: threads' lines would interleave.
+lock = threading.Lock()
+def say(line):
+    with lock: print(line, flush=True)
+def client(t):
+    i = 0
+    while not os.path.exists(os.environ["STOP"]):
+        try:
+            text, finish = "", None
+            for chunk in c.chat.completions.create(model="vendor-a/model-a", max_tokens=12, stream=True,
+                    messages=[{"role": "user", "content": f"Client {t} asks {i}"}]):
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+            assert finish in ("length", "stop"), finish
+            done[0] += 1
+            say("ok")
+        except Exception as e:
+            failures.append(repr(e))
+        i += 1
+threads = [threading.Thread(target=client, args=(t,)) for t in range(int(os.environ["THREADS"]))]
+for t in threads: t.start()
+for t in threads: t.join()
+print("done", done[0], flush=True)
+for f in failures: print("failure", f, flush=True)
+"#;
+
+/// `N` streams at once (`MAX_TOKENS` each, default 768, `ignore_eos`), each announcing its
+/// response (`opened`) and its first content (`started`); then one JSON line per stream: its x-request-id, the
+/// chunks that carried text (and how many came once the file `SIGNALLED` existed, if
+/// named), how it finished, its usage, and the error that ended it, if one did.
+pub const STREAMS: &str = r#"
+import json, os, threading, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
+results = {}
+# print writes the text and the newline apart: threads' lines would interleave.
+lock = threading.Lock()
+def say(line):
+    with lock: print(line, flush=True)
+def stream(i):
+    r = {"id": None, "chunks": 0, "after_signal": 0, "finish": None, "error": None}
+    signalled = os.environ.get("SIGNALLED")
+    try:
+        # Long enough that no stream can finish before the node is killed (with TCP_NODELAY
+        # 96 tokens could), whatever the machine's speed: it is killed after four start.
+        raw = c.chat.completions.with_raw_response.create(model="vendor-a/model-a",
+            max_tokens=int(os.environ.get("MAX_TOKENS", "768")),
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": f"Tell a long story about the number {i}."}])
+        r["id"] = raw.headers.get("x-request-id")
+        say("opened")
+        for chunk in raw.parse():
+            if chunk.usage:
+                r["usage"] = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if (delta.content or getattr(delta, "reasoning", None) or ""):
+                if r["chunks"] == 0:
+                    say("started")
+                r["chunks"] += 1
+                if signalled and os.path.exists(signalled):
+                    r["after_signal"] += 1
+            r["finish"] = chunk.choices[0].finish_reason or r["finish"]
+    except Exception as e:
+        r["error"] = repr(e)
+    results[i] = r
+threads = [threading.Thread(target=stream, args=(i,)) for i in range(int(os.environ["N"]))]
+for t in threads: t.start()
+for t in threads: t.join()
+for r in results.values(): print(json.dumps(r), flush=True)
+"#;
+
+/// Reads the clients' output until `count` lines have said `what`.
+pub fn read_until(lines: &mut impl Iterator<Item = std::io::Result<String>>, what: &str, count: u32) {
+    let mut seen = 0;
+    while seen < count {
+        let line = lines.next().unwrap_or_else(|| panic!("the clients stopped before {count} said {what:?}")).unwrap();
+        seen += (line == what) as u32;
     }
 }
 

@@ -12,83 +12,10 @@
 #[path = "../support/cluster.rs"]
 mod cluster;
 
-use cluster::{Cluster, Process, python, tessera, until};
+use cluster::{Cluster, Process, STEADY, STREAMS, python, read_until, tessera, until};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-
-/// SDK clients (`THREADS`) sending streamed chat completions back to back until the file
-/// `STOP` exists; prints how many succeeded, then each failure.
-const STEADY: &str = r#"
-import os, sys, threading, openai
-c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
-done, failures = [0], []
-def client(t):
-    i = 0
-    while not os.path.exists(os.environ["STOP"]):
-        try:
-            text, finish = "", None
-            for chunk in c.chat.completions.create(model="vendor-a/model-a", max_tokens=12, stream=True,
-                    messages=[{"role": "user", "content": f"Client {t} asks {i}"}]):
-                if chunk.choices:
-                    finish = chunk.choices[0].finish_reason or finish
-            assert finish in ("length", "stop"), finish
-            done[0] += 1
-            print("ok", flush=True)
-        except Exception as e:
-            failures.append(repr(e))
-        i += 1
-threads = [threading.Thread(target=client, args=(t,)) for t in range(int(os.environ["THREADS"]))]
-for t in threads: t.start()
-for t in threads: t.join()
-print("done", done[0], flush=True)
-for f in failures: print("failure", f, flush=True)
-"#;
-
-/// `N` streams at once, each announcing its first content (`started`); then one JSON
-/// line per stream: its x-request-id, the chunks that carried text, how it finished,
-/// and the error that ended it, if one did (and whether that came before any text).
-const STREAMS: &str = r#"
-import json, os, threading, openai
-c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
-results = {}
-def stream(i):
-    r = {"id": None, "chunks": 0, "finish": None, "error": None}
-    try:
-        # Long enough that no stream can finish before the node is killed (with TCP_NODELAY
-        # 96 tokens could), whatever the machine's speed: it is killed after four start.
-        raw = c.chat.completions.with_raw_response.create(model="vendor-a/model-a", max_tokens=768,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": f"Tell a long story about the number {i}."}])
-        r["id"] = raw.headers.get("x-request-id")
-        for chunk in raw.parse():
-            if chunk.usage:
-                r["usage"] = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
-            if (delta.content or getattr(delta, "reasoning", None) or ""):
-                if r["chunks"] == 0:
-                    print("started", flush=True)
-                r["chunks"] += 1
-            r["finish"] = chunk.choices[0].finish_reason or r["finish"]
-    except Exception as e:
-        r["error"] = repr(e)
-    results[i] = r
-threads = [threading.Thread(target=stream, args=(i,)) for i in range(int(os.environ["N"]))]
-for t in threads: t.start()
-for t in threads: t.join()
-for r in results.values(): print(json.dumps(r), flush=True)
-"#;
-
-/// Reads the clients' output until `count` lines have said `what`.
-fn read_until(lines: &mut impl Iterator<Item = std::io::Result<String>>, what: &str, count: u32) {
-    let mut seen = 0;
-    while seen < count {
-        let line = lines.next().unwrap_or_else(|| panic!("the clients stopped before {count} said {what:?}")).unwrap();
-        seen += (line == what) as u32;
-    }
-}
 
 #[test]
 fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
