@@ -165,18 +165,20 @@ impl Cluster {
 }
 
 /// SDK clients (`THREADS`) sending streamed chat completions back to back until the file
-/// `STOP` exists; prints how many succeeded, then each failure.
+/// `STOP` exists (or 15 minutes pass: a test that died never writes it); prints how many
+/// succeeded, then each failure.
 pub const STEADY: &str = r#"
-import os, sys, threading, openai
+import os, sys, threading, time, openai
 c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
 done, failures = [0], []
+deadline = time.monotonic() + 900
 # print writes the text and the newline apart: threads' lines would interleave.
 lock = threading.Lock()
 def say(line):
     with lock: print(line, flush=True)
 def client(t):
     i = 0
-    while not os.path.exists(os.environ["STOP"]):
+    while not os.path.exists(os.environ["STOP"]) and time.monotonic() < deadline:
         try:
             text, finish = "", None
             for chunk in c.chat.completions.create(model="vendor-a/model-a", max_tokens=12, stream=True,

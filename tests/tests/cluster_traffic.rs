@@ -30,9 +30,10 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
 
     // Drain a node under steady load.
     let stop = c.data_dir().to_string() + "/stop";
-    let mut steady =
-        python(STEADY, &cp.base_url(), &c.key, &[("THREADS", "4".into()), ("STOP", stop.clone())]).spawn().unwrap();
-    let mut lines = BufReader::new(steady.stdout.take().unwrap()).lines();
+    let mut steady = Process(
+        python(STEADY, &cp.base_url(), &c.key, &[("THREADS", "4".into()), ("STOP", stop.clone())]).spawn().unwrap(),
+    );
+    let mut lines = BufReader::new(steady.0.stdout.take().unwrap()).lines();
     read_until(&mut lines, "ok", 4);
     let drained = placed[0].clone();
     tessera(&["nodes", "drain", &drained, "--etcd", &c.endpoint()]);
@@ -47,7 +48,7 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
     read_until(&mut lines, "ok", 4);
     std::fs::write(&stop, "").unwrap();
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
-    assert!(steady.wait().unwrap().success());
+    assert!(steady.0.wait().unwrap().success());
     let failures: Vec<&String> = rest.iter().filter(|l| l.starts_with("failure")).collect();
     assert!(failures.is_empty(), "requests failed during the drain: {failures:?}");
     let summary = rest.iter().find(|l| l.starts_with("done ")).expect("the clients' summary");
@@ -55,15 +56,15 @@ fn draining_and_killed_nodes_lose_no_request_and_bill_each_once() {
 
     // Kill a node while eight streams run: each replica runs two and queues two.
     let billed_before = c.usage().len();
-    let mut streams = python(STREAMS, &cp.base_url(), &c.key, &[("N", "8".into())]).spawn().unwrap();
-    let mut lines = BufReader::new(streams.stdout.take().unwrap()).lines();
+    let mut streams = Process(python(STREAMS, &cp.base_url(), &c.key, &[("N", "8".into())]).spawn().unwrap());
+    let mut lines = BufReader::new(streams.0.stdout.take().unwrap()).lines();
     read_until(&mut lines, "started", 4);
     let victim = after_drain[0].clone();
     drop(nodes[names.iter().position(|n| *n == victim).unwrap()].take());
     let results: Vec<Value> =
         lines.map(Result::unwrap).filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(&l).unwrap()).collect();
-    let stderr = std::io::read_to_string(streams.stderr.take().unwrap()).unwrap();
-    assert!(streams.wait().unwrap().success(), "{stderr}");
+    let stderr = std::io::read_to_string(streams.0.stderr.take().unwrap()).unwrap();
+    assert!(streams.0.wait().unwrap().success(), "{stderr}");
     assert_eq!(results.len(), 8, "{results:?}");
     let (failed, finished): (Vec<&Value>, Vec<&Value>) = results.iter().partition(|r| !r["error"].is_null());
     for r in &failed {

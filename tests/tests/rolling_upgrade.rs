@@ -9,7 +9,7 @@
 #[path = "../support/cluster.rs"]
 mod cluster;
 
-use cluster::{Cluster, STEADY, STREAMS, python, read_until, until};
+use cluster::{Cluster, Process, STEADY, STREAMS, python, read_until, until};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -42,10 +42,10 @@ fn control_planes_stopped_and_restarted_in_turn_lose_no_request_and_bill_each_on
     for stopped in 0..2 {
         let other = &cps[1 - stopped];
         let stop = format!("{}/stop-{stopped}", c.data_dir());
-        let mut steady = python(STEADY, &other.base_url(), &c.key, &[("THREADS", "1".into()), ("STOP", stop.clone())])
-            .spawn()
-            .unwrap();
-        let mut steady_lines = BufReader::new(steady.stdout.take().unwrap()).lines();
+        // Process: killed if the test fails before it writes the stop file.
+        let steady_env = [("THREADS", "1".into()), ("STOP", stop.clone())];
+        let mut steady = Process(python(STEADY, &other.base_url(), &c.key, &steady_env).spawn().unwrap());
+        let mut steady_lines = BufReader::new(steady.0.stdout.take().unwrap()).lines();
         read_until(&mut steady_lines, "ok", 1);
 
         let signalled = format!("{}/signalled-{stopped}", c.data_dir());
@@ -54,13 +54,13 @@ fn control_planes_stopped_and_restarted_in_turn_lose_no_request_and_bill_each_on
             ("MAX_TOKENS", MAX_TOKENS.to_string()),
             ("SIGNALLED", signalled.clone()),
         ];
-        let mut streams = python(STREAMS, &cps[stopped].base_url(), &c.key, &env).spawn().unwrap();
-        let mut lines = BufReader::new(streams.stdout.take().unwrap()).lines();
+        let mut streams = Process(python(STREAMS, &cps[stopped].base_url(), &c.key, &env).spawn().unwrap());
+        let mut lines = BufReader::new(streams.0.stdout.take().unwrap()).lines();
         // Every stream is generating: each has had content (and none has ended).
         let mut started = 0;
         while started < STREAMS_PER_STOP {
             let Some(line) = lines.next() else {
-                let stderr = std::io::read_to_string(streams.stderr.take().unwrap()).unwrap();
+                let stderr = std::io::read_to_string(streams.0.stderr.take().unwrap()).unwrap();
                 panic!("the streams ended before {STREAMS_PER_STOP} started: {stderr}");
             };
             let line = line.unwrap();
@@ -79,8 +79,8 @@ fn control_planes_stopped_and_restarted_in_turn_lose_no_request_and_bill_each_on
             .filter(|l| l.starts_with('{'))
             .map(|l| serde_json::from_str(&l).unwrap())
             .collect();
-        let stderr = std::io::read_to_string(streams.stderr.take().unwrap()).unwrap();
-        assert!(streams.wait().unwrap().success(), "{stderr}");
+        let stderr = std::io::read_to_string(streams.0.stderr.take().unwrap()).unwrap();
+        assert!(streams.0.wait().unwrap().success(), "{stderr}");
         assert_eq!(results.len(), STREAMS_PER_STOP as usize, "{results:?}");
         for r in &results {
             assert!(r["error"].is_null(), "a stream failed across SIGTERM: {r}");
@@ -96,7 +96,7 @@ fn control_planes_stopped_and_restarted_in_turn_lose_no_request_and_bill_each_on
 
         std::fs::write(&stop, "").unwrap();
         let rest: Vec<String> = steady_lines.map(Result::unwrap).collect();
-        assert!(steady.wait().unwrap().success());
+        assert!(steady.0.wait().unwrap().success());
         let failures: Vec<&String> = rest.iter().filter(|l| l.starts_with("failure")).collect();
         assert!(failures.is_empty(), "requests through the other control plane failed: {failures:?}");
         let done: usize =
