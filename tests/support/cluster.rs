@@ -199,7 +199,7 @@ for f in failures: print("failure", f, flush=True)
 "#;
 
 /// `N` streams at once (`MAX_TOKENS` each, default 768, `ignore_eos`), each announcing its
-/// response (`opened`) and its first content (`started`); then one JSON line per stream: its x-request-id, the
+/// first content (`started`); then one JSON line per stream: its x-request-id, the
 /// chunks that carried text (and how many came once the file `SIGNALLED` existed, if
 /// named), how it finished, its usage, and the error that ended it, if one did.
 pub const STREAMS: &str = r#"
@@ -221,7 +221,6 @@ def stream(i):
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": f"Tell a long story about the number {i}."}])
         r["id"] = raw.headers.get("x-request-id")
-        say("opened")
         for chunk in raw.parse():
             if chunk.usage:
                 r["usage"] = chunk.usage.completion_tokens

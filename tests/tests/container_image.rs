@@ -13,8 +13,8 @@
 //! open files and processes no higher than the sandbox's own hard limits.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use tessera_e2e::{binary, free_port, get, python, until};
+use std::process::{Command, Stdio};
+use tessera_e2e::{binary, free_port, get, output_text as said, python, repo_root as repo, until};
 
 /// Storage of its own for every run (removed with the folder): nothing is left behind
 /// in the machine's image store, and no earlier run's image can stand in for this one's.
@@ -48,14 +48,6 @@ impl Engine {
     }
 }
 
-fn said(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
 /// A minimal Debian bookworm root file system as a tarball, made once with debootstrap
 /// from Debian's mirror (the only source of a base image here).
 fn debian_base(target: &Path) -> PathBuf {
@@ -79,14 +71,6 @@ fn debian_base(target: &Path) -> PathBuf {
     std::fs::rename(&partial, &tarball).unwrap();
     std::fs::remove_dir_all(&work).unwrap();
     tarball
-}
-
-/// The model cache the test command filled (`scripts/test` fetches the models first).
-fn models_dir() -> PathBuf {
-    let home = std::env::var_os("TESSERA_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tessera"));
-    home.join("models")
 }
 
 const CHAT: &str = r#"
@@ -158,7 +142,8 @@ fn the_image_builds_and_serves_a_chat_completion_as_a_non_root_user() {
     assert!(status.success());
     let port = free_port();
     let name = format!("tessera-test-{port}");
-    let models = models_dir();
+    // The cache the test command filled (`scripts/test` fetches the models first).
+    let models = tessera_worker::model_cache::cache_dir();
     assert!(models.is_dir(), "no model cache at {models:?}: scripts/test fetches the models first");
     engine.run(
         "podman",

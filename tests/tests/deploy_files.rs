@@ -6,13 +6,9 @@
 //! built binaries. Then the same checker on copies of the files each broken in one way,
 //! which it must refuse naming what broke (a checker that passes anything fails here).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
-use tessera_e2e::binary;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+use tessera_e2e::{binary, output_text as text, repo_root as repo};
 
 /// Runs `deploy/check` of the tree at `root` against freshly built binaries.
 fn check(root: &Path) -> Output {
@@ -22,10 +18,6 @@ fn check(root: &Path) -> Output {
         .env("TESSERA_BIN_DIR", tessera.parent().unwrap())
         .output()
         .expect("running deploy/check")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 #[test]
