@@ -251,6 +251,7 @@ mod avx512 {
         assert!(x.rows() >= t0 + T && stride.fits(GROUP_ROWS, t0 + T, out.len()));
         let mut acc = [[_mm512_setzero_ps(); 2]; T];
         for b in 0..bpr {
+            prefetch::<L>(g, b + PREFETCH_BLOCKS);
             // SAFETY: b < bpr, and `x` holds rows t0..t0 + T (asserted above).
             unsafe { block::<T, L>(g, x, t0, b, &mut acc) };
         }
@@ -268,6 +269,35 @@ mod avx512 {
             for (i, v) in rows.into_iter().enumerate() {
                 out[stride.at(i, t0 + t)] = v;
             }
+        }
+    }
+
+    /// Blocks ahead of the one being multiplied whose weights are asked for: 2 KB of
+    /// chunks (4 KB for bytes), about 100 ns of a core's share of the memory bandwidth.
+    /// At one input a block is a few instructions and the loads themselves run far
+    /// enough ahead; at four, the reorder window fills with arithmetic and holds only
+    /// a few blocks' loads, so the weights stream slower than memory gives them (a
+    /// decode step of 4 sequences took 1.5× one of 1 without this, 1.4× with it).
+    const PREFETCH_BLOCKS: usize = 8;
+
+    /// Asks for block `b`'s chunks, scales and offsets. Past the group's end it names
+    /// the next group's (the groups lie one after another) or nothing: a prefetch does
+    /// not fault, and the addresses are computed without being dereferenced.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+    #[inline]
+    fn prefetch<const L: u8>(g: &Group<'_>, b: usize) {
+        let q_len = if L == NIBBLES { 16 } else { 32 };
+        let scales = if L == BYTES_HALVES { 2 } else { 1 };
+        let chunks = g.qs.as_ptr().wrapping_add(b * GROUP_ROWS * q_len);
+        for line in 0..q_len / 4 {
+            _mm_prefetch::<_MM_HINT_T0>(chunks.wrapping_add(64 * line).cast());
+        }
+        let d = g.d.as_ptr().wrapping_add(b * GROUP_ROWS * scales);
+        for line in 0..scales {
+            _mm_prefetch::<_MM_HINT_T0>(d.wrapping_add(GROUP_ROWS * line).cast());
+        }
+        if L == NIBBLES {
+            _mm_prefetch::<_MM_HINT_T0>(g.m.as_ptr().wrapping_add(b * GROUP_ROWS).cast());
         }
     }
 
