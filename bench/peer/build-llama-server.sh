@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own `llama-server`, the peer of `tessera-bench serve --peer llama-server`,
 # from the llama.cpp source vendored in the PyPI sdist of llama-cpp-python (no other
-# source is reachable from this project's machines). About 15 minutes on 2 quiet cores,
+# source is reachable from this project's machines). About 10 minutes on 2 quiet cores,
 # once per machine; nothing else should build or run beside it.
 #
 # usage: bench/peer/build-llama-server.sh [DIR]
@@ -20,10 +20,12 @@ if [ -x build/bin/llama-server ]; then
   exit 0
 fi
 [ -x tools/bin/python ] || python3 -m venv tools
-tools/bin/pip install -q cmake ninja
+tools/bin/pip install -q cmake ninja scikit-build-core
 export PATH="$DIR/tools/bin:$PATH"
 SDIST="llama_cpp_python-$VERSION.tar.gz"
-[ -f "$SDIST" ] || tools/bin/pip download -q --no-deps --no-binary :all: -d . "llama-cpp-python==$VERSION"
+# Without build isolation: pip's isolated environment would build cmake itself from
+# source (a quarter of an hour) just to read the sdist's metadata.
+[ -f "$SDIST" ] || tools/bin/pip download -q --no-deps --no-binary :all: --no-build-isolation -d . "llama-cpp-python==$VERSION"
 SRC="llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$SRC/CMakeLists.txt" ] || tar xzf "$SDIST"
 # The sdist keeps a submodule's .git pointer to nowhere; cmake's version probe trips on it.

@@ -273,7 +273,7 @@ mod avx512 {
     }
 
     /// Blocks ahead of the one being multiplied whose weights are asked for: 2 KB of
-    /// chunks (4 KB for bytes), about 100 ns of a core's share of the memory bandwidth.
+    /// chunks (4 KB for bytes), 100-200 ns of a core's share of the memory bandwidth.
     /// At one input a block is a few instructions and the loads themselves run far
     /// enough ahead; at four, the reorder window fills with arithmetic and holds only
     /// a few blocks' loads, so the weights stream slower than memory gives them (a
