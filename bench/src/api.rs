@@ -19,6 +19,8 @@ pub struct Server {
     pub key: String,
     /// The gRPC addresses of its workers, from its log.
     pub workers: Vec<String>,
+    /// The first worker's device, as its log names it (`cpu (2 threads)`, `cuda (NVIDIA H100 …)`).
+    pub device: Option<String>,
 }
 
 impl Drop for Server {
@@ -61,7 +63,7 @@ impl Server {
                 )
             })?;
         let stderr = child.stderr.take().context("stderr")?;
-        let mut server = Self { child, data, port, key: String::new(), workers: Vec::new() };
+        let mut server = Self { child, data, port, key: String::new(), workers: Vec::new(), device: None };
         let mut lines = BufReader::new(stderr).lines();
         loop {
             let Some(line) = lines.next() else { bail!("tessera serve exited before listening") };
@@ -70,6 +72,11 @@ impl Server {
                 && let Some(addr) = line.rsplit(" on ").next()
             {
                 server.workers.push(addr.to_string());
+            }
+            if let Some((_, device)) = line.split_once("tessera-worker device: ")
+                && server.device.is_none()
+            {
+                server.device = Some(device.to_string());
             }
             if line.starts_with("tessera listening on") {
                 break;

@@ -12,6 +12,10 @@
 //! finds a level's prompts cached by the one before — only the system prompts, as in
 //! production.
 //!
+//! With no peer (`--peer none`) Tessera runs alone at each level: on a GPU machine, where
+//! no peer is built, for its own TTFT, TPOT and throughput from 1 to 256 clients. Each
+//! level answers at least two requests per client, and the line names the worker's device.
+//!
 //! llama-server is found at `--llama-server`, else `$LLAMA_SERVER`, else where
 //! `bench/peer/build-llama-server.sh` builds it, else where `../shared/peer-bench/setup.sh`
 //! does; the script builds it from the PyPI sdist of llama-cpp-python (15 minutes).
@@ -30,7 +34,8 @@ use tessera_worker::model_cache;
 /// What the peer comparison needs beyond `serve`'s own arguments.
 pub struct PeerArgs<'a> {
     pub tessera: &'a Path,
-    pub llama_server: Option<PathBuf>,
+    /// The peer: llama-server at this path (else found as above), or none at all.
+    pub llama_server: Option<Option<PathBuf>>,
     pub concurrency: &'a [usize],
     pub requests: usize,
     pub max_tokens: u32,
@@ -41,41 +46,43 @@ pub struct PeerArgs<'a> {
 pub(crate) const MODEL: &str = "vendor-c/model-c";
 
 pub fn run(args: PeerArgs<'_>) -> Result<()> {
-    let llama = llama_server(args.llama_server.clone())?;
+    let llama = args.llama_server.clone().map(llama_server).transpose()?;
     let gguf = model_cache::resolve(model_cache::SMOLLM2_135M_INSTRUCT.name)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut tpot = Vec::new();
     for &c in args.concurrency {
+        let n = args.requests.max(2 * c);
         let load_before = load_average();
-        let ours = {
+        let (ours, device) = {
             let server = Server::start(args.tessera, &[])?;
             let target = Target { port: server.port, key: server.key.clone(), model: MODEL.into() };
-            runtime.block_on(level(&target, c, args.requests, args.max_tokens))?
+            (runtime.block_on(level(&target, c, n, args.max_tokens))?, server.device.clone())
         };
-        let theirs = {
-            let peer = LlamaServer::start(&llama, &gguf, args.threads)?;
-            let target = Target { port: peer.port, key: String::new(), model: "smollm2".into() };
-            runtime.block_on(level(&target, c, args.requests, args.max_tokens))?
-        };
-        let ratio = |k: &str| ours[k].as_f64().zip(theirs[k].as_f64()).map(|(a, b)| round(a / b));
         tpot.push((c, ours["tpot_p50_ms"].as_f64()));
-        println!(
-            "{}",
-            json!({
-                "bench": "serve_peer",
-                "peer": "llama-server",
-                "concurrency": c,
-                "requests": args.requests,
-                "max_tokens": args.max_tokens,
-                "threads": args.threads,
-                "tessera": ours,
-                "llama_server": theirs,
-                "output_tokens_per_s_ratio": ratio("output_tokens_per_s"),
-                "ttft_p50_ratio": ratio("ttft_p50_ms"),
-                "tpot_p50_ratio": ratio("tpot_p50_ms"),
-                "load_average_before": load_before,
-            })
-        );
+        let mut line = json!({
+            "bench": "serve_peer",
+            "peer": if llama.is_some() { "llama-server" } else { "none" },
+            "device": device,
+            "concurrency": c,
+            "requests": n,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "tessera": ours,
+            "load_average_before": load_before,
+        });
+        if let Some(llama) = &llama {
+            let theirs = {
+                let peer = LlamaServer::start(llama, &gguf, args.threads)?;
+                let target = Target { port: peer.port, key: String::new(), model: "smollm2".into() };
+                runtime.block_on(level(&target, c, n, args.max_tokens))?
+            };
+            let ratio = |k: &str| ours[k].as_f64().zip(theirs[k].as_f64()).map(|(a, b)| round(a / b));
+            line["output_tokens_per_s_ratio"] = json!(ratio("output_tokens_per_s"));
+            line["ttft_p50_ratio"] = json!(ratio("ttft_p50_ms"));
+            line["tpot_p50_ratio"] = json!(ratio("tpot_p50_ms"));
+            line["llama_server"] = Value::Object(theirs);
+        }
+        println!("{line}");
     }
     let at = |c: usize| tpot.iter().find(|(l, _)| *l == c).and_then(|(_, t)| *t);
     if let (Some(one), Some(four)) = (at(1), at(4)) {

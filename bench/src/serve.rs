@@ -54,7 +54,8 @@ pub struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Routing::CacheAware, Routing::RoundRobin])]
     routing: Vec<Routing>,
     /// Instead of comparing routing policies: the same load against this peer, one
-    /// after the other, level by level (`peer`).
+    /// after the other, level by level (`peer`); `none`: Tessera alone at each level,
+    /// as on a GPU machine, where no peer is built.
     #[arg(long, value_enum)]
     peer: Option<Peer>,
     /// The peer's binary (default: where bench/peer/build-llama-server.sh builds it).
@@ -63,7 +64,7 @@ pub struct Args {
     /// Concurrency levels of the peer comparison.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16])]
     concurrency: Vec<usize>,
-    /// Requests per level of the peer comparison.
+    /// Requests per level of the peer comparison (at least two per client).
     #[arg(long, default_value_t = 32)]
     requests: usize,
     /// Output tokens of each request of the peer comparison (exact: `ignore_eos`).
@@ -90,6 +91,7 @@ pub struct Args {
 #[derive(Clone, Copy, ValueEnum)]
 enum Peer {
     LlamaServer,
+    None,
 }
 
 /// One request as the client saw it.
@@ -112,10 +114,13 @@ pub fn run(args: Args) -> Result<()> {
             burst_tokens: args.burst_tokens,
         });
     }
-    if let Some(Peer::LlamaServer) = args.peer {
+    if let Some(peer) = args.peer {
         return crate::peer::run(crate::peer::PeerArgs {
             tessera: &tessera,
-            llama_server: args.llama_server.clone(),
+            llama_server: match peer {
+                Peer::LlamaServer => Some(args.llama_server.clone()),
+                Peer::None => None,
+            },
             concurrency: &args.concurrency,
             requests: args.requests,
             max_tokens: args.output_tokens,

@@ -24,6 +24,7 @@ use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, samp
 use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
 use tessera_worker::model::{Model, SeqInput, kv_block_bytes};
+use tessera_worker::model_cache;
 use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
@@ -224,6 +225,94 @@ fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
     let dir = write_model(&wide(), &mut rng(), &root);
     thinking_budget(CpuBackend::default, &dir);
     let _ = std::fs::remove_dir_all(root);
+}
+
+/// Chat prompts of the real-model check, in SmolLM2's template.
+const QUESTIONS: [&str; 8] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paper clip.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a short tip for writing clean code.",
+    "Who wrote the play Romeo and Juliet?",
+];
+
+/// 32 greedy tokens (past any end of sequence) for each prompt, all in one batch.
+fn greedy_32<B: Backend>(mut e: EngineCore<B>, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    for (i, p) in prompts.iter().enumerate() {
+        e.add_request(Request { ignore_eos: true, ..Request::greedy(i as u64, p.clone(), 32) }).unwrap();
+    }
+    let mut done = run_all(&mut e);
+    (0..prompts.len() as u64).map(|i| done.remove(&i).unwrap().0).collect()
+}
+
+/// SmolLM2-135M-Instruct, the real model, against the CPU's exact path (f32 over the
+/// dequantised Q4_1 weights) on 8 chat prompts. Both lossy paths (bf16 weights and
+/// activations on the GPU; int8 products on the CPU's served path) stay near it: the
+/// logits of a prefill and 8 decode steps within 0.25 relative (L2; a wrong kernel gives
+/// errors of order 1), the same top token at 85 % of those steps, the same first greedy
+/// token on 6 of the 8 prompts, and 32 identical greedy tokens (batched on each backend)
+/// on at least `min_identical` prompts: a 135M model's logits hold near ties that any
+/// rounding can flip, after which the two texts part (the CPU's served path kept 3 of 8
+/// here). The figures go to stderr as one JSON line before any assertion. The model
+/// must be in the cache: a GPU machine without network gets it with `scripts/model-parts`.
+fn real_model_against_the_exact_cpu<B: Backend + 'static>(label: &str, backend: impl Fn() -> B, min_identical: usize) {
+    let path = model_cache::resolve(model_cache::SMOLLM2_135M_INSTRUCT.name)
+        .expect("SmolLM2-135M-Instruct in the model cache (a GPU machine gets it with scripts/model-parts)");
+    let exact = load_model(CpuBackend::exact(), &path).unwrap();
+    let tested = load_model(backend(), &path).unwrap();
+    let prompts: Vec<Vec<u32>> = QUESTIONS
+        .iter()
+        .map(|q| exact.tokenizer.encode(&format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")).unwrap())
+        .collect();
+    let (mut worst, mut steps, mut same_top) = (0f64, 0, 0);
+    for p in &prompts {
+        let split = p.len() - 8;
+        let (want, got) = (logits(&exact.model, p, split), logits(&tested.model, p, split));
+        for (g, w) in got.iter().zip(&want) {
+            worst = worst.max(rel_err(g, w));
+            steps += 1;
+            same_top += usize::from(argmax(g) == argmax(w));
+        }
+    }
+    drop((exact, tested));
+    let want = greedy_32(engine(CpuBackend::exact(), &path, 256), &prompts);
+    let got = greedy_32(engine(backend(), &path, 256), &prompts);
+    let parted: Vec<Option<usize>> =
+        got.iter().zip(&want).map(|(g, w)| g.iter().zip(w).position(|(a, b)| a != b)).collect();
+    let identical = parted.iter().filter(|p| p.is_none()).count();
+    let same_first = parted.iter().filter(|p| **p != Some(0)).count();
+    eprintln!(
+        "{}",
+        serde_json::json!({
+            "check": "real_model_against_exact_cpu", "backend": label,
+            "model": path.file_name().map(|n| n.to_string_lossy()),
+            "logits_rel_err_max": worst, "steps": steps, "same_top_token": same_top,
+            "greedy_32_identical": identical, "prompts": prompts.len(), "first_difference": parted,
+        })
+    );
+    assert!(worst < 0.25, "{label}: logits differ from the exact CPU's by up to {worst}");
+    assert!(same_top * 100 >= steps * 85, "{label}: the top token agrees at {same_top} of {steps} steps");
+    assert!(same_first >= 6, "{label}: the first greedy token agrees on {same_first} prompts: {parted:?}");
+    assert!(identical >= min_identical, "{label}: 32 greedy tokens identical on {identical} prompts: {parted:?}");
+}
+
+#[test]
+fn gpu_real_model_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    drop(g);
+    // Most of the prompts, as issue 28 asks.
+    real_model_against_the_exact_cpu("cuda", || CudaBackend::new(0).unwrap(), 5);
+}
+
+/// The same check of the CPU's served path (int8 products, half-float KV): CI runs the
+/// check's code, and the GPU's figures have the CPU's beside them.
+#[test]
+fn cpu_served_path_on_the_real_model_matches_the_exact_cpu() {
+    // Its rayon partition follows the core count: not fewer than 2 of 8 anywhere.
+    real_model_against_the_exact_cpu("cpu", CpuBackend::default, 2);
 }
 
 /// The KV cache a GPU engine gets is sized in bf16 elements; the CPU's in halves on
