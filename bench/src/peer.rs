@@ -66,7 +66,6 @@ pub fn run(args: PeerArgs<'_>) -> Result<()> {
             "concurrency": c,
             "requests": n,
             "max_tokens": args.max_tokens,
-            "threads": args.threads,
             "tessera": ours,
             "load_average_before": load_before,
         });
@@ -81,6 +80,7 @@ pub fn run(args: PeerArgs<'_>) -> Result<()> {
             line["ttft_p50_ratio"] = json!(ratio("ttft_p50_ms"));
             line["tpot_p50_ratio"] = json!(ratio("tpot_p50_ms"));
             line["llama_server"] = Value::Object(theirs);
+            line["threads"] = json!(args.threads);
         }
         println!("{line}");
     }
