@@ -24,7 +24,7 @@ use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, samp
 use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
 use tessera_worker::model::{Model, SeqInput, kv_block_bytes};
-use tessera_worker::model_cache;
+use tessera_worker::model_cache::{self, KnownModel};
 use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
@@ -248,8 +248,9 @@ fn greedy_32<B: Backend>(mut e: EngineCore<B>, prompts: &[Vec<u32>]) -> Vec<Vec<
     (0..prompts.len() as u64).map(|i| done.remove(&i).unwrap().0).collect()
 }
 
-/// SmolLM2-135M-Instruct, the real model, against the CPU's exact path (f32 over the
-/// dequantised Q4_1 weights) on 8 chat prompts. Both lossy paths (bf16 weights and
+/// A real model (SmolLM2-135M-Instruct, Q4_1; on the GPU also Qwen2.5-Coder-0.5B-Instruct
+/// when it is in the cache) against the CPU's exact path (f32 over the dequantised
+/// weights) on 8 chat prompts (both models' template is ChatML). Both lossy paths (bf16 weights and
 /// activations on the GPU; int8 products on the CPU's served path) stay near it: the
 /// logits of a prefill and 8 decode steps within 0.25 relative (L2; a wrong kernel gives
 /// errors of order 1), the same top token at 85 % of those steps, the same first greedy
@@ -258,9 +259,14 @@ fn greedy_32<B: Backend>(mut e: EngineCore<B>, prompts: &[Vec<u32>]) -> Vec<Vec<
 /// rounding can flip, after which the two texts part (the CPU's served path kept 3 of 8
 /// here). The figures go to stderr as one JSON line before any assertion. The model
 /// must be in the cache: a GPU machine without network gets it with `scripts/model-parts`.
-fn real_model_against_the_exact_cpu<B: Backend + 'static>(label: &str, backend: impl Fn() -> B, min_identical: usize) {
-    let path = model_cache::resolve(model_cache::SMOLLM2_135M_INSTRUCT.name)
-        .expect("SmolLM2-135M-Instruct in the model cache (a GPU machine gets it with scripts/model-parts)");
+fn real_model_against_the_exact_cpu<B: Backend + 'static>(
+    model: &KnownModel,
+    label: &str,
+    backend: impl Fn() -> B,
+    min_identical: usize,
+) {
+    let path = model_cache::resolve(model.name)
+        .unwrap_or_else(|e| panic!("{e}: a GPU machine gets {} with scripts/model-parts", model.file_name));
     let exact = load_model(CpuBackend::exact(), &path).unwrap();
     let tested = load_model(backend(), &path).unwrap();
     let prompts: Vec<Vec<u32>> = QUESTIONS
@@ -304,7 +310,13 @@ fn gpu_real_model_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     drop(g);
     // Most of the prompts, as issue 28 asks.
-    real_model_against_the_exact_cpu("cuda", || CudaBackend::new(0).unwrap(), 5);
+    let gpu = || CudaBackend::new(0).unwrap();
+    real_model_against_the_exact_cpu(&model_cache::SMOLLM2_135M_INSTRUCT, "cuda", gpu, 5);
+    // Qwen2.5-Coder-0.5B (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K) where it was sent too: 491 MB.
+    let qwen = model_cache::QWEN25_CODER_05B_INSTRUCT;
+    if model_cache::cache_dir().join(qwen.file_name).exists() {
+        real_model_against_the_exact_cpu(&qwen, "cuda", gpu, 5);
+    }
 }
 
 /// The same check of the CPU's served path (int8 products, half-float KV): CI runs the
@@ -312,7 +324,7 @@ fn gpu_real_model_matches_the_cpu() {
 #[test]
 fn cpu_served_path_on_the_real_model_matches_the_exact_cpu() {
     // Its rayon partition follows the core count: not fewer than 2 of 8 anywhere.
-    real_model_against_the_exact_cpu("cpu", CpuBackend::default, 2);
+    real_model_against_the_exact_cpu(&model_cache::SMOLLM2_135M_INSTRUCT, "cpu", CpuBackend::default, 2);
 }
 
 /// The KV cache a GPU engine gets is sized in bf16 elements; the CPU's in halves on

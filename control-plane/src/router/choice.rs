@@ -124,8 +124,12 @@ pub struct Weights {
 }
 
 impl Default for Weights {
+    /// Saturated at four full batches of the worker's default 256 sequences: a replica
+    /// running a full batch still queues (as vLLM does) rather than turning clients away
+    /// on a report that predates a finish, and the queue stays short enough to be
+    /// answered; past it, 503 with Retry-After.
     fn default() -> Self {
-        Self { block: 0.5, saturated: 256 }
+        Self { block: 0.5, saturated: 1024 }
     }
 }
 

@@ -242,6 +242,9 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
     let max_blocks = seqs.iter().map(|s| s.0.div_ceil(block_size)).max().unwrap();
     let mut k_cpu = vec![0.0f32; num_blocks * shape.block_floats()];
     let mut v_cpu = k_cpu.clone();
+    // The GPU's layout, a row of `w` per slot; the CPU's is its own (keys transposed
+    // within each block), so each cache is checked against the layout its kernels read.
+    let (mut k_rows, mut v_rows) = (k_cpu.clone(), k_cpu.clone());
     let mut k_gpu = g.zeros(k_cpu.len()).unwrap();
     let mut v_gpu = g.zeros(k_cpu.len()).unwrap();
     let (mut tables, mut starts, mut ctx) = (vec![], vec![0u32], vec![]);
@@ -252,6 +255,11 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         let slots: Vec<u32> =
             (0..context).map(|p| blocks[p / block_size] * block_size as u32 + (p % block_size) as u32).collect();
         CpuBackend::exact().write_kv(&k, &v, &slots, shape, &mut k_cpu, &mut v_cpu).unwrap();
+        for (p, &slot) in slots.iter().enumerate() {
+            let row = slot as usize * w..(slot as usize + 1) * w;
+            k_rows[row.clone()].copy_from_slice(&k[p * w..(p + 1) * w]);
+            v_rows[row].copy_from_slice(&v[p * w..(p + 1) * w]);
+        }
         let (kg, vg, sg) = (g.upload(&k).unwrap(), g.upload(&v).unwrap(), g.upload_index(&slots).unwrap());
         g.write_kv(&kg, &vg, &sg, shape, &mut k_gpu, &mut v_gpu).unwrap();
         let mut table = blocks;
@@ -260,8 +268,8 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
         starts.push(starts.last().unwrap() + q_len as u32);
         ctx.push(context as u32);
     }
-    check("write_kv keys", &g.download(&k_gpu).unwrap(), &k_cpu);
-    check("write_kv values", &g.download(&v_gpu).unwrap(), &v_cpu);
+    check("write_kv keys", &g.download(&k_gpu).unwrap(), &k_rows);
+    check("write_kv values", &g.download(&v_gpu).unwrap(), &v_rows);
     let tokens = *starts.last().unwrap() as usize;
     // Queries large enough that the softmax is far from uniform.
     let q: Vec<f32> = randn(rng, tokens * shape.q_width()).iter().map(|v| bf16::from_f32(v * 4.0).to_f32()).collect();
