@@ -1,7 +1,8 @@
 //! Reading model files: GGUF (quantised or not) and Hugging Face safetensors
-//! directories, each behind `TensorSource`, which hands out tensors as f32.
+//! directories (FP8 ones too), each behind `TensorSource`, which hands out tensors as f32.
 
 mod error;
+pub mod fp8;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod safetensors_dir;
