@@ -5,6 +5,7 @@ mod error;
 pub mod fp8;
 pub mod gguf;
 pub mod gguf_writer;
+pub mod int4;
 pub mod safetensors_dir;
 
 pub use error::LoadError;

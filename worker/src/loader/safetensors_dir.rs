@@ -1,8 +1,10 @@
 //! A Hugging Face model directory's weights: `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`. F32, F16 and BF16 tensors convert to f32; FP8 ones
-//! (E4M3, E5M2) too, times their scales (`fp8`).
+//! (E4M3, E5M2) too, times their scales (`fp8`); a linear layer AWQ or GPTQ packed in
+//! 4 bits (`int4`) reads as the `.weight` it stands for.
 
 use super::fp8::{self, ScaleLayout};
+use super::int4::{self, Packing};
 use super::{HostTensor, LoadError, TensorSource};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -16,6 +18,8 @@ pub struct SafetensorsDir {
     index: HashMap<String, usize>,
     /// Rows and columns of a `_scale_inv` block (FP8 checkpoints' `weight_block_size`).
     fp8_block: [usize; 2],
+    /// How 4-bit layers are packed, and their group size; None unless the config says.
+    int4: Option<(Packing, Option<usize>)>,
 }
 
 impl SafetensorsDir {
@@ -33,7 +37,75 @@ impl SafetensorsDir {
             }
             shards.push((path, map));
         }
-        Ok(Self { dir: dir.into(), shards, index, fp8_block: fp8_block_size(dir)? })
+        let quantization = quantization_config(dir)?;
+        let fp8_block = fp8_block_size(dir, &quantization)?;
+        let int4 = int4_packing(dir, &quantization)?;
+        Ok(Self { dir: dir.into(), shards, index, fp8_block, int4 })
+    }
+
+    /// `NAME.weight` stands for a 4-bit packed layer: its prefix and packing.
+    fn packed<'n>(&self, name: &'n str) -> Option<(&'n str, Packing, Option<usize>)> {
+        let prefix = name.strip_suffix(".weight")?;
+        let (packing, group) = self.int4?;
+        (!self.index.contains_key(name) && self.index.contains_key(&format!("{prefix}.qweight")))
+            .then_some((prefix, packing, group))
+    }
+
+    /// A stored I32 tensor.
+    fn ints(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>), LoadError> {
+        let (path, view) = self.view(name)?;
+        if view.dtype() != Dtype::I32 {
+            return Err(LoadError::UnsupportedTensorType {
+                file: path.into(),
+                tensor: name.into(),
+                ty: format!("{:?} (4-bit packed layers store I32)", view.dtype()),
+            });
+        }
+        let data = view.data().chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok((view.shape().to_vec(), data))
+    }
+
+    /// The `[outputs, inputs]` shape of a packed layer, from its `qweight`.
+    fn packed_shape(&self, prefix: &str, packing: Packing) -> Option<Vec<usize>> {
+        let (_, view) = self.view(&format!("{prefix}.qweight")).ok()?;
+        match (view.shape(), packing) {
+            ([k, words], Packing::Awq) => Some(vec![words * 8, *k]),
+            ([words, n], Packing::Gptq { .. }) => Some(vec![*n, words * 8]),
+            _ => None,
+        }
+    }
+
+    /// A packed layer's weight in f32.
+    fn unpack(&self, prefix: &str, packing: Packing, group: Option<usize>) -> Result<HostTensor, LoadError> {
+        let qweight_name = format!("{prefix}.qweight");
+        let (path, _) = self.view(&qweight_name)?;
+        let path = path.to_path_buf();
+        let shape = self.packed_shape(prefix, packing).ok_or_else(|| LoadError::BadTensor {
+            file: path.clone(),
+            tensor: qweight_name.clone(),
+            detail: "a packed layer's qweight has two dimensions".into(),
+        })?;
+        let (_, qweight) = self.ints(&qweight_name)?;
+        let (_, qzeros) = self.ints(&format!("{prefix}.qzeros"))?;
+        let (_, _, scales) = self.decode(&format!("{prefix}.scales"))?;
+        let g_idx_name = format!("{prefix}.g_idx");
+        let g_idx = match self.index.contains_key(&g_idx_name) {
+            true => Some(self.ints(&g_idx_name)?.1),
+            false => None,
+        };
+        let (outputs, inputs) = (shape[0], shape[1]);
+        let packed = int4::Packed {
+            qweight: &qweight,
+            qzeros: &qzeros,
+            scales: &scales.data,
+            g_idx: g_idx.as_deref(),
+            inputs,
+            outputs,
+            // GPTQ's group size -1: one group over all inputs.
+            group: group.unwrap_or(inputs),
+        };
+        let data = int4::dequantize(&path, &qweight_name, &packed, packing)?;
+        Ok(HostTensor { shape, data })
     }
 
     /// A tensor's stored values in f32, before any scales; its file and type.
@@ -73,18 +145,75 @@ impl SafetensorsDir {
     }
 }
 
-/// `quantization_config.weight_block_size` of the directory's `config.json`, else 128 × 128.
-fn fp8_block_size(dir: &Path) -> Result<[usize; 2], LoadError> {
+/// `config.json`'s `quantization_config`, if any.
+fn quantization_config(dir: &Path) -> Result<serde_json::Value, LoadError> {
     let path = dir.join("config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok([128, 128]) };
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(serde_json::Value::Null) };
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::format(&path, e.to_string()))?;
-    match json.pointer("/quantization_config/weight_block_size") {
+    Ok(json.get("quantization_config").cloned().unwrap_or_default())
+}
+
+/// `quantization_config.weight_block_size`, else 128 × 128.
+fn fp8_block_size(dir: &Path, q: &serde_json::Value) -> Result<[usize; 2], LoadError> {
+    match q.get("weight_block_size") {
         None | Some(serde_json::Value::Null) => Ok([128, 128]),
         Some(v) => match serde_json::from_value::<[usize; 2]>(v.clone()) {
             Ok([r, c]) if r > 0 && c > 0 => Ok([r, c]),
-            _ => Err(LoadError::metadata(&path, "quantization_config.weight_block_size", "not two positive integers")),
+            _ => Err(LoadError::metadata(
+                dir.join("config.json"),
+                "quantization_config.weight_block_size",
+                "not two positive integers",
+            )),
         },
     }
+}
+
+/// AWQ ("gemm" packing) or GPTQ, 4 bits, and the group size (None: one group over all
+/// inputs, GPTQ's -1); None for any other method. Other widths and packings are an error.
+fn int4_packing(dir: &Path, q: &serde_json::Value) -> Result<Option<(Packing, Option<usize>)>, LoadError> {
+    let path = dir.join("config.json");
+    // HF's names, else AutoAWQ's own.
+    let field = |key: &str, theirs: &str| q.get(key).or_else(|| q.get(theirs));
+    let packing = match q.get("quant_method").and_then(|m| m.as_str()) {
+        Some("awq") => {
+            let version = q.get("version").and_then(|v| v.as_str()).unwrap_or("gemm");
+            if !version.eq_ignore_ascii_case("gemm") {
+                return Err(LoadError::metadata(
+                    &path,
+                    "quantization_config.version",
+                    format!("AWQ {version:?}: only \"gemm\" packing is read"),
+                ));
+            }
+            Packing::Awq
+        }
+        Some("gptq") => {
+            let format = q.get("checkpoint_format").and_then(|v| v.as_str()).unwrap_or("gptq");
+            Packing::Gptq { zero_minus_one: format != "gptq_v2" }
+        }
+        _ => return Ok(None),
+    };
+    match field("bits", "w_bit").and_then(|b| b.as_u64()) {
+        Some(4) => {}
+        other => {
+            return Err(LoadError::metadata(
+                &path,
+                "quantization_config.bits",
+                format!("{other:?}: only 4-bit layers are read"),
+            ));
+        }
+    }
+    let group = match field("group_size", "q_group_size").and_then(|g| g.as_i64()) {
+        Some(-1) => None,
+        Some(g) if g > 0 => Some(g as usize),
+        other => {
+            return Err(LoadError::metadata(
+                &path,
+                "quantization_config.group_size",
+                format!("{other:?} is not a group size"),
+            ));
+        }
+    };
+    Ok(Some((packing, group)))
 }
 
 /// The shard files: those the index names, or the single `model.safetensors`.
@@ -124,10 +253,16 @@ impl TensorSource for SafetensorsDir {
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        if let Some((prefix, packing, _)) = self.packed(name) {
+            return self.packed_shape(prefix, packing);
+        }
         self.view(name).ok().map(|(_, v)| v.shape().to_vec())
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, LoadError> {
+        if let Some((prefix, packing, group)) = self.packed(name) {
+            return self.unpack(prefix, packing, group);
+        }
         let (path, dtype, mut tensor) = self.decode(name)?;
         if matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2) {
             let scales = [
