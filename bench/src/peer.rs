@@ -47,7 +47,8 @@ pub(crate) const MODEL: &str = "vendor-c/model-c";
 
 pub fn run(args: PeerArgs<'_>) -> Result<()> {
     let llama = args.llama_server.clone().map(llama_server).transpose()?;
-    let gguf = model_cache::resolve(model_cache::SMOLLM2_135M_INSTRUCT.name)?;
+    // The file the peer loads (Tessera's worker finds its own).
+    let gguf = llama.as_ref().map(|_| model_cache::resolve(model_cache::SMOLLM2_135M_INSTRUCT.name)).transpose()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut tpot = Vec::new();
     for &c in args.concurrency {
@@ -69,9 +70,9 @@ pub fn run(args: PeerArgs<'_>) -> Result<()> {
             "tessera": ours,
             "load_average_before": load_before,
         });
-        if let Some(llama) = &llama {
+        if let (Some(llama), Some(gguf)) = (&llama, &gguf) {
             let theirs = {
-                let peer = LlamaServer::start(llama, &gguf, args.threads)?;
+                let peer = LlamaServer::start(llama, gguf, args.threads)?;
                 let target = Target { port: peer.port, key: String::new(), model: "smollm2".into() };
                 runtime.block_on(level(&target, c, n, args.max_tokens))?
             };

@@ -5,7 +5,7 @@
 //!   `_scale_inv` ones (one per block of `quantization_config.weight_block_size`);
 //! - AWQ and GPTQ: 4-bit projections packed eight a word with zero points and f16
 //!   scales per group of 16 inputs (GPTQ's groups permuted by `g_idx`, its zeros stored
-//!   less one).
+//!   less one), and GPTQ v2 with one group over all inputs.
 //!
 //! Each loads with exactly the weights of its f32 twin (stored values decoded, times
 //! their scales), so both give the same logits bit for bit; pieces that do not fit each
@@ -42,7 +42,10 @@ fn nearest_e4m3(x: f32) -> u8 {
 enum Scales {
     Tensor,
     Row,
+    /// `_scale_inv` per block of `weight_block_size`.
     Blocks(usize, usize),
+    /// `_scale` per block of a compressed-tensors `block_structure`.
+    ScaleBlocks(usize, usize),
 }
 
 /// One stored tensor: name, type, shape, bytes.
@@ -55,6 +58,7 @@ fn quantise(name: &str, rows: usize, cols: usize, data: &[f32], how: Scales) -> 
         Scales::Tensor => (rows, cols, format!("{name}_scale")),
         Scales::Row => (1, cols, format!("{name}_scale")),
         Scales::Blocks(r, c) => (r, c, format!("{name}_scale_inv")),
+        Scales::ScaleBlocks(r, c) => (r, c, format!("{name}_scale")),
     };
     let (scale_rows, scale_cols) = (rows.div_ceil(block_rows), cols.div_ceil(block_cols));
     let mut scales = vec![0f32; scale_rows * scale_cols];
@@ -68,7 +72,7 @@ fn quantise(name: &str, rows: usize, cols: usize, data: &[f32], how: Scales) -> 
     let scale_shape = match how {
         Scales::Tensor => vec![],
         Scales::Row => vec![rows, 1],
-        Scales::Blocks(..) => vec![scale_rows, scale_cols],
+        Scales::Blocks(..) | Scales::ScaleBlocks(..) => vec![scale_rows, scale_cols],
     };
     let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
     let stored = vec![
@@ -79,11 +83,10 @@ fn quantise(name: &str, rows: usize, cols: usize, data: &[f32], how: Scales) -> 
 }
 
 /// Writes `weights` as an FP8 checkpoint (projections in E4M3, scales cycling through
-/// the three layouts, the rest f32) into `dir`; returns the f32 twin's weights.
-fn write_fp8(dir: &Path, config: &Value, weights: &Weights) -> Weights {
+/// `layouts`, the rest f32) into `dir`; returns the f32 twin's weights.
+fn write_fp8(dir: &Path, config: &Value, weights: &Weights, layouts: &[Scales]) -> Weights {
     let mut twin = Weights::new();
     let mut stored: Vec<Stored> = Vec::new();
-    let layouts = [Scales::Tensor, Scales::Row, Scales::Blocks(16, 20)];
     let mut next = 0;
     for (name, (shape, data)) in weights {
         if let ([rows, cols], true) = (shape.as_slice(), name.ends_with("proj.weight")) {
@@ -96,10 +99,15 @@ fn write_fp8(dir: &Path, config: &Value, weights: &Weights) -> Weights {
             twin.insert(name.clone(), (shape.clone(), data.clone()));
         }
     }
-    assert!(next >= 3, "every layout used");
+    assert!(next >= layouts.len(), "every layout used");
     std::fs::create_dir_all(dir).unwrap();
     let mut config = config.clone();
-    config["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [16, 20]});
+    config["quantization_config"] = match layouts {
+        [Scales::ScaleBlocks(r, c)] => json!({"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [r, c]}}}}),
+        _ => json!({"quant_method": "fp8", "weight_block_size": [16, 20]}),
+    };
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let views = stored.iter().map(|(n, t, s, b)| (n.clone(), TensorView::new(*t, s.clone(), b).unwrap()));
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
@@ -110,7 +118,10 @@ fn write_fp8(dir: &Path, config: &Value, weights: &Weights) -> Weights {
 #[derive(Clone, Copy, PartialEq)]
 enum Int4 {
     Awq,
+    /// Groups of 16 in activation order (`g_idx`), zeros stored less one.
     Gptq,
+    /// One group over all inputs (`group_size` -1), zeros stored as they are.
+    GptqV2,
 }
 
 const GROUP: usize = 16;
@@ -124,11 +135,12 @@ fn words(values: impl Iterator<Item = i32>) -> Vec<u8> {
 /// tensors and the values a reader must get back.
 fn pack4(name: &str, n: usize, k: usize, w: &[f32], how: Int4) -> (Vec<Stored>, Vec<f32>) {
     let prefix = name.strip_suffix(".weight").unwrap();
-    let groups = k / GROUP;
+    let group = if how == Int4::GptqV2 { k } else { GROUP };
+    let groups = k / group;
     // GPTQ with activation order: input row r in group g_idx[r], a permutation's.
     let g_idx: Vec<usize> = match how {
-        Int4::Awq => (0..k).map(|r| r / GROUP).collect(),
-        Int4::Gptq => (0..k).map(|r| (r * 7 + 3) % k / GROUP).collect(),
+        Int4::Awq | Int4::GptqV2 => (0..k).map(|r| r / group).collect(),
+        Int4::Gptq => (0..k).map(|r| (r * 7 + 3) % k / group).collect(),
     };
     let (mut lo, mut hi) = (vec![f32::MAX; groups * n], vec![f32::MIN; groups * n]);
     for o in 0..n {
@@ -165,7 +177,7 @@ fn pack4(name: &str, n: usize, k: usize, w: &[f32], how: Int4) -> (Vec<Stored>, 
                 .collect(),
             vec![k, n / 8],
         ),
-        Int4::Gptq => (
+        Int4::Gptq | Int4::GptqV2 => (
             (0..k * n / 8).map(|w| pack(&mut (0..8).map(|i| q[(8 * (w / n) + i) * n + w % n]))).collect(),
             vec![k / 8, n],
         ),
@@ -175,7 +187,7 @@ fn pack4(name: &str, n: usize, k: usize, w: &[f32], how: Int4) -> (Vec<Stored>, 
         let (g, c) = (w / (n / 8), w % (n / 8));
         match how {
             Int4::Awq => pack(&mut AWQ_ORDER.iter().map(|&j| zero_of(g, c, j))),
-            Int4::Gptq => pack(&mut (0..8).map(|j| zero_of(g, c, j))),
+            Int4::Gptq | Int4::GptqV2 => pack(&mut (0..8).map(|j| zero_of(g, c, j))),
         }
     });
     let mut stored = vec![
@@ -216,6 +228,8 @@ fn write_int4(dir: &Path, config: &Value, weights: &Weights, how: Int4) -> Weigh
         }
         Int4::Gptq => json!({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": true, "sym": false,
             "checkpoint_format": "gptq"}),
+        Int4::GptqV2 => json!({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": false, "sym": false,
+            "checkpoint_format": "gptq_v2"}),
     };
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let views = stored.iter().map(|(n, t, s, b)| (n.clone(), TensorView::new(*t, s.clone(), b).unwrap()));
@@ -229,7 +243,7 @@ fn awq_and_gptq_checkpoints_load_as_their_dequantised_values() {
     let weights = random_weights(&v.config, &mut seeded_rng());
     let root = temp_root("int4");
     let prompt: Vec<u32> = (0..12).map(|i| (i * 5 % 64) as u32).collect();
-    for (how, label) in [(Int4::Awq, "awq"), (Int4::Gptq, "gptq")] {
+    for (how, label) in [(Int4::Awq, "awq"), (Int4::Gptq, "gptq"), (Int4::GptqV2, "gptq-v2")] {
         let twin = write_int4(&root.join(label), &v.config, &weights, how);
         write_dir(&root.join(format!("{label}-f32")), &v.config, &twin);
         assert!(twin.iter().any(|(n, (_, d))| d != &weights[n].1), "{label}: the rounding is real");
@@ -246,14 +260,20 @@ fn an_fp8_checkpoint_loads_as_its_scaled_values() {
     let mut rng = seeded_rng();
     let weights = random_weights(&v.config, &mut rng);
     let root = temp_root("fp8");
-    let twin = write_fp8(&root.join("fp8"), &v.config, &weights);
-    write_dir(&root.join("f32"), &v.config, &twin);
-    // The rounding is real: the twin differs from the random weights it came from.
-    assert!(twin.iter().any(|(n, (_, d))| d != &weights[n].1));
-
-    let (fp8, f32) = (load(&root.join("fp8")), load(&root.join("f32")));
     let prompt: Vec<u32> = (0..12).map(|i| (i * 5 % 64) as u32).collect();
-    assert_eq!(prefill_then_decode(&fp8, &prompt, 8, 16), prefill_then_decode(&f32, &prompt, 8, 16));
+    // Per tensor, per row and DeepSeek's `_scale_inv` blocks in one checkpoint; then
+    // compressed-tensors' `_scale` blocks (20 × 20 over rows of 32 and 48: partial ones).
+    let schemes: [&[Scales]; 2] =
+        [&[Scales::Tensor, Scales::Row, Scales::Blocks(16, 20)], &[Scales::ScaleBlocks(20, 20)]];
+    for (i, layouts) in schemes.into_iter().enumerate() {
+        let (dir, twin_dir) = (root.join(format!("fp8-{i}")), root.join(format!("f32-{i}")));
+        let twin = write_fp8(&dir, &v.config, &weights, layouts);
+        write_dir(&twin_dir, &v.config, &twin);
+        // The rounding is real: the twin differs from the random weights it came from.
+        assert!(twin.iter().any(|(n, (_, d))| d != &weights[n].1));
+        let (fp8, f32) = (load(&dir), load(&twin_dir));
+        assert_eq!(prefill_then_decode(&fp8, &prompt, 8, 16), prefill_then_decode(&f32, &prompt, 8, 16), "scheme {i}");
+    }
     let _ = std::fs::remove_dir_all(root);
 }
 
@@ -263,7 +283,7 @@ fn fp8_scales_that_do_not_fit_their_tensor_are_an_error_naming_it() {
     let weights = random_weights(&v.config, &mut seeded_rng());
     let root = temp_root("fp8-bad");
     let dir = root.join("fp8");
-    write_fp8(&dir, &v.config, &weights);
+    write_fp8(&dir, &v.config, &weights, &[Scales::Tensor, Scales::Row, Scales::Blocks(16, 20)]);
     // The block size the scales were cut for, replaced by one they do not fit.
     let mut config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     config["quantization_config"]["weight_block_size"] = json!([16, 7]);

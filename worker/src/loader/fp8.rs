@@ -3,7 +3,9 @@
 //! 448; or E5M2) beside its scales in a tensor of its own:
 //!
 //! - `NAME_scale` (compressed-tensors, fbgemm): one scale per tensor (`[]` or `[1]`),
-//!   per output row (`[rows, 1]`), or per group of columns (`[rows, cols / group]`);
+//!   per output row (`[rows, 1]`), per group of columns (`[rows, cols / group]`), or,
+//!   where the config's `config_groups` give the weights a `block_structure`, one per
+//!   block of it (compressed-tensors' block strategy);
 //! - `NAME_scale_inv` (DeepSeek-V3, Qwen3's FP8 releases): one per block of
 //!   `weight_block_size` (from `config.json`'s `quantization_config`, 128 × 128 if it
 //!   says none), edge blocks partial. Despite its name it multiplies, as in those
@@ -35,9 +37,10 @@ pub fn e5m2_to_f32(b: u8) -> f32 {
 /// How a tensor's scales divide it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ScaleLayout {
-    /// `NAME_scale`: its shape divides the matrix evenly (one scale, per row, per group).
+    /// One scale for the tensor, or for each row, or for each of a row's equal groups of
+    /// columns: any other split of the rows would be a guess at a block size, refused.
     Exact,
-    /// `NAME_scale_inv`: blocks of this many rows and columns, the last ones partial.
+    /// Blocks of this many rows and columns, the last ones partial.
     Blocks([usize; 2]),
 }
 
@@ -66,7 +69,7 @@ pub fn apply_scales(
     };
     let (block_rows, block_cols) = match layout {
         ScaleLayout::Exact => {
-            let fits = scale_rows > 0 && scale_cols > 0 && rows % scale_rows == 0 && cols % scale_cols == 0;
+            let fits = (scale_rows == 1 || scale_rows == rows) && scale_cols > 0 && cols % scale_cols == 0;
             if !fits {
                 return Err(mismatch(file, tensor, shape, scale_shape));
             }
@@ -160,5 +163,8 @@ mod tests {
         assert!(scaled(&[2, 3], &[2, 2], &[1.0; 4], exact).is_err());
         assert!(scaled(&[3, 3], &[1, 2], &[1.0; 2], ScaleLayout::Blocks([2, 2])).is_err());
         assert!(scaled(&[2, 3], &[3, 1], &[1.0; 3], exact).is_err());
+        // 2 scale rows over 4 rows would be blocks of 2 rows: only a config may say so.
+        assert!(scaled(&[4, 3], &[2, 1], &[1.0; 2], exact).is_err());
+        assert!(scaled(&[4, 3], &[2, 1], &[1.0; 2], ScaleLayout::Blocks([2, 3])).is_ok());
     }
 }

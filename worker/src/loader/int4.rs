@@ -4,10 +4,10 @@
 //! - `NAME.qweight` (I32): eight 4-bit values a word. AWQ: `[k, n / 8]`, the word's
 //!   nibble `i` (bits 4i..4i+4) holding output column `8c + ORDER[i]`, ORDER =
 //!   [0, 2, 4, 6, 1, 3, 5, 7]. GPTQ: `[k / 8, n]`, nibble `i` holding input row `8r + i`;
-//! - `NAME.qzeros` (I32, `[k / group, n / 8]`): each group's zero points, packed along
+//! - `NAME.qzeros` (I32, `[⌈k / group⌉, n / 8]`): each group's zero points, packed along
 //!   the outputs as `qweight` is (AWQ's order, or GPTQ's plain one). GPTQ's original
 //!   format stores each zero less one (`checkpoint_format` "gptq"; "gptq_v2" does not);
-//! - `NAME.scales` (F16, `[k / group, n]`);
+//! - `NAME.scales` (F16, `[⌈k / group⌉, n]`);
 //! - GPTQ only, `NAME.g_idx` (I32, `[k]`): each input row's group, where activation
 //!   order permuted them; absent, row `r` is in group `r / group`.
 //!
@@ -52,10 +52,11 @@ fn nibble(word: i32, i: usize) -> i32 {
 pub fn dequantize(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -> Result<Vec<f32>, LoadError> {
     let (k, n) = (p.inputs, p.outputs);
     let bad = |detail: String| LoadError::BadTensor { file: file.into(), tensor: tensor.into(), detail };
-    if p.group == 0 || k % p.group != 0 || n % 8 != 0 || k % 8 != 0 {
+    if p.group == 0 || n % 8 != 0 || k % 8 != 0 {
         return Err(bad(format!("{k} inputs and {n} outputs do not pack 8 a word in groups of {}", p.group)));
     }
-    let groups = k / p.group;
+    // The last group may be short (GPTQ allows inputs that no group size divides).
+    let groups = k.div_ceil(p.group);
     let sizes = [
         (p.qweight.len(), k * n / 8, "qweight"),
         (p.qzeros.len(), groups * n / 8, "qzeros"),
@@ -140,7 +141,7 @@ mod tests {
         let cases = [
             Packed { qweight: &[0; 7], ..ok },
             Packed { scales: &[1.0; 7], ..ok },
-            Packed { group: 3, ..ok },
+            Packed { group: 0, ..ok },
             Packed { g_idx: Some(&[0, 0, 0, 0, 0, 0, 0, 1]), ..ok },
         ];
         for p in &cases {

@@ -18,6 +18,8 @@ pub struct SafetensorsDir {
     index: HashMap<String, usize>,
     /// Rows and columns of a `_scale_inv` block (FP8 checkpoints' `weight_block_size`).
     fp8_block: [usize; 2],
+    /// compressed-tensors' block strategy: `_scale` per block of this many rows, columns.
+    fp8_scale_block: Option<[usize; 2]>,
     /// How 4-bit layers are packed, and their group size; None unless the config says.
     int4: Option<(Packing, Option<usize>)>,
 }
@@ -39,8 +41,9 @@ impl SafetensorsDir {
         }
         let quantization = quantization_config(dir)?;
         let fp8_block = fp8_block_size(dir, &quantization)?;
+        let fp8_scale_block = compressed_tensors_block(dir, &quantization)?;
         let int4 = int4_packing(dir, &quantization)?;
-        Ok(Self { dir: dir.into(), shards, index, fp8_block, int4 })
+        Ok(Self { dir: dir.into(), shards, index, fp8_block, fp8_scale_block, int4 })
     }
 
     /// `NAME.weight` stands for a 4-bit packed layer: its prefix and packing.
@@ -69,8 +72,8 @@ impl SafetensorsDir {
     fn packed_shape(&self, prefix: &str, packing: Packing) -> Option<Vec<usize>> {
         let (_, view) = self.view(&format!("{prefix}.qweight")).ok()?;
         match (view.shape(), packing) {
-            ([k, words], Packing::Awq) => Some(vec![words * 8, *k]),
-            ([words, n], Packing::Gptq { .. }) => Some(vec![*n, words * 8]),
+            ([k, words], Packing::Awq) => Some(vec![words.checked_mul(8)?, *k]),
+            ([words, n], Packing::Gptq { .. }) => Some(vec![*n, words.checked_mul(8)?]),
             _ => None,
         }
     }
@@ -86,23 +89,33 @@ impl SafetensorsDir {
             detail: "a packed layer's qweight has two dimensions".into(),
         })?;
         let (_, qweight) = self.ints(&qweight_name)?;
-        let (_, qzeros) = self.ints(&format!("{prefix}.qzeros"))?;
+        let (zeros_shape, qzeros) = self.ints(&format!("{prefix}.qzeros"))?;
         let (_, _, scales) = self.decode(&format!("{prefix}.scales"))?;
+        let (n, k) = (shape[0], shape[1]);
+        let groups = k.div_ceil(group.unwrap_or(k).max(1));
+        for (what, got, want) in [("qzeros", &zeros_shape, [groups, n / 8]), ("scales", &scales.shape, [groups, n])] {
+            if got.as_slice() != want {
+                return Err(LoadError::BadTensor {
+                    file: path,
+                    tensor: format!("{prefix}.{what}"),
+                    detail: format!("shape {got:?}, not the {want:?} of {k} inputs and {n} outputs"),
+                });
+            }
+        }
         let g_idx_name = format!("{prefix}.g_idx");
         let g_idx = match self.index.contains_key(&g_idx_name) {
             true => Some(self.ints(&g_idx_name)?.1),
             false => None,
         };
-        let (outputs, inputs) = (shape[0], shape[1]);
         let packed = int4::Packed {
             qweight: &qweight,
             qzeros: &qzeros,
             scales: &scales.data,
             g_idx: g_idx.as_deref(),
-            inputs,
-            outputs,
+            inputs: k,
+            outputs: n,
             // GPTQ's group size -1: one group over all inputs.
-            group: group.unwrap_or(inputs),
+            group: group.unwrap_or(k),
         };
         let data = int4::dequantize(&path, &qweight_name, &packed, packing)?;
         Ok(HostTensor { shape, data })
@@ -168,6 +181,26 @@ fn fp8_block_size(dir: &Path, q: &serde_json::Value) -> Result<[usize; 2], LoadE
     }
 }
 
+/// The `block_structure` of a compressed-tensors config group whose weights use the
+/// block strategy (llm-compressor's FP8_BLOCK), if any.
+fn compressed_tensors_block(dir: &Path, q: &serde_json::Value) -> Result<Option<[usize; 2]>, LoadError> {
+    let Some(groups) = q.get("config_groups").and_then(|g| g.as_object()) else { return Ok(None) };
+    for weights in groups.values().filter_map(|g| g.get("weights")) {
+        if weights.get("strategy").and_then(|s| s.as_str()) != Some("block") {
+            continue;
+        }
+        return match weights.get("block_structure").map(|b| serde_json::from_value::<[usize; 2]>(b.clone())) {
+            Some(Ok([r, c])) if r > 0 && c > 0 => Ok(Some([r, c])),
+            _ => Err(LoadError::metadata(
+                dir.join("config.json"),
+                "quantization_config.config_groups.weights.block_structure",
+                "a block strategy needs two positive integers",
+            )),
+        };
+    }
+    Ok(None)
+}
+
 /// AWQ ("gemm" packing) or GPTQ, 4 bits, and the group size (None: one group over all
 /// inputs, GPTQ's -1); None for any other method. Other widths and packings are an error.
 fn int4_packing(dir: &Path, q: &serde_json::Value) -> Result<Option<(Packing, Option<usize>)>, LoadError> {
@@ -186,10 +219,17 @@ fn int4_packing(dir: &Path, q: &serde_json::Value) -> Result<Option<(Packing, Op
             }
             Packing::Awq
         }
-        Some("gptq") => {
-            let format = q.get("checkpoint_format").and_then(|v| v.as_str()).unwrap_or("gptq");
-            Packing::Gptq { zero_minus_one: format != "gptq_v2" }
-        }
+        Some("gptq") => match q.get("checkpoint_format").and_then(|v| v.as_str()).unwrap_or("gptq") {
+            "gptq" => Packing::Gptq { zero_minus_one: true },
+            "gptq_v2" => Packing::Gptq { zero_minus_one: false },
+            other => {
+                return Err(LoadError::metadata(
+                    &path,
+                    "quantization_config.checkpoint_format",
+                    format!("{other:?}: only \"gptq\" and \"gptq_v2\" packing is read"),
+                ));
+            }
+        },
         _ => return Ok(None),
     };
     match field("bits", "w_bit").and_then(|b| b.as_u64()) {
@@ -266,7 +306,7 @@ impl TensorSource for SafetensorsDir {
         let (path, dtype, mut tensor) = self.decode(name)?;
         if matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2) {
             let scales = [
-                (format!("{name}_scale"), ScaleLayout::Exact),
+                (format!("{name}_scale"), self.fp8_scale_block.map_or(ScaleLayout::Exact, ScaleLayout::Blocks)),
                 (format!("{name}_scale_inv"), ScaleLayout::Blocks(self.fp8_block)),
             ];
             if let Some((scale_name, layout)) = scales.into_iter().find(|(n, _)| self.index.contains_key(n)) {
