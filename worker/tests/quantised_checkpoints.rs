@@ -237,6 +237,13 @@ fn write_int4(dir: &Path, config: &Value, weights: &Weights, how: Int4) -> Weigh
     twin
 }
 
+/// Sets `quantization_config.KEY` in the `config.json` of `dir`.
+fn set_quantization(dir: &Path, key: &str, value: Value) {
+    let mut config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"][key] = value;
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
 #[test]
 fn awq_and_gptq_checkpoints_load_as_their_dequantised_values() {
     let v = &variants()[0];
@@ -285,9 +292,7 @@ fn fp8_scales_that_do_not_fit_their_tensor_are_an_error_naming_it() {
     let dir = root.join("fp8");
     write_fp8(&dir, &v.config, &weights, &[Scales::Tensor, Scales::Row, Scales::Blocks(16, 20)]);
     // The block size the scales were cut for, replaced by one they do not fit.
-    let mut config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    config["quantization_config"]["weight_block_size"] = json!([16, 7]);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    set_quantization(&dir, "weight_block_size", json!([16, 7]));
     let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
     let source = SafetensorsDir::open(&dir).unwrap();
     let err = Model::load(CpuBackend::exact(), config, &source).err().expect("a load error").to_string();
@@ -303,9 +308,7 @@ fn other_widths_and_packings_are_refused_by_name() {
     let dir = root.join("awq");
     write_int4(&dir, &v.config, &weights, Int4::Awq);
     for (key, value, said) in [("bits", json!(8), "only 4-bit"), ("version", json!("gemv"), "only \"gemm\"")] {
-        let mut config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-        config["quantization_config"][key] = value;
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        set_quantization(&dir, key, value);
         let err = SafetensorsDir::open(&dir).err().expect("refused").to_string();
         assert!(err.contains(said) && err.contains(key), "{err}");
         write_int4(&dir, &v.config, &weights, Int4::Awq);

@@ -69,7 +69,8 @@ pub fn apply_scales(
     };
     let (block_rows, block_cols) = match layout {
         ScaleLayout::Exact => {
-            let fits = (scale_rows == 1 || scale_rows == rows) && scale_cols > 0 && cols % scale_cols == 0;
+            let fits =
+                (scale_rows == 1 || scale_rows == rows) && scale_rows > 0 && scale_cols > 0 && cols % scale_cols == 0;
             if !fits {
                 return Err(mismatch(file, tensor, shape, scale_shape));
             }

@@ -54,8 +54,8 @@ impl SafetensorsDir {
             .then_some((prefix, packing, group))
     }
 
-    /// A stored I32 tensor.
-    fn ints(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>), LoadError> {
+    /// A stored I32 tensor: its file, shape and values.
+    fn ints(&self, name: &str) -> Result<(PathBuf, Vec<usize>, Vec<i32>), LoadError> {
         let (path, view) = self.view(name)?;
         if view.dtype() != Dtype::I32 {
             return Err(LoadError::UnsupportedTensorType {
@@ -65,34 +65,25 @@ impl SafetensorsDir {
             });
         }
         let data = view.data().chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        Ok((view.shape().to_vec(), data))
-    }
-
-    /// The `[outputs, inputs]` shape of a packed layer, from its `qweight`.
-    fn packed_shape(&self, prefix: &str, packing: Packing) -> Option<Vec<usize>> {
-        let (_, view) = self.view(&format!("{prefix}.qweight")).ok()?;
-        match (view.shape(), packing) {
-            ([k, words], Packing::Awq) => Some(vec![words.checked_mul(8)?, *k]),
-            ([words, n], Packing::Gptq { .. }) => Some(vec![*n, words.checked_mul(8)?]),
-            _ => None,
-        }
+        Ok((path.into(), view.shape().to_vec(), data))
     }
 
     /// A packed layer's weight in f32.
     fn unpack(&self, prefix: &str, packing: Packing, group: Option<usize>) -> Result<HostTensor, LoadError> {
         let qweight_name = format!("{prefix}.qweight");
-        let (path, _) = self.view(&qweight_name)?;
-        let path = path.to_path_buf();
-        let shape = self.packed_shape(prefix, packing).ok_or_else(|| LoadError::BadTensor {
-            file: path.clone(),
-            tensor: qweight_name.clone(),
-            detail: "a packed layer's qweight has two dimensions".into(),
-        })?;
-        let (_, qweight) = self.ints(&qweight_name)?;
-        let (zeros_shape, qzeros) = self.ints(&format!("{prefix}.qzeros"))?;
+        let (path, qweight_shape, qweight) = self.ints(&qweight_name)?;
+        let Some([n, k]) = packed_shape(&qweight_shape, packing) else {
+            return Err(LoadError::BadTensor {
+                file: path,
+                tensor: qweight_name,
+                detail: "a packed layer's qweight has two dimensions".into(),
+            });
+        };
+        // GPTQ's group size -1: one group over all inputs.
+        let group = group.unwrap_or(k).max(1);
+        let groups = k.div_ceil(group);
+        let (_, zeros_shape, qzeros) = self.ints(&format!("{prefix}.qzeros"))?;
         let (_, _, scales) = self.decode(&format!("{prefix}.scales"))?;
-        let (n, k) = (shape[0], shape[1]);
-        let groups = k.div_ceil(group.unwrap_or(k).max(1));
         for (what, got, want) in [("qzeros", &zeros_shape, [groups, n / 8]), ("scales", &scales.shape, [groups, n])] {
             if got.as_slice() != want {
                 return Err(LoadError::BadTensor {
@@ -104,7 +95,7 @@ impl SafetensorsDir {
         }
         let g_idx_name = format!("{prefix}.g_idx");
         let g_idx = match self.index.contains_key(&g_idx_name) {
-            true => Some(self.ints(&g_idx_name)?.1),
+            true => Some(self.ints(&g_idx_name)?.2),
             false => None,
         };
         let packed = int4::Packed {
@@ -114,11 +105,10 @@ impl SafetensorsDir {
             g_idx: g_idx.as_deref(),
             inputs: k,
             outputs: n,
-            // GPTQ's group size -1: one group over all inputs.
-            group: group.unwrap_or(k),
+            group,
         };
         let data = int4::dequantize(&path, &qweight_name, &packed, packing)?;
-        Ok(HostTensor { shape, data })
+        Ok(HostTensor { shape: vec![n, k], data })
     }
 
     /// A tensor's stored values in f32, before any scales; its file and type.
@@ -155,6 +145,15 @@ impl SafetensorsDir {
             detail: e.to_string(),
         })?;
         Ok((path, view))
+    }
+}
+
+/// The `[outputs, inputs]` of a packed layer whose `qweight` has this shape.
+fn packed_shape(qweight: &[usize], packing: Packing) -> Option<[usize; 2]> {
+    match (qweight, packing) {
+        ([k, words], Packing::Awq) => Some([words.checked_mul(8)?, *k]),
+        ([words, n], Packing::Gptq { .. }) => Some([*n, words.checked_mul(8)?]),
+        _ => None,
     }
 }
 
@@ -294,7 +293,8 @@ impl TensorSource for SafetensorsDir {
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         if let Some((prefix, packing, _)) = self.packed(name) {
-            return self.packed_shape(prefix, packing);
+            let (_, view) = self.view(&format!("{prefix}.qweight")).ok()?;
+            return packed_shape(view.shape(), packing).map(Vec::from);
         }
         self.view(name).ok().map(|(_, v)| v.shape().to_vec())
     }
