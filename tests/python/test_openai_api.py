@@ -964,8 +964,10 @@ class Subscriptions(unittest.TestCase):
     def test_a_plan_runs_its_concurrency_and_refuses_more(self):
         user, key = self.personal_key("kim@example.com", plan="basic")
         count = [{"role": "user", "content": "Count from 1 to 300, one number per line."}]
-        # Basic runs two at once. A streamed request is admitted when its response starts.
-        streams = [client(key).chat.completions.create(model=MODEL, messages=count, max_tokens=400, stream=True)
+        # Basic runs two at once. A streamed request is admitted when its response starts;
+        # ignore_eos keeps both running until closed (a sampled end of turn freed a slot once).
+        streams = [client(key).chat.completions.create(model=MODEL, messages=count, max_tokens=400, stream=True,
+                                                       extra_body={"ignore_eos": True})
                    for _ in range(2)]
         try:
             with self.assertRaises(openai.RateLimitError) as e:
