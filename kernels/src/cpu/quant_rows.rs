@@ -117,6 +117,13 @@ impl QuantRows {
         self.rows
     }
 
+    /// Asks for the packed rows' memory on huge pages (`huge_pages`).
+    pub(super) fn advise_huge_pages(&self) {
+        super::huge_pages::advise(&self.qs);
+        super::huge_pages::advise(&self.d);
+        super::huge_pages::advise(&self.m);
+    }
+
     /// Rows `first..first + out.len() / cols` as f32, each weight `d·q + m` in one fused
     /// multiply-add.
     pub fn dequantize_rows(&self, first: usize, out: &mut [f32]) {

@@ -31,6 +31,16 @@ impl CpuWeight {
         Self { rows, cols, storage: Storage::Quantized(rows_of) }
     }
 
+    /// Asks for the weight's memory on huge pages (`huge_pages`): a decode step streams
+    /// all of it.
+    pub(super) fn advise_huge_pages(&self) {
+        match &self.storage {
+            Storage::F32(data) => super::huge_pages::advise(data),
+            Storage::Quantized(q) => q.advise_huge_pages(),
+            Storage::Stacked(parts) => parts.iter().for_each(Self::advise_huge_pages),
+        }
+    }
+
     /// `parts` one above the other; each has `cols` columns and their rows add up to `rows`.
     pub fn stacked(parts: Vec<CpuWeight>, rows: usize, cols: usize) -> Self {
         debug_assert!(parts.iter().all(|p| p.cols == cols) && parts.iter().map(|p| p.rows).sum::<usize>() == rows);
