@@ -13,6 +13,7 @@
 //! ones); byte chunks hold `w + 128`, unsigned, as `vpdpbusd` reads them. Scales and
 //! offsets follow the same order: 16 to a block (per half-block for `BytesHalves`).
 
+use super::huge_pages::Pinned;
 use super::int8::{self, Q8Rows};
 use super::matmul::Strides;
 use super::repack::repack;
@@ -59,12 +60,13 @@ pub struct QuantRows {
     layout: Layout,
     rows: usize,
     blocks_per_row: usize,
-    /// Group after group, block after block: `layout.chunks()` chunks.
-    qs: Vec<u8>,
+    /// Group after group, block after block: `layout.chunks()` chunks. On huge pages,
+    /// as the scales and offsets: a decode step streams them all.
+    qs: Pinned<u8>,
     /// Group after group, block after block: `layout.scales()` × 16 scales.
-    d: Vec<f32>,
+    d: Pinned<f32>,
     /// Group after group, block after block: 16 offsets (`Nibbles`), else empty.
-    m: Vec<f32>,
+    m: Pinned<f32>,
 }
 
 /// One group of 16 rows: its chunks, scales and offsets, `blocks_per_row` blocks.
@@ -88,9 +90,9 @@ impl QuantRows {
             layout,
             rows,
             blocks_per_row: bpr,
-            qs: vec![0; groups * bpr * GROUP_ROWS * q_len],
-            d: vec![0.0; groups * bpr * GROUP_ROWS * scales],
-            m: vec![0.0; if layout == Layout::Nibbles { groups * bpr * GROUP_ROWS } else { 0 }],
+            qs: Pinned::zeroed(groups * bpr * GROUP_ROWS * q_len),
+            d: Pinned::zeroed(groups * bpr * GROUP_ROWS * scales),
+            m: Pinned::zeroed(if layout == Layout::Nibbles { groups * bpr * GROUP_ROWS } else { 0 }),
         };
         let flip = if layout == Layout::Nibbles { 0 } else { 0x80 };
         for r in 0..rows {
@@ -115,13 +117,6 @@ impl QuantRows {
 
     pub fn rows(&self) -> usize {
         self.rows
-    }
-
-    /// Asks for the packed rows' memory on huge pages (`huge_pages`).
-    pub(super) fn advise_huge_pages(&self) {
-        super::huge_pages::advise(&self.qs);
-        super::huge_pages::advise(&self.d);
-        super::huge_pages::advise(&self.m);
     }
 
     /// Rows `first..first + out.len() / cols` as f32, each weight `d·q + m` in one fused

@@ -31,12 +31,12 @@ impl CpuWeight {
         Self { rows, cols, storage: Storage::Quantized(rows_of) }
     }
 
-    /// Asks for the weight's memory on huge pages (`huge_pages`): a decode step streams
-    /// all of it.
+    /// Asks for the huge pages inside f32 rows (`huge_pages`; packed rows are on them
+    /// already): a decode step streams all of it.
     pub(super) fn advise_huge_pages(&self) {
         match &self.storage {
             Storage::F32(data) => super::huge_pages::advise(data),
-            Storage::Quantized(q) => q.advise_huge_pages(),
+            Storage::Quantized(_) => {}
             Storage::Stacked(parts) => parts.iter().for_each(Self::advise_huge_pages),
         }
     }
