@@ -195,7 +195,7 @@ mod tests {
     fn buffers_are_zeroed_aligned_disjoint_and_copied_on_clone() {
         let mut bufs: Vec<Pinned<f32>> = (0..40).map(|i| Pinned::zeroed(1000 + 37 * i)).collect();
         for (i, b) in bufs.iter_mut().enumerate() {
-            assert!(b.iter().all(|&v| v == 0.0) && b.as_ptr() as usize % ALIGN == 0);
+            assert!(b.iter().all(|&v| v == 0.0) && (b.as_ptr() as usize).is_multiple_of(ALIGN));
             b.iter_mut().enumerate().for_each(|(j, v)| *v = (i * 100_000 + j) as f32);
         }
         let copy = bufs[3].clone();
@@ -206,7 +206,11 @@ mod tests {
         assert!(copy.iter().enumerate().all(|(j, &v)| v == (300_000 + j) as f32) && copy.len() == bufs[3].len());
         // A buffer too large to share gets a region of its own; empty ones none.
         let big = Pinned::<u8>::zeroed(OWN_REGION + 1);
-        assert!(big.len() == OWN_REGION + 1 && big.as_ptr() as usize % HUGE_PAGE == 0 && big.iter().all(|&b| b == 0));
+        assert!(
+            big.len() == OWN_REGION + 1
+                && (big.as_ptr() as usize).is_multiple_of(HUGE_PAGE)
+                && big.iter().all(|&b| b == 0)
+        );
         assert!(Pinned::<u8>::zeroed(0).is_empty());
     }
 
