@@ -12,8 +12,8 @@
 //!
 //! Weights live as long as their model: a region is unmapped when the last buffer in
 //! it is dropped, so unloading a model gives its memory back once nothing else shares
-//! its regions. Large buffers (the KV cache) stay `Vec`s; `advise` asks for the huge
-//! pages that lie wholly inside them.
+//! its regions. Large buffers (KV caches, f32 weights) stay `Vec`s; `advise_filled` and
+//! `advise_untouched` ask for the huge pages that lie wholly inside them.
 //!
 //! Best effort: where the kernel refuses (THP `never`, another OS) pages stay small,
 //! and results never change: only where memory lies does.
@@ -148,7 +148,7 @@ impl Region {
         let mapped = mapped.cast::<u8>();
         let ptr = mapped.wrapping_add(mapped.align_offset(HUGE_PAGE));
         let region = Self { ptr, len, mapped: (mapped, mapped_len) };
-        advise_range(ptr as usize, len);
+        advise_range(ptr as usize, len, &[MADV_HUGEPAGE]);
         region
     }
 }
@@ -160,31 +160,46 @@ impl Drop for Region {
     }
 }
 
-/// Asks for the huge pages lying wholly inside `data` (large buffers of the
-/// allocator's, such as KV caches): those pages alone, so nothing beside it is marked.
-pub(crate) fn advise<T>(data: &[T]) {
-    let start = (data.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
-    let end = (data.as_ptr() as usize + size_of_val(data)) & !(HUGE_PAGE - 1);
-    if end > start {
-        advise_range(start, end - start);
+/// Asks for the huge pages lying wholly inside `data`, already written (f32 weights):
+/// those pages alone, so nothing beside it is marked. `MADV_COLLAPSE` (Linux 6.1)
+/// collapses them now rather than whenever khugepaged's scan comes round.
+pub(crate) fn advise_filled<T>(data: &[T]) {
+    if let Some((start, len)) = inside(data) {
+        advise_range(start, len, &[MADV_HUGEPAGE, MADV_COLLAPSE]);
     }
 }
 
-/// `MADV_HUGEPAGE` so pages touched later fault in huge; `MADV_COLLAPSE` (Linux 6.1)
-/// so those already filled are collapsed now, not whenever khugepaged's scan comes.
-fn advise_range(start: usize, len: usize) {
+/// As `advise_filled`, for memory not yet touched (a KV cache just made): its pages
+/// fault in huge as they are first written; collapsing them now would only commit
+/// them early.
+pub(crate) fn advise_untouched<T>(data: &[T]) {
+    if let Some((start, len)) = inside(data) {
+        advise_range(start, len, &[MADV_HUGEPAGE]);
+    }
+}
+
+/// The huge pages wholly inside `data`: where they start, and their bytes.
+fn inside<T>(data: &[T]) -> Option<(usize, usize)> {
+    let start = (data.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+    let end = (data.as_ptr() as usize + size_of_val(data)) & !(HUGE_PAGE - 1);
+    (end > start).then(|| (start, end - start))
+}
+
+/// Each advice over the range. They never change its contents, only its mapping;
+/// any error (an older kernel, THP off, another OS) leaves the pages as they were.
+fn advise_range(start: usize, len: usize, advices: &[libc::c_int]) {
     #[cfg(target_os = "linux")]
-    for advice in [libc::MADV_HUGEPAGE, MADV_COLLAPSE] {
-        // SAFETY: these advices never change the range's contents, only its mapping;
-        // any error (an older kernel, THP off) leaves the pages as they were.
+    for &advice in advices {
+        // SAFETY: madvise with these advices reads and writes no memory.
         unsafe { libc::madvise(start as *mut libc::c_void, len, advice) };
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (start, len);
+    let _ = (start, len, advices);
 }
 
-/// `MADV_COLLAPSE`, not in every version of the libc crate.
-#[cfg(target_os = "linux")]
+/// Linux's advice values (`MADV_COLLAPSE`, 6.1, is not in every version of the libc
+/// crate); named here so that the callers build on any OS, where they go unused.
+const MADV_HUGEPAGE: libc::c_int = 14;
 const MADV_COLLAPSE: libc::c_int = 25;
 
 #[cfg(test)]
@@ -248,9 +263,9 @@ mod tests {
         let big: Vec<u8> = (0..40 << 20).map(|i: usize| (i % 251) as u8).collect();
         let middle = big.as_ptr() as usize + (20 << 20);
         assert!(!marked(middle), "marked before advice");
-        advise(&big[20 << 20..(21 << 20)]);
+        advise_filled(&big[20 << 20..(21 << 20)]);
         assert!(!marked(middle), "a slice holding no whole huge page was advised");
-        advise(&big);
+        advise_filled(&big);
         assert!(marked(middle), "not marked: {}", vm_flags(middle));
         assert!(big.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "the contents changed");
     }

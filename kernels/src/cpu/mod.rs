@@ -52,36 +52,6 @@ pub enum Activations {
 }
 
 impl CpuBackend {
-    /// A host weight in the backend's layout: quantised rows repacked where the format
-    /// has integer products here, else f32.
-    fn pack_weight(&self, w: HostWeight) -> Result<CpuWeight> {
-        let (rows, cols) = (w.rows, w.cols);
-        match w.data {
-            WeightData::F32(data) => {
-                expect_len("upload_weight", "weight", data.len(), rows * cols)?;
-                Ok(CpuWeight::f32(data, rows, cols))
-            }
-            WeightData::Blocks { ty, bytes } => {
-                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
-                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
-                })?;
-                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
-                Ok(match QuantRows::from_blocks(ty, &bytes, cols) {
-                    Some(q) => CpuWeight::quantized(q, rows, cols),
-                    None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
-                })
-            }
-            WeightData::Stacked(parts) => {
-                let parts = parts.into_iter().map(|p| self.pack_weight(p)).collect::<Result<Vec<_>>>()?;
-                if let Some(p) = parts.iter().find(|p| p.cols != cols) {
-                    return Err(KernelError::shape("upload_weight", format!("a part of {} columns in {cols}", p.cols)));
-                }
-                expect_len("upload_weight", "stacked rows", parts.iter().map(|p| p.rows).sum(), rows)?;
-                Ok(CpuWeight::stacked(parts, rows, cols))
-            }
-        }
-    }
-
     /// Inputs kept exact: the reference path.
     pub const fn exact() -> Self {
         Self { activations: Activations::F32 }
@@ -124,9 +94,31 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, w: HostWeight) -> Result<CpuWeight> {
-        let weight = self.pack_weight(w)?;
-        weight.advise_huge_pages();
-        Ok(weight)
+        let (rows, cols) = (w.rows, w.cols);
+        match w.data {
+            WeightData::F32(data) => {
+                expect_len("upload_weight", "weight", data.len(), rows * cols)?;
+                Ok(CpuWeight::f32(data, rows, cols))
+            }
+            WeightData::Blocks { ty, bytes } => {
+                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
+                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
+                })?;
+                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
+                Ok(match QuantRows::from_blocks(ty, &bytes, cols) {
+                    Some(q) => CpuWeight::quantized(q, rows, cols),
+                    None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
+                })
+            }
+            WeightData::Stacked(parts) => {
+                let parts = parts.into_iter().map(|p| self.upload_weight(p)).collect::<Result<Vec<_>>>()?;
+                if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+                    return Err(KernelError::shape("upload_weight", format!("a part of {} columns in {cols}", p.cols)));
+                }
+                expect_len("upload_weight", "stacked rows", parts.iter().map(|p| p.rows).sum(), rows)?;
+                Ok(CpuWeight::stacked(parts, rows, cols))
+            }
+        }
     }
 
     fn write_index(&self, dst: &mut Vec<u32>, data: &[u32]) -> Result<()> {
@@ -244,7 +236,7 @@ impl Backend for CpuBackend {
     fn kv_zeros(&self, len: usize) -> Result<Vec<f32>> {
         // Zeroed pages not yet touched: advised first, they fault in huge.
         let cache = vec![0.0; self.kv_store().buffer_floats(len)];
-        huge_pages::advise(&cache);
+        huge_pages::advise_untouched(&cache);
         Ok(cache)
     }
 

@@ -24,21 +24,13 @@ enum Storage {
 
 impl CpuWeight {
     pub fn f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        // A decode step streams all of it (packed rows are on huge pages already).
+        super::huge_pages::advise_filled(&data);
         Self { rows, cols, storage: Storage::F32(data) }
     }
 
     pub fn quantized(rows_of: QuantRows, rows: usize, cols: usize) -> Self {
         Self { rows, cols, storage: Storage::Quantized(rows_of) }
-    }
-
-    /// Asks for the huge pages inside f32 rows (`huge_pages`; packed rows are on them
-    /// already): a decode step streams all of it.
-    pub(super) fn advise_huge_pages(&self) {
-        match &self.storage {
-            Storage::F32(data) => super::huge_pages::advise(data),
-            Storage::Quantized(_) => {}
-            Storage::Stacked(parts) => parts.iter().for_each(Self::advise_huge_pages),
-        }
     }
 
     /// `parts` one above the other; each has `cols` columns and their rows add up to `rows`.
