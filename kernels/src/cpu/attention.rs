@@ -40,27 +40,32 @@ pub(super) fn write_kv(
         let slot = slot as usize;
         let (at, from) = (slot * w..(slot + 1) * w, t * w..(t + 1) * w);
         // Element (head h, dimension d) of the slot's key: in its block's tile for h,
-        // row d, lane `slot % bs`.
+        // row d, lane `slot % bs` — `d · bs` into the head's tile.
         let tile = (slot / bs) * bs * w + slot % bs;
-        let key_at = |e: usize| tile + (e / hd) * hd * bs + (e % hd) * bs;
         match store {
             KvStore::F32 => {
-                for (e, x) in k[from.clone()].iter().enumerate() {
-                    k_cache[key_at(e)] = *x;
-                }
+                scatter_key(&k[from.clone()], hd, bs, &mut k_cache[tile..]);
                 v_cache[at].copy_from_slice(&v[from]);
             }
             KvStore::F16 => {
                 kv_store::narrow(&k[from.clone()], &mut key);
-                let halves = kv_store::as_halves_mut(k_cache);
-                for (e, x) in key.iter().enumerate() {
-                    halves[key_at(e)] = *x;
-                }
+                scatter_key(&key, hd, bs, &mut kv_store::as_halves_mut(k_cache)[tile..]);
                 kv_store::narrow(&v[from], &mut kv_store::as_halves_mut(v_cache)[at]);
             }
         }
     }
     Ok(())
+}
+
+/// One key's elements, head after head, into its lane of the block's tiles (`tiles`
+/// starts at the lane of head 0, dimension 0).
+fn scatter_key<T: Copy>(key: &[T], hd: usize, bs: usize, tiles: &mut [T]) {
+    for (h, head) in key.chunks_exact(hd).enumerate() {
+        let tile = &mut tiles[h * hd * bs..];
+        for (d, x) in head.iter().enumerate() {
+            tile[d * bs] = *x;
+        }
+    }
 }
 
 pub(super) fn paged_attention(

@@ -6,6 +6,7 @@ use super::simd::{exp, multiversion};
 use crate::error::expect_len;
 use crate::{Gelu, KernelError, Result, RopeStyle};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Below this many output floats an op runs on the calling thread: handing a single
 /// decode row to the thread pool costs more than the work.
@@ -71,22 +72,74 @@ pub(super) fn rope(
     if 2 * half > head_dim {
         return Err(KernelError::shape("rope", format!("{half} frequencies for head_dim {head_dim}")));
     }
-    zip_rows(x, heads * head_dim, positions, 1, |token, pos| {
-        let pos = pos[0];
-        let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
+    if half == 0 {
+        return Ok(());
+    }
+    // The table leaves the thread-local before the rows are rotated: a thread waiting
+    // on the pool may run another forward's step meanwhile, and its RoPE here.
+    let angles = ROTATIONS.with_borrow_mut(|table| table.for_batch(positions, inv_freq));
+    zip_rows(x, heads * head_dim, &angles, 2 * half, |token, angles| {
+        let (cos, sin) = angles.split_at(half);
         for head in token.chunks_mut(head_dim) {
-            for i in 0..half {
-                let (a, b) = match style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::Neox => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos[i] - x1 * sin[i];
-                head[b] = x0 * sin[i] + x1 * cos[i];
+            match style {
+                RopeStyle::Interleaved => {
+                    for ((pair, c), s) in head[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
+                        let (x0, x1) = (pair[0], pair[1]);
+                        pair[0] = x0 * c - x1 * s;
+                        pair[1] = x0 * s + x1 * c;
+                    }
+                }
+                RopeStyle::Neox => {
+                    let (first, second) = head.split_at_mut(half);
+                    for (((x0, x1), c), s) in first.iter_mut().zip(&mut second[..half]).zip(cos).zip(sin) {
+                        (*x0, *x1) = (*x0 * c - *x1 * s, *x0 * s + *x1 * c);
+                    }
+                }
             }
         }
     });
     Ok(())
+}
+
+thread_local! {
+    /// The last batch's rotations: a forward rotates queries and keys at the same
+    /// positions in every layer, and the sines and cosines were most of RoPE's time.
+    static ROTATIONS: std::cell::RefCell<Rotations> = const {
+        std::cell::RefCell::new(Rotations { positions: Vec::new(), inv_freq: Vec::new(), angles: None })
+    };
+}
+
+/// Each position's `cos(p·f)` then `sin(p·f)` for the frequencies `f`, and what they
+/// were computed for.
+struct Rotations {
+    positions: Vec<u32>,
+    inv_freq: Vec<f32>,
+    angles: Option<Arc<[f32]>>,
+}
+
+impl Rotations {
+    /// The table for these positions and frequencies, recomputed only when either
+    /// differs from the last call's (bit for bit: the same table, the same results).
+    fn for_batch(&mut self, positions: &[u32], inv_freq: &[f32]) -> Arc<[f32]> {
+        let same_freq = self.inv_freq.len() == inv_freq.len()
+            && self.inv_freq.iter().zip(inv_freq).all(|(a, b)| a.to_bits() == b.to_bits());
+        match &self.angles {
+            Some(angles) if self.positions == positions && same_freq => angles.clone(),
+            _ => {
+                let mut angles = Vec::with_capacity(positions.len() * 2 * inv_freq.len());
+                for &pos in positions {
+                    let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
+                    angles.extend_from_slice(&cos);
+                    angles.extend_from_slice(&sin);
+                }
+                self.positions.clear();
+                self.positions.extend_from_slice(positions);
+                self.inv_freq.clear();
+                self.inv_freq.extend_from_slice(inv_freq);
+                self.angles.insert(angles.into()).clone()
+            }
+        }
+    }
 }
 
 pub(super) fn silu_mul(gate_up: &[f32], width: usize) -> Result<Vec<f32>> {
@@ -218,4 +271,68 @@ pub(super) fn scatter_rows(x: &mut [f32], cols: usize, rows: &[u32], src: &[f32]
         x[r as usize * cols..(r as usize + 1) * cols].copy_from_slice(row);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// RoPE written out, a position and a frequency at a time: what `rope` computed
+    /// before it kept a table.
+    fn rotated(x: &[f32], positions: &[u32], heads: usize, hd: usize, inv_freq: &[f32], style: RopeStyle) -> Vec<f32> {
+        let (mut out, half) = (x.to_vec(), inv_freq.len());
+        for (t, &p) in positions.iter().enumerate() {
+            for h in 0..heads {
+                let head = &mut out[(t * heads + h) * hd..][..hd];
+                for (i, f) in inv_freq.iter().enumerate() {
+                    let (sin, cos) = (p as f32 * f).sin_cos();
+                    let (a, b) = match style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+        out
+    }
+
+    /// Calls one after another on one thread, as a forward's layers make them: each
+    /// rotates by its own positions and frequencies (a table kept from the call before
+    /// is never reused for others), with the same bits as computing every angle anew —
+    /// batches large enough for the thread pool too, and rotary dimensions fewer than
+    /// the head's.
+    #[test]
+    fn rotations_follow_each_calls_positions_and_frequencies_bit_for_bit() {
+        let freqs = |n: usize, base: f32| (0..n).map(|i| base.powf(-(i as f32) / n as f32)).collect::<Vec<f32>>();
+        let (heads, hd) = (3, 64);
+        let many: Vec<u32> = (0..200).map(|i| (i * 37 % 1500) as u32).collect();
+        let calls: [(Vec<u32>, Vec<f32>); 6] = [
+            (vec![5, 6, 7], freqs(32, 10_000.0)),
+            (vec![5, 6, 8], freqs(32, 10_000.0)),
+            (vec![5, 6, 8], freqs(32, 500_000.0)),
+            (vec![5, 6], freqs(32, 500_000.0)),
+            (many.clone(), freqs(32, 10_000.0)),
+            (many, freqs(16, 10_000.0)),
+        ];
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            for (positions, inv_freq) in &calls {
+                let x: Vec<f32> =
+                    (0..positions.len() * heads * hd).map(|i| ((i * 7919 % 201) as f32 - 100.0) * 0.01).collect();
+                let mut got = x.clone();
+                rope(&mut got, positions, heads, hd, inv_freq, style).unwrap();
+                let want = rotated(&x, positions, heads, hd, inv_freq, style);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{style:?} at {} positions, {} frequencies",
+                    positions.len(),
+                    inv_freq.len()
+                );
+            }
+        }
+    }
 }
