@@ -126,11 +126,13 @@ impl Rotations {
         match &self.angles {
             Some(angles) if self.positions == positions && same_freq => angles.clone(),
             _ => {
-                let mut angles = Vec::with_capacity(positions.len() * 2 * inv_freq.len());
-                for &pos in positions {
-                    let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
-                    angles.extend_from_slice(&cos);
-                    angles.extend_from_slice(&sin);
+                let half = inv_freq.len();
+                let mut angles = vec![0.0f32; positions.len() * 2 * half];
+                for (row, &pos) in angles.chunks_exact_mut(2 * half).zip(positions) {
+                    let (cos, sin) = row.split_at_mut(half);
+                    for ((c, s), f) in cos.iter_mut().zip(sin).zip(inv_freq) {
+                        (*s, *c) = (pos as f32 * f).sin_cos();
+                    }
                 }
                 self.positions.clear();
                 self.positions.extend_from_slice(positions);
