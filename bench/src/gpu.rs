@@ -8,11 +8,12 @@
 //! after warm-up, so launch overhead counts: decode runs op by op and as a CUDA graph.
 
 use anyhow::{Context, Result};
-use serde_json::json;
+use serde_json::{Value, json};
 use std::time::Instant;
 use tessera_kernels::cuda::{CudaBackend, CudaBuffer};
 use tessera_kernels::pick::{Draw, PickRow};
-use tessera_kernels::{AttentionShape, Backend, PagedBatch};
+use tessera_kernels::quant::{GgmlType, random_blocks};
+use tessera_kernels::{AttentionShape, Backend, HostWeight, PagedBatch, WeightData};
 use tessera_worker::model::weights::{LayerWeights, Weights};
 use tessera_worker::model::{KvCache, Model, ModelConfig, SeqInput};
 
@@ -48,6 +49,7 @@ pub fn run(args: Args) -> Result<()> {
     line(json!({"case": "copy_bandwidth", "bytes_per_s": round(bandwidth)}));
     let ceiling = matmul_ceiling(&g, args.reps)?;
     line(json!({"case": "matmul_ceiling", "m_n_k": 8192, "flop_per_s": round(ceiling)}));
+    block_products(&g, bandwidth, ceiling, args.reps, &line)?;
 
     let config = llama3_8b_config(args.layers)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -183,6 +185,40 @@ pub fn run(args: Args) -> Result<()> {
             })?;
             line(json!({"case": "pick", "kind": kind, "batch": batch, "vocab": config.vocab_size,
                 "time_us": round(time * 1e6), "floor_us": round(floor * 1e6)}));
+        }
+    }
+    Ok(())
+}
+
+/// Products with weights kept in ggml block formats on the device, at the Llama-3-8B
+/// MLP's up-projection shape (14336 × 4096): decode (1 and 8 tokens) against the
+/// memory floor of the format's own bytes, prefill (512 tokens) against the bf16 matrix
+/// ceiling.
+fn block_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
+    let (rows, cols) = (14_336, 4_096);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        let data = WeightData::Blocks { ty, bytes: random_blocks(ty, rows * cols, 21) };
+        let w = g.upload_weight(HostWeight { rows, cols, data })?;
+        for tokens in [1, 8, 512] {
+            let x = g.random_buffer(tokens * cols, 22, 1.0)?;
+            let time = median(reps, || {
+                g.linear(&x, tokens, &w, None)?;
+                Ok(g.synchronize()?)
+            })?;
+            let format = format!("{ty:?}");
+            if tokens <= 8 {
+                // Read once: the weight's bytes, the activations; written: the outputs.
+                let bytes = (w.device_bytes() + 2 * tokens * (rows + cols)) as f64;
+                // `bandwidth` counts a copy's reads and writes.
+                let floor = bytes / bandwidth;
+                line(json!({"case": "block_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
+                    "time_us": round(time * 1e6), "floor_us": round(floor * 1e6), "floor_over_time": round(floor / time)}));
+            } else {
+                let flops = 2.0 * (rows * cols * tokens) as f64;
+                line(json!({"case": "block_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
+                    "time_us": round(time * 1e6), "flop_per_s": round(flops / time),
+                    "fraction_of_matmul_ceiling": round(flops / time / ceiling)}));
+            }
         }
     }
     Ok(())

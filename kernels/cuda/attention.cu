@@ -115,13 +115,6 @@ paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
 
 #define PA_WARPS 4
 
-__device__ __forceinline__ void unpack8(uint4 raw, float* f) {
-    f[0] = __uint_as_float(raw.x << 16); f[1] = __uint_as_float(raw.x & 0xffff0000u);
-    f[2] = __uint_as_float(raw.y << 16); f[3] = __uint_as_float(raw.y & 0xffff0000u);
-    f[4] = __uint_as_float(raw.z << 16); f[5] = __uint_as_float(raw.z & 0xffff0000u);
-    f[6] = __uint_as_float(raw.w << 16); f[7] = __uint_as_float(raw.w & 0xffff0000u);
-}
-
 // DPL consecutive bf16 values at p (aligned to DPL * 2 bytes) as floats.
 template <int DPL>
 __device__ __forceinline__ void load_dims(const bf16* p, float* f) {

@@ -15,6 +15,14 @@ __device__ __forceinline__ bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
+// Eight bf16 values, loaded as one 16-byte word, as floats.
+__device__ __forceinline__ void unpack8(uint4 raw, float* f) {
+    f[0] = __uint_as_float(raw.x << 16); f[1] = __uint_as_float(raw.x & 0xffff0000u);
+    f[2] = __uint_as_float(raw.y << 16); f[3] = __uint_as_float(raw.y & 0xffff0000u);
+    f[4] = __uint_as_float(raw.z << 16); f[5] = __uint_as_float(raw.z & 0xffff0000u);
+    f[6] = __uint_as_float(raw.w << 16); f[7] = __uint_as_float(raw.w & 0xffff0000u);
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float warp_sum(float v) {

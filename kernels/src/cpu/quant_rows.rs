@@ -215,18 +215,7 @@ pub(crate) mod tests {
     /// Random blocks of `ty` for `n` weights, with finite f16 scales where the format
     /// keeps them.
     pub(crate) fn random_blocks(rng: &mut StdRng, ty: GgmlType, n: usize) -> Vec<u8> {
-        let f16_fields: &[usize] = match ty {
-            GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-            GgmlType::Q6K => &[208],
-            _ => &[0],
-        };
-        let mut bytes: Vec<u8> = (0..n / ty.block_elems() * ty.block_bytes()).map(|_| rng.random()).collect();
-        for b in bytes.chunks_exact_mut(ty.block_bytes()) {
-            for &at in f16_fields {
-                b[at..at + 2].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.1..0.1)).to_le_bytes());
-            }
-        }
-        bytes
+        crate::quant::random_blocks(ty, n, rng.random())
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The CUDA backend: bf16 activations and weights on one GPU, kernels from
-//! `kernels/cuda/*.cu` compiled at start-up by NVRTC, matrix products through cuBLAS.
+//! The CUDA backend: bf16 activations on one GPU, weights in bf16 or in their file's
+//! ggml block format (`block_weights`), kernels from `kernels/cuda/*.cu` compiled at
+//! start-up by NVRTC, bf16 matrix products through cuBLAS.
 //! cudarc loads the driver, NVRTC and cuBLAS at run time, so this builds everywhere;
 //! `CudaBackend::new` fails with one clear line where they or a GPU are missing.
 //!
@@ -8,6 +9,7 @@
 //! whose precision matters more than their size. Each op takes either kind and
 //! converts on the device where it must.
 
+mod block_weights;
 pub mod compile;
 mod nccl;
 mod sampling;
@@ -77,11 +79,34 @@ struct GraphExec(CudaGraph);
 // at once, which the mutex around it guarantees.
 unsafe impl Send for GraphExec {}
 
-/// A `[rows, cols]` bf16 weight, row-major.
+/// A `[rows, cols]` weight, row-major: bf16, or rows of ggml blocks as the file stored
+/// them, decoded by the kernels that read them (`quant`).
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
-    data: CudaSlice<bf16>,
+    data: WeightStore,
+}
+
+enum WeightStore {
+    Bf16(CudaSlice<bf16>),
+    Blocks(Blocks),
+}
+
+/// Rows of whole blocks of `ty`, `row_bytes` each.
+struct Blocks {
+    ty: quant::GgmlType,
+    row_bytes: usize,
+    bytes: CudaSlice<u8>,
+}
+
+impl CudaWeight {
+    /// Bytes the weight takes on the device: what a product streams.
+    pub fn device_bytes(&self) -> usize {
+        match &self.data {
+            WeightStore::Bf16(s) => 2 * s.len(),
+            WeightStore::Blocks(b) => b.bytes.len(),
+        }
+    }
 }
 
 /// A device slice borrowed as it is or converted for the op.
@@ -132,6 +157,8 @@ struct Kernels {
     row_topk: CudaFunction,
     row_sample: CudaFunction,
     gather_f32: CudaFunction,
+    /// Products and lookups with block-format weights, per format.
+    quant: Vec<block_weights::QuantKernels>,
 }
 
 /// Threads per block of the elementwise and row kernels.
@@ -271,6 +298,7 @@ impl CudaBackend {
             row_topk: find("row_topk")?,
             row_sample: find("row_sample")?,
             gather_f32: find("gather_f32")?,
+            quant: block_weights::load(&find)?,
         };
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -419,6 +447,35 @@ impl CudaBackend {
             Data::F32(_) => unreachable!("converted above"),
         }
     }
+
+    /// `out[tokens, rows] = x[tokens, cols] · wᵀ` through cuBLAS; the caller checked the sizes.
+    fn bf16_linear(
+        &self,
+        x: &CudaSlice<bf16>,
+        tokens: usize,
+        (rows, cols): (usize, usize),
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        const OP: &str = "linear";
+        // Row-major out[tokens, rows] = x[tokens, cols] · w[rows, cols]ᵀ is, in cuBLAS's
+        // column-major terms, out (rows × tokens) = wᵀ-as-stored (op T) · x (op N).
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: u32_of(OP, rows)? as i32,
+            n: u32_of(OP, tokens)? as i32,
+            k: u32_of(OP, cols)? as i32,
+            alpha: bf16::ONE,
+            lda: cols as i32,
+            ldb: cols as i32,
+            beta: bf16::ZERO,
+            ldc: rows as i32,
+        };
+        // SAFETY: the caller checked the sizes against the three buffers.
+        unsafe { self.blas.gemm(cfg, w, x, out) }
+            .map_err(|e| KernelError::Device { op: OP, detail: format!("cuBLAS: {e:?}") })
+    }
 }
 
 impl Backend for CudaBackend {
@@ -469,13 +526,17 @@ impl Backend for CudaBackend {
                     KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
                 })?;
                 expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
+                if block_weights::on_device(ty) {
+                    let bytes = self.htod("upload_weight", &bytes)?;
+                    return Ok(CudaWeight { rows, cols, data: WeightStore::Blocks(Blocks { ty, row_bytes, bytes }) });
+                }
                 quant::dequantize(ty, &bytes)
             }
             data @ WeightData::Stacked(_) => HostWeight { rows, cols, data }.into_f32(),
         };
         expect_len("upload_weight", "weight", data.len(), rows * cols)?;
         let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
-        Ok(CudaWeight { rows, cols, data: self.htod("upload_weight", &host)? })
+        Ok(CudaWeight { rows, cols, data: WeightStore::Bf16(self.htod("upload_weight", &host)?) })
     }
 
     fn write_index(&self, dst: &mut CudaIndex, data: &[u32]) -> Result<()> {
@@ -530,10 +591,15 @@ impl Backend for CudaBackend {
         let n = ids.host.len() * table.cols;
         let mut out = self.alloc(OP, n)?;
         if n > 0 {
-            let (tokens, dim) = (u32_of(OP, ids.host.len())?, u32_of(OP, table.cols)?);
-            let mut l = self.stream.launch_builder(&self.k.embedding);
-            l.arg(&mut out).arg(&ids.dev).arg(&table.data).arg(&tokens).arg(&dim);
-            launch(&mut l, flat(n), OP)?;
+            match &table.data {
+                WeightStore::Bf16(data) => {
+                    let (tokens, dim) = (u32_of(OP, ids.host.len())?, u32_of(OP, table.cols)?);
+                    let mut l = self.stream.launch_builder(&self.k.embedding);
+                    l.arg(&mut out).arg(&ids.dev).arg(data).arg(&tokens).arg(&dim);
+                    launch(&mut l, flat(n), OP)?;
+                }
+                WeightStore::Blocks(b) => self.blocks_embedding(OP, ids, table.cols, b, &mut out)?,
+            }
         }
         Ok(CudaBuffer(Data::Bf16(out)))
     }
@@ -549,23 +615,10 @@ impl Backend for CudaBackend {
             return Ok(CudaBuffer(Data::Bf16(out)));
         }
         let xs = self.act(OP, x)?;
-        // Row-major out[tokens, rows] = x[tokens, cols] · w[rows, cols]ᵀ is, in cuBLAS's
-        // column-major terms, out (rows × tokens) = wᵀ-as-stored (op T) · x (op N).
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: u32_of(OP, w.rows)? as i32,
-            n: u32_of(OP, tokens)? as i32,
-            k: u32_of(OP, w.cols)? as i32,
-            alpha: bf16::ONE,
-            lda: w.cols as i32,
-            ldb: w.cols as i32,
-            beta: bf16::ZERO,
-            ldc: w.rows as i32,
-        };
-        // SAFETY: the sizes were checked against the three buffers above.
-        unsafe { self.blas.gemm(cfg, &w.data, &*xs, &mut out) }
-            .map_err(|e| KernelError::Device { op: OP, detail: format!("cuBLAS: {e:?}") })?;
+        match &w.data {
+            WeightStore::Bf16(data) => self.bf16_linear(&xs, tokens, (w.rows, w.cols), data, &mut out)?,
+            WeightStore::Blocks(b) => self.blocks_linear(OP, &xs, tokens, (w.rows, w.cols), b, &mut out)?,
+        }
         if let Some(b) = bias {
             let b = self.param(OP, b)?;
             let (r, c) = (tokens as u32, w.rows as u32);

@@ -2,7 +2,7 @@
 //! (an 8B-parameter model is never built on the host), and the copy bandwidth that
 //! memory-bound kernels are judged against.
 
-use super::{CudaBackend, CudaBuffer, CudaWeight, Data, device_err, flat, launch};
+use super::{CudaBackend, CudaBuffer, CudaWeight, Data, WeightStore, device_err, flat, launch};
 use crate::Result;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
@@ -23,7 +23,7 @@ impl CudaBackend {
     pub fn random_weight(&self, rows: usize, cols: usize, seed: u64, scale: f32) -> Result<CudaWeight> {
         let mut data = self.alloc("random_weight", rows * cols)?;
         self.fill_random(&mut data, seed, scale)?;
-        Ok(CudaWeight { rows, cols, data })
+        Ok(CudaWeight { rows, cols, data: WeightStore::Bf16(data) })
     }
 
     /// A bf16 buffer of uniform values in `[-scale, scale)`.

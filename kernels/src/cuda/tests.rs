@@ -67,6 +67,40 @@ fn gpu_linear_matches_cpu_with_and_without_bias() {
     }
 }
 
+/// Weights in ggml block formats stay in them on the device and are decoded by the
+/// kernels that read them: every format against the CPU's exact product (f32 weights
+/// decoded from the same blocks), through the decode kernel (≤ 8 tokens) and the tiled
+/// one, and as an embedding table. Bound: 1e-2 (bf16 activations and outputs; the
+/// weights are decoded exactly as the host decodes them).
+#[test]
+fn gpu_block_weights_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let cpu = CpuBackend::exact();
+    for ty in crate::cpu::QUANT_ROWS_FORMATS.into_iter().chain([crate::quant::GgmlType::Q5K]) {
+        for tokens in [1, 3, 8, 9, 70] {
+            let (rows, cols) = (rng.random_range(1..300), 256 * rng.random_range(1..4));
+            let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
+            let hw = || HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes: bytes.clone() } };
+            let gw = g.upload_weight(hw()).unwrap();
+            assert_eq!(gw.device_bytes(), bytes.len(), "{ty:?} is kept in its blocks");
+            let x = randn(&mut rng, tokens * cols);
+            let want = cpu.linear(&x, tokens, &cpu.upload_weight(hw()).unwrap(), None).unwrap();
+            let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
+            check(&format!("{ty:?} linear {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want);
+        }
+        let (vocab, dim) = (rng.random_range(2..200), 256 * rng.random_range(1..4));
+        let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, vocab * dim);
+        let hw = || HostWeight { rows: vocab, cols: dim, data: WeightData::Blocks { ty, bytes: bytes.clone() } };
+        let ids: Vec<u32> = (0..11).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let got = g.embedding(&g.upload_index(&ids).unwrap(), &g.upload_weight(hw()).unwrap()).unwrap();
+        let want = cpu.embedding(&ids, &cpu.upload_weight(hw()).unwrap()).unwrap();
+        check(&format!("{ty:?} embedding"), &g.download(&got).unwrap(), &want);
+        let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
+        assert!(err.is_err(), "an id past the vocabulary is refused");
+    }
+}
+
 #[test]
 fn gpu_norms_and_residual_match_cpu() {
     let Some(g) = gpu() else { return };

@@ -1,10 +1,12 @@
 //! ggml's block formats: their ids in GGUF files, their layouts, and decoding them.
 
 mod dequant;
+mod synthetic;
 mod widen;
 
 pub use dequant::dequantize;
 pub(crate) use dequant::{f16_at, q5_0_values, q6_k_values, scale_min_k4};
+pub use synthetic::random_blocks;
 pub use widen::widen_to_q8_0;
 
 /// The element types we can read. Other ids in a file are reported by number.
