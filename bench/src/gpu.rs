@@ -1,6 +1,8 @@
 //! `tessera-bench gpu`: the CUDA backend on a Llama-3-8B-shaped model with random bf16
 //! weights made on the device. One JSON line per case: the device's copy bandwidth and
-//! bf16 matrix ceiling (measured here, not taken from a datasheet), decode steps at
+//! bf16 matrix ceiling (measured here, not taken from a datasheet), products with
+//! quantised weights kept packed (ggml blocks, FP8, 4-bit) against their own memory
+//! floor, decode steps at
 //! several batch sizes against the memory-bandwidth floor (weights plus KV read once per
 //! step), prefill against the matrix ceiling, and the paged-attention kernel alone
 //! against its bandwidth floor, and picking tokens from a step's logits (greedy and
@@ -12,7 +14,7 @@ use serde_json::{Value, json};
 use std::time::Instant;
 use tessera_kernels::cuda::{CudaBackend, CudaBuffer};
 use tessera_kernels::pick::{Draw, PickRow};
-use tessera_kernels::quant::{GgmlType, random_blocks};
+use tessera_kernels::quant::{Fp8Weight, GgmlType, Int4Weight, random_blocks};
 use tessera_kernels::{AttentionShape, Backend, HostWeight, PagedBatch, WeightData};
 use tessera_worker::model::weights::{LayerWeights, Weights};
 use tessera_worker::model::{KvCache, Model, ModelConfig, SeqInput};
@@ -49,7 +51,7 @@ pub fn run(args: Args) -> Result<()> {
     line(json!({"case": "copy_bandwidth", "bytes_per_s": round(bandwidth)}));
     let ceiling = matmul_ceiling(&g, args.reps)?;
     line(json!({"case": "matmul_ceiling", "m_n_k": 8192, "flop_per_s": round(ceiling)}));
-    block_products(&g, bandwidth, ceiling, args.reps, &line)?;
+    packed_products(&g, bandwidth, ceiling, args.reps, &line)?;
 
     let config = llama3_8b_config(args.layers)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -190,14 +192,31 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Products with weights kept in ggml block formats on the device, at the Llama-3-8B
+/// Products with weights kept in their checkpoints' formats on the device (ggml blocks,
+/// FP8 with per-row and 128 × 128 scales, 4-bit in groups of 128), at the Llama-3-8B
 /// MLP's up-projection shape (14336 × 4096): decode (1 and 8 tokens) against the
 /// memory floor of the format's own bytes, prefill (512 tokens) against the bf16 matrix
 /// ceiling.
-fn block_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
+fn packed_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
     let (rows, cols) = (14_336, 4_096);
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
-        let data = WeightData::Blocks { ty, bytes: random_blocks(ty, rows * cols, 21) };
+    let blocks = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
+        .map(|ty| (format!("{ty:?}"), WeightData::Blocks { ty, bytes: random_blocks(ty, rows * cols, 21) }));
+    // FP8 and 4-bit weights from hashed bytes: E4M3's NaN bytes made finite.
+    let bytes = || (0..rows * cols).map(|i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8);
+    let e4m3: Vec<u8> = bytes().map(|b| if b & 0x7f == 0x7f { b ^ 1 } else { b }).collect();
+    let fp8 = |block: [usize; 2]| {
+        let scales = vec![0.01; rows.div_ceil(block[0]) * cols.div_ceil(block[1])];
+        WeightData::Fp8(Fp8Weight { bytes: e4m3.clone(), scales, block })
+    };
+    let int4 = WeightData::Int4(Int4Weight {
+        nibbles: bytes().take(rows * cols / 2).collect(),
+        scales: vec![0.01; rows * cols / 128],
+        zeros: vec![8; rows * cols / 128],
+        group: 128,
+    });
+    let scaled =
+        [("fp8_per_row".into(), fp8([1, cols])), ("fp8_128x128".into(), fp8([128, 128])), ("int4_g128".into(), int4)];
+    for (format, data) in blocks.into_iter().chain(scaled) {
         let w = g.upload_weight(HostWeight { rows, cols, data })?;
         for tokens in [1, 8, 512] {
             let x = g.random_buffer(tokens * cols, 22, 1.0)?;
@@ -205,17 +224,16 @@ fn block_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, li
                 g.linear(&x, tokens, &w, None)?;
                 Ok(g.synchronize()?)
             })?;
-            let format = format!("{ty:?}");
             if tokens <= 8 {
                 // Read once: the weight's bytes, the activations; written: the outputs.
                 let bytes = (w.device_bytes() + 2 * tokens * (rows + cols)) as f64;
                 // `bandwidth` counts a copy's reads and writes.
                 let floor = bytes / bandwidth;
-                line(json!({"case": "block_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
+                line(json!({"case": "packed_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
                     "time_us": round(time * 1e6), "floor_us": round(floor * 1e6), "floor_over_time": round(floor / time)}));
             } else {
                 let flops = 2.0 * (rows * cols * tokens) as f64;
-                line(json!({"case": "block_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
+                line(json!({"case": "packed_linear", "format": format, "tokens": tokens, "rows": rows, "cols": cols,
                     "time_us": round(time * 1e6), "flop_per_s": round(flops / time),
                     "fraction_of_matmul_ceiling": round(flops / time / ceiling)}));
             }

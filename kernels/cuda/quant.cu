@@ -1,14 +1,18 @@
-// Products with weights kept in ggml's block formats, as the GGUF file stores them:
-// each kernel decodes the blocks it reads into registers or shared memory, so a
-// quantised model takes its file's bytes on the device, never a bf16 copy.
+// Products with weights kept as their checkpoint stores them: ggml's block formats
+// (GGUF), E4M3 bytes with block scales (FP8 checkpoints), 4-bit integers with group
+// scales and zeros (AWQ/GPTQ, repacked row-major by the loader). Each kernel decodes the
+// weights it reads into registers or shared memory, so a quantised model takes its
+// file's bytes on the device, never a bf16 copy.
 //
-// Every format is read in units of 32 consecutive weights of a row: a whole block of
-// the 32-weight formats, one eighth of a K-quant super-block. `unit<TY>` decodes unit
-// `u` of a row into 32 floats exactly as the host's decoder does (quant/dequant.rs),
-// so the GPU's products differ from the CPU's only in bf16 activations and the order
-// of f32 sums. Types are ggml's ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K,
-// 14 Q6_K. Rows are whole units (the host checks), and every block starts 2-byte
-// aligned (block sizes are even), so the f16 fields are read as halves.
+// Every format is read in units of 32 consecutive weights of a row (a whole block of
+// the 32-weight ggml formats, one eighth of a K-quant super-block, 32 bytes of FP8, 16
+// bytes of nibbles), each decoded exactly as the host decodes it (quant/dequant.rs,
+// quant/scaled.rs), so the GPU's products differ from the CPU's only in bf16
+// activations and the order of f32 sums. The kernels take a decoder, a small struct
+// whose `unit(r, u, w)` decodes unit u of row r. ggml types are their ids: 2 Q4_0,
+// 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K. Rows are whole units (the host
+// checks), and every ggml block starts 2-byte aligned (block sizes are even), so the
+// f16 fields are read as halves.
 
 typedef unsigned char u8;
 
@@ -40,8 +44,8 @@ template <> struct Format<12> { static constexpr int bytes = 144, units = 8; };
 template <> struct Format<13> { static constexpr int bytes = 176, units = 8; };
 template <> struct Format<14> { static constexpr int bytes = 210, units = 8; };
 
-// Unit u of a row (row: the row's first byte) as 32 floats.
-template <int TY> __device__ __forceinline__ void unit(const u8* row, unsigned u, float* w) {
+// Unit u of a ggml row (row: the row's first byte) as 32 floats.
+template <int TY> __device__ __forceinline__ void block_unit(const u8* row, unsigned u, float* w) {
     const u8* b = row + (unsigned long long)(u / Format<TY>::units) * Format<TY>::bytes;
     const int j = u % Format<TY>::units;
     if constexpr (TY == 2) {  // Q4_0: d, 16 bytes of nibbles; low nibbles are elements 0..16
@@ -112,24 +116,75 @@ __device__ __forceinline__ void load_x32(const bf16* p, float* x) {
     for (int i = 0; i < 4; i++) unpack8(((const uint4*)p)[i], x + 8 * i);
 }
 
+// ggml blocks, `row_bytes` a row.
+template <int TY> struct BlockRows {
+    const u8* w;
+    unsigned long long row_bytes;
+    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const { block_unit<TY>(w + r * row_bytes, u, out); }
+};
+
+// One E4M3 ("fn") byte: its exponent and mantissa bits put where an f32's are, then the
+// bias moved from 127 to 7 by an exact product with 2^120 (subnormals included). S.1111.111,
+// E4M3's NaN, reads as ±480: checkpoints hold none.
+__device__ __forceinline__ float e4m3(u32 b) {
+    float mag = __uint_as_float((b & 0x7fu) << 20) * __uint_as_float(247u << 23);
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// E4M3 bytes, row-major, times a scale per block of block_rows × block_cols (a multiple
+// of 32 columns, so a unit has one scale).
+struct Fp8Rows {
+    const u8* w;
+    const float* scales;
+    u32 cols, block_rows, block_cols;
+    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const {
+        const uint4* p = (const uint4*)(w + (unsigned long long)r * cols + 32 * u);
+        const u32 scale_cols = (cols + block_cols - 1) / block_cols;
+        const float s = scales[(unsigned long long)(r / block_rows) * scale_cols + 32 * u / block_cols];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint4 q = p[h];
+            u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int k = 0; k < 16; k++) out[16 * h + k] = e4m3((words[k / 4] >> (8 * (k % 4))) & 0xffu) * s;
+        }
+    }
+};
+
+// 4-bit integers, two a byte (low nibble first), with a scale and a zero per row and
+// group of `group` columns (a multiple of 32): (q − zero) · scale.
+struct Int4Rows {
+    const u8* q;
+    const float* scales;
+    const u8* zeros;
+    u32 cols, group;
+    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const {
+        uint4 v = *(const uint4*)(q + (unsigned long long)r * (cols / 2) + 16 * u);
+        const unsigned long long g = (unsigned long long)r * ((cols + group - 1) / group) + 32 * u / group;
+        const float s = scales[g];
+        const int z = zeros[g];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 32; k++) out[k] = (float)((int)((words[k / 8] >> (4 * (k % 8))) & 0xFu) - z) * s;
+    }
+};
+
 // Decode products, 1..GEMV_MAX_T tokens: out[t, r] = Σ_c x[t, c] · w[r, c]. One warp per
 // weight row, its lanes over the row's units in turn, so the warp reads the row's bytes
 // once, front to back, for every token.
 #define GEMV_MAX_T 8
 #define GEMV_WARPS 4
 
-template <int TY>
-__device__ __forceinline__ void gemv(bf16* out, const u8* w, const bf16* x, u32 rows, u32 cols, u32 tokens,
-                                     unsigned long long row_bytes) {
+template <class D>
+__device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens) {
     const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;  // the whole warp: the shuffles below need every lane
-    const u8* row = w + r * row_bytes;
     float acc[GEMV_MAX_T];
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.0f;
     for (u32 u = lane; u < cols / 32; u += 32) {
         float wv[32], xv[32];
-        unit<TY>(row, u, wv);
+        w.unit(r, u, wv);
 #pragma unroll
         for (int t = 0; t < GEMV_MAX_T; t++) {
             if (t < tokens) {
@@ -157,9 +212,8 @@ __device__ __forceinline__ void gemv(bf16* out, const u8* w, const bf16* x, u32 
 #define TILE 64
 #define TILE_THREADS 256
 
-template <int TY>
-__device__ __forceinline__ void gemm(bf16* out, const u8* w, const bf16* x, u32 rows, u32 cols, u32 tokens,
-                                     unsigned long long row_bytes) {
+template <class D>
+__device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens) {
     __shared__ float ws[32][TILE + 1];
     __shared__ float xs[32][TILE + 1];
     const u32 tid = threadIdx.x, r0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
@@ -169,7 +223,7 @@ __device__ __forceinline__ void gemm(bf16* out, const u8* w, const bf16* x, u32 
         if (tid < TILE) {
             float wv[32];
             if (r0 + tid < rows) {
-                unit<TY>(w + (r0 + tid) * row_bytes, u, wv);
+                w.unit(r0 + tid, u, wv);
             } else {
 #pragma unroll
                 for (int l = 0; l < 32; l++) wv[l] = 0.0f;
@@ -215,39 +269,45 @@ __device__ __forceinline__ void gemm(bf16* out, const u8* w, const bf16* x, u32 
 }
 
 // out[t] = table[ids[t]], decoded; one block per token. ids were checked on the host.
-template <int TY>
-__device__ __forceinline__ void embedding_rows(bf16* out, const u32* ids, const u8* table, u32 cols,
-                                               unsigned long long row_bytes) {
-    const u8* row = table + ids[blockIdx.x] * row_bytes;
+template <class D>
+__device__ __forceinline__ void embedding_rows(bf16* out, const u32* ids, const D& table, u32 cols) {
+    const u32 r = ids[blockIdx.x];
     bf16* o = out + (unsigned long long)blockIdx.x * cols;
     for (u32 u = threadIdx.x; u < cols / 32; u += blockDim.x) {
         float wv[32];
-        unit<TY>(row, u, wv);
+        table.unit(r, u, wv);
 #pragma unroll
         for (int l = 0; l < 32; l++) o[32 * u + l] = f2bf(wv[l]);
     }
 }
 
-#define QUANT_KERNELS(NAME, TY)                                                                                     \
+// Each format's three kernels: decode products, tiled products, embedding lookups.
+// PARAMS are the weight's own arguments, DECODER builds the decoder from them.
+#define WEIGHT_KERNELS(NAME, PARAMS, DECODER)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                   \
-        gemv_##NAME(bf16* out, const u8* w, const bf16* x, u32 rows, u32 cols, u32 tokens,                          \
-                    unsigned long long row_bytes) {                                                                 \
-        gemv<TY>(out, w, x, rows, cols, tokens, row_bytes);                                                         \
+        gemv_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens) {                             \
+        gemv(out, DECODER, x, rows, cols, tokens);                                                                  \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                                      \
-        gemm_##NAME(bf16* out, const u8* w, const bf16* x, u32 rows, u32 cols, u32 tokens,                          \
-                    unsigned long long row_bytes) {                                                                 \
-        gemm<TY>(out, w, x, rows, cols, tokens, row_bytes);                                                         \
+        gemm_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens) {                             \
+        gemm(out, DECODER, x, rows, cols, tokens);                                                                  \
     }                                                                                                               \
-    extern "C" __global__ void embedding_##NAME(bf16* out, const u32* ids, const u8* table, u32 cols,               \
-                                                unsigned long long row_bytes) {                                     \
-        embedding_rows<TY>(out, ids, table, cols, row_bytes);                                                       \
+    extern "C" __global__ void embedding_##NAME(bf16* out, const u32* ids, PARAMS, u32 cols) {                      \
+        embedding_rows(out, ids, DECODER, cols);                                                                    \
     }
 
-QUANT_KERNELS(q4_0, 2)
-QUANT_KERNELS(q4_1, 3)
-QUANT_KERNELS(q5_0, 6)
-QUANT_KERNELS(q8_0, 8)
-QUANT_KERNELS(q4_k, 12)
-QUANT_KERNELS(q5_k, 13)
-QUANT_KERNELS(q6_k, 14)
+#define COMMA ,
+#define BLOCK_KERNELS(NAME, TY) \
+    WEIGHT_KERNELS(NAME, const u8* w COMMA unsigned long long row_bytes, (BlockRows<TY>{w COMMA row_bytes}))
+
+BLOCK_KERNELS(q4_0, 2)
+BLOCK_KERNELS(q4_1, 3)
+BLOCK_KERNELS(q5_0, 6)
+BLOCK_KERNELS(q8_0, 8)
+BLOCK_KERNELS(q4_k, 12)
+BLOCK_KERNELS(q5_k, 13)
+BLOCK_KERNELS(q6_k, 14)
+WEIGHT_KERNELS(fp8, const u8* w COMMA const float* scales COMMA u32 block_rows COMMA u32 block_cols,
+               (Fp8Rows{w COMMA scales COMMA cols COMMA block_rows COMMA block_cols}))
+WEIGHT_KERNELS(int4, const u8* q COMMA const float* scales COMMA const u8* zeros COMMA u32 group,
+               (Int4Rows{q COMMA scales COMMA zeros COMMA cols COMMA group}))

@@ -2,7 +2,7 @@
 
 use crate::Result;
 use crate::pick::{PickRow, Picked};
-use crate::quant::GgmlType;
+use crate::quant::{Fp8Weight, GgmlType, Int4Weight};
 
 /// How RoPE pairs the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,17 +63,37 @@ pub enum WeightData {
     F32(Vec<f32>),
     /// Rows of whole ggml blocks, row after row.
     Blocks { ty: GgmlType, bytes: Vec<u8> },
+    /// E4M3 bytes with block scales (FP8 checkpoints).
+    Fp8(Fp8Weight),
+    /// 4-bit integers with group scales and zeros (AWQ and GPTQ checkpoints).
+    Int4(Int4Weight),
     /// Groups of rows in order, each in its own format: a fused matrix whose parts the
     /// file stores in formats with no common exact form (Q4_K Q and K beside a Q6_K V).
     Stacked(Vec<HostWeight>),
 }
 
 impl HostWeight {
+    /// For FP8 and 4-bit weights, that their parts fit `[rows, cols]` (what every other
+    /// format checks by its length).
+    pub fn check_scaled(&self, op: &'static str) -> Result<()> {
+        let fits = match &self.data {
+            WeightData::Fp8(w) => w.fits(self.rows, self.cols),
+            WeightData::Int4(w) => w.fits(self.rows, self.cols),
+            _ => true,
+        };
+        if fits {
+            return Ok(());
+        }
+        Err(crate::KernelError::shape(op, format!("scaled weight parts do not fit [{}, {}]", self.rows, self.cols)))
+    }
+
     /// The matrix as row-major f32, blocks decoded.
     pub fn into_f32(self) -> Vec<f32> {
         match self.data {
             WeightData::F32(v) => v,
             WeightData::Blocks { ty, bytes } => crate::quant::dequantize(ty, &bytes),
+            WeightData::Fp8(w) => w.dequantize(self.cols),
+            WeightData::Int4(w) => w.dequantize(self.cols),
             WeightData::Stacked(parts) => parts.into_iter().flat_map(HostWeight::into_f32).collect(),
         }
     }

@@ -18,6 +18,8 @@ use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 use std::path::Path;
 use tessera_kernels::cpu::CpuBackend;
+use tessera_kernels::{HostWeight, WeightData};
+use tessera_worker::loader::TensorSource;
 use tessera_worker::loader::fp8::e4m3_to_f32;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
 use tessera_worker::model::{Model, ModelConfig};
@@ -280,6 +282,40 @@ fn an_fp8_checkpoint_loads_as_its_scaled_values() {
         assert!(twin.iter().any(|(n, (_, d))| d != &weights[n].1));
         let (fp8, f32) = (load(&dir), load(&twin_dir));
         assert_eq!(prefill_then_decode(&fp8, &prompt, 8, 16), prefill_then_decode(&f32, &prompt, 8, 16), "scheme {i}");
+    }
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// The loader hands FP8 and 4-bit projections to the backend as they are stored (bytes
+/// and scales; 4-bit rows of outputs), which decode to exactly the twin's values. GPTQ
+/// with activation order permutes its groups and is read decoded.
+#[test]
+fn quantised_projections_reach_the_backend_in_their_own_form() {
+    let v = &variants()[0];
+    let weights = random_weights(&v.config, &mut seeded_rng());
+    let root = temp_root("kept");
+    let dirs = [("fp8", Some("fp8")), ("awq", Some("int4")), ("gptq", None), ("gptq-v2", Some("int4"))];
+    let fp8 = write_fp8(&root.join("fp8"), &v.config, &weights, &[Scales::Tensor, Scales::Row, Scales::Blocks(16, 20)]);
+    let mut twins = vec![fp8];
+    for (how, label) in [(Int4::Awq, "awq"), (Int4::Gptq, "gptq"), (Int4::GptqV2, "gptq-v2")] {
+        twins.push(write_int4(&root.join(label), &v.config, &weights, how));
+    }
+    for ((label, form), twin) in dirs.into_iter().zip(twins) {
+        let source = SafetensorsDir::open(&root.join(label)).unwrap();
+        let mut projections = 0;
+        for (name, (shape, values)) in twin.iter().filter(|(n, _)| n.ends_with("proj.weight")) {
+            let kept = source.quantised(name).unwrap();
+            let got = match (&kept, form) {
+                (Some(WeightData::Fp8(_)), Some("fp8")) | (Some(WeightData::Int4(_)), Some("int4")) => kept.unwrap(),
+                (None, None) => continue,
+                _ => panic!("{label} {name}: {kept:?}"),
+            };
+            let w = HostWeight { rows: shape[0], cols: shape[1], data: got };
+            let decoded = w.into_f32();
+            assert!(decoded.iter().zip(values).all(|(a, b)| a.to_bits() == b.to_bits()), "{label} {name}");
+            projections += 1;
+        }
+        assert!(form.is_none() || projections >= 7, "{label}: {projections} projections kept");
     }
     let _ = std::fs::remove_dir_all(root);
 }

@@ -110,6 +110,11 @@ impl Backend for CpuBackend {
                     None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
                 })
             }
+            data @ (WeightData::Fp8(_) | WeightData::Int4(_)) => {
+                let w = HostWeight { rows, cols, data };
+                w.check_scaled("upload_weight")?;
+                Ok(CpuWeight::f32(w.into_f32(), rows, cols))
+            }
             WeightData::Stacked(parts) => {
                 let parts = parts.into_iter().map(|p| self.upload_weight(p)).collect::<Result<Vec<_>>>()?;
                 if let Some(p) = parts.iter().find(|p| p.cols != cols) {

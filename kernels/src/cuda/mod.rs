@@ -1,5 +1,5 @@
-//! The CUDA backend: bf16 activations on one GPU, weights in bf16 or in their file's
-//! ggml block format (`block_weights`), kernels from `kernels/cuda/*.cu` compiled at
+//! The CUDA backend: bf16 activations on one GPU, weights in bf16 or as their checkpoint
+//! stores them (ggml blocks, FP8, 4-bit: `packed`), kernels from `kernels/cuda/*.cu` compiled at
 //! start-up by NVRTC, bf16 matrix products through cuBLAS.
 //! cudarc loads the driver, NVRTC and cuBLAS at run time, so this builds everywhere;
 //! `CudaBackend::new` fails with one clear line where they or a GPU are missing.
@@ -9,9 +9,9 @@
 //! whose precision matters more than their size. Each op takes either kind and
 //! converts on the device where it must.
 
-mod block_weights;
 pub mod compile;
 mod nccl;
+mod packed;
 mod sampling;
 mod synthetic;
 #[cfg(test)]
@@ -19,7 +19,7 @@ mod tests;
 
 use crate::error::expect_len;
 use crate::paged::HostBatch;
-use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData, quant};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -79,8 +79,8 @@ struct GraphExec(CudaGraph);
 // at once, which the mutex around it guarantees.
 unsafe impl Send for GraphExec {}
 
-/// A `[rows, cols]` weight, row-major: bf16, or rows of ggml blocks as the file stored
-/// them, decoded by the kernels that read them (`quant`).
+/// A `[rows, cols]` weight, row-major: bf16, or as its checkpoint stored it, decoded by
+/// the kernels that read it (`packed`).
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
@@ -89,14 +89,7 @@ pub struct CudaWeight {
 
 enum WeightStore {
     Bf16(CudaSlice<bf16>),
-    Blocks(Blocks),
-}
-
-/// Rows of whole blocks of `ty`, `row_bytes` each.
-struct Blocks {
-    ty: quant::GgmlType,
-    row_bytes: usize,
-    bytes: CudaSlice<u8>,
+    Packed(packed::Packed),
 }
 
 impl CudaWeight {
@@ -104,7 +97,7 @@ impl CudaWeight {
     pub fn device_bytes(&self) -> usize {
         match &self.data {
             WeightStore::Bf16(s) => 2 * s.len(),
-            WeightStore::Blocks(b) => b.bytes.len(),
+            WeightStore::Packed(p) => p.device_bytes(),
         }
     }
 }
@@ -158,7 +151,7 @@ struct Kernels {
     row_sample: CudaFunction,
     gather_f32: CudaFunction,
     /// Products and lookups with block-format weights, per format.
-    quant: Vec<block_weights::QuantKernels>,
+    packed: Vec<packed::FormatKernels>,
 }
 
 /// Threads per block of the elementwise and row kernels.
@@ -298,7 +291,7 @@ impl CudaBackend {
             row_topk: find("row_topk")?,
             row_sample: find("row_sample")?,
             gather_f32: find("gather_f32")?,
-            quant: block_weights::load(&find)?,
+            packed: packed::load(&find)?,
         };
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -519,21 +512,17 @@ impl Backend for CudaBackend {
 
     fn upload_weight(&self, w: HostWeight) -> Result<CudaWeight> {
         let (rows, cols) = (w.rows, w.cols);
-        let data = match w.data {
-            WeightData::F32(data) => data,
-            WeightData::Blocks { ty, bytes } => {
-                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
-                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
-                })?;
-                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
-                if block_weights::on_device(ty) {
-                    let bytes = self.htod("upload_weight", &bytes)?;
-                    return Ok(CudaWeight { rows, cols, data: WeightStore::Blocks(Blocks { ty, row_bytes, bytes }) });
-                }
-                quant::dequantize(ty, &bytes)
-            }
-            data @ WeightData::Stacked(_) => HostWeight { rows, cols, data }.into_f32(),
-        };
+        if let WeightData::Blocks { ty, bytes } = &w.data {
+            let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
+                KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
+            })?;
+            expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
+        }
+        w.check_scaled("upload_weight")?;
+        if let Some(p) = self.upload_packed(&w)? {
+            return Ok(CudaWeight { rows, cols, data: WeightStore::Packed(p) });
+        }
+        let data = w.into_f32();
         expect_len("upload_weight", "weight", data.len(), rows * cols)?;
         let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
         Ok(CudaWeight { rows, cols, data: WeightStore::Bf16(self.htod("upload_weight", &host)?) })
@@ -598,7 +587,7 @@ impl Backend for CudaBackend {
                     l.arg(&mut out).arg(&ids.dev).arg(data).arg(&tokens).arg(&dim);
                     launch(&mut l, flat(n), OP)?;
                 }
-                WeightStore::Blocks(b) => self.blocks_embedding(OP, ids, table.cols, b, &mut out)?,
+                WeightStore::Packed(p) => self.packed_embedding(OP, ids, table.cols, p, &mut out)?,
             }
         }
         Ok(CudaBuffer(Data::Bf16(out)))
@@ -617,7 +606,7 @@ impl Backend for CudaBackend {
         let xs = self.act(OP, x)?;
         match &w.data {
             WeightStore::Bf16(data) => self.bf16_linear(&xs, tokens, (w.rows, w.cols), data, &mut out)?,
-            WeightStore::Blocks(b) => self.blocks_linear(OP, &xs, tokens, (w.rows, w.cols), b, &mut out)?,
+            WeightStore::Packed(p) => self.packed_linear(OP, &xs, tokens, (w.rows, w.cols), p, &mut out)?,
         }
         if let Some(b) = bias {
             let b = self.param(OP, b)?;

@@ -10,6 +10,7 @@
 
 use super::CudaBackend;
 use crate::cpu::CpuBackend;
+use crate::quant::{Fp8Weight, Int4Weight};
 use crate::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -98,6 +99,59 @@ fn gpu_block_weights_match_cpu() {
         check(&format!("{ty:?} embedding"), &g.download(&got).unwrap(), &want);
         let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
         assert!(err.is_err(), "an id past the vocabulary is refused");
+    }
+}
+
+/// FP8 (per-row and block scales) and 4-bit weights (groups of 32 and 128, zeros up to
+/// 16) stay in their layouts on the device: products through both kernels and
+/// embedding rows against the CPU's, which decodes them to f32. Bound: 1e-2, as above.
+#[test]
+fn gpu_fp8_and_int4_weights_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let cpu = CpuBackend::exact();
+    let (rows, cols): (usize, usize) = (rng.random_range(1..300), 128 * rng.random_range(1..4));
+    let finite_e4m3 = |rng: &mut StdRng| loop {
+        let b: u8 = rng.random();
+        if b & 0x7f != 0x7f {
+            return b;
+        }
+    };
+    let mut weights = Vec::new();
+    for block in [[1, cols], [16, 64], [128, 128]] {
+        let scales = (0..rows.div_ceil(block[0]) * cols.div_ceil(block[1])).map(|_| rng.random_range(0.001..0.01));
+        let scales = scales.collect();
+        let bytes = (0..rows * cols).map(|_| finite_e4m3(&mut rng)).collect();
+        weights.push(WeightData::Fp8(Fp8Weight { bytes, scales, block }));
+    }
+    for group in [32, 128] {
+        let n = rows * cols.div_ceil(group);
+        weights.push(WeightData::Int4(Int4Weight {
+            nibbles: (0..rows * cols / 2).map(|_| rng.random()).collect(),
+            scales: (0..n).map(|_| rng.random_range(0.001..0.1)).collect(),
+            zeros: (0..n).map(|_| rng.random_range(0..=16)).collect(),
+            group,
+        }));
+    }
+    for data in weights {
+        let hw = || HostWeight { rows, cols, data: data.clone() };
+        let gw = g.upload_weight(hw()).unwrap();
+        assert!(gw.device_bytes() < rows * cols * 2, "kept in its format: {} bytes", gw.device_bytes());
+        let cw = cpu.upload_weight(hw()).unwrap();
+        let what = match &data {
+            WeightData::Fp8(w) => format!("fp8 blocks {:?}", w.block),
+            WeightData::Int4(w) => format!("int4 groups of {}", w.group),
+            _ => unreachable!(),
+        };
+        for tokens in [1, 8, 70] {
+            let x = randn(&mut rng, tokens * cols);
+            let want = cpu.linear(&x, tokens, &cw, None).unwrap();
+            let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
+            check(&format!("{what} linear {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want);
+        }
+        let ids: Vec<u32> = (0..5).map(|_| rng.random_range(0..rows as u32)).collect();
+        let got = g.embedding(&g.upload_index(&ids).unwrap(), &gw).unwrap();
+        check(&format!("{what} embedding"), &g.download(&got).unwrap(), &cpu.embedding(&ids, &cw).unwrap());
     }
 }
 

@@ -1,11 +1,13 @@
 //! ggml's block formats: their ids in GGUF files, their layouts, and decoding them.
 
 mod dequant;
+mod scaled;
 mod synthetic;
 mod widen;
 
 pub use dequant::dequantize;
 pub(crate) use dequant::{f16_at, q5_0_values, q6_k_values, scale_min_k4};
+pub use scaled::{Fp8Weight, Int4Weight, e4m3_to_f32, e5m2_to_f32};
 pub use synthetic::random_blocks;
 pub use widen::widen_to_q8_0;
 

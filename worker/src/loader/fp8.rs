@@ -11,28 +11,14 @@
 //!   says none), edge blocks partial. Despite its name it multiplies, as in those
 //!   models' own dequantisation.
 //!
-//! Here they are decoded to f32 and scaled; kernels that read FP8 directly are the GPU's.
+//! `weight` keeps an E4M3 matrix as its bytes and scales (`quant::Fp8Weight`, which the
+//! GPU reads as it is); `apply_scales` scales decoded values (E5M2, vectors).
 
 use super::LoadError;
 use std::path::Path;
+use tessera_kernels::quant::Fp8Weight;
 
-/// One E4M3 ("fn") byte: bias 7, three mantissa bits, subnormals below 2⁻⁶, and
-/// S.1111.111 the only NaN (no infinities).
-pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exponent = i32::from((b >> 3) & 0x0f);
-    let mantissa = f32::from(b & 0x07);
-    match exponent {
-        0 => sign * mantissa / 8.0 * (-6f32).exp2(),
-        15 if b & 0x07 == 0x07 => f32::NAN,
-        e => sign * (1.0 + mantissa / 8.0) * ((e - 7) as f32).exp2(),
-    }
-}
-
-/// One E5M2 byte: the upper half of an IEEE half float.
-pub fn e5m2_to_f32(b: u8) -> f32 {
-    half::f16::from_bits(u16::from(b) << 8).to_f32()
-}
+pub use tessera_kernels::quant::{e4m3_to_f32, e5m2_to_f32};
 
 /// How a tensor's scales divide it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,6 +28,51 @@ pub enum ScaleLayout {
     Exact,
     /// Blocks of this many rows and columns, the last ones partial.
     Blocks([usize; 2]),
+}
+
+/// The `[rows, cols]` blocks that `scales` (of `scale_shape`) divide a `shape` tensor
+/// into (a vector is one row), laid out as `layout` says; an error names the tensor when
+/// they do not fit.
+fn scale_blocks(
+    file: &Path,
+    tensor: &str,
+    shape: &[usize],
+    scale_shape: &[usize],
+    scales: usize,
+    layout: ScaleLayout,
+) -> Result<[usize; 2], LoadError> {
+    let (rows, cols) = match shape {
+        [n] => (1, *n),
+        [r, c] => (*r, *c),
+        _ => return Err(mismatch(file, tensor, shape, scale_shape)),
+    };
+    let (scale_rows, scale_cols) = match scale_shape {
+        [] => (1, 1),
+        [n] if *n == 1 || rows == 1 => (1, *n),
+        [n] => (*n, 1),
+        [r, c] => (*r, *c),
+        _ => return Err(mismatch(file, tensor, shape, scale_shape)),
+    };
+    let block = match layout {
+        ScaleLayout::Exact => {
+            let fits =
+                (scale_rows == 1 || scale_rows == rows) && scale_rows > 0 && scale_cols > 0 && cols % scale_cols == 0;
+            if !fits {
+                return Err(mismatch(file, tensor, shape, scale_shape));
+            }
+            [rows / scale_rows, cols / scale_cols]
+        }
+        ScaleLayout::Blocks([br, bc]) => {
+            if br == 0 || bc == 0 || rows.div_ceil(br) != scale_rows || cols.div_ceil(bc) != scale_cols {
+                return Err(mismatch(file, tensor, shape, scale_shape));
+            }
+            [br, bc]
+        }
+    };
+    if scales != scale_rows * scale_cols {
+        return Err(mismatch(file, tensor, shape, scale_shape));
+    }
+    Ok(block)
 }
 
 /// Multiplies `data` (a `shape` matrix, or a vector as one row) by `scales` (of
@@ -55,37 +86,12 @@ pub fn apply_scales(
     scales: &[f32],
     layout: ScaleLayout,
 ) -> Result<(), LoadError> {
-    let (rows, cols) = match shape {
-        [n] => (1, *n),
-        [r, c] => (*r, *c),
-        _ => return Err(mismatch(file, tensor, shape, scale_shape)),
-    };
-    let (scale_rows, scale_cols) = match scale_shape {
-        [] => (1, 1),
-        [n] if *n == 1 || rows == 1 => (1, *n),
-        [n] => (*n, 1),
-        [r, c] => (*r, *c),
-        _ => return Err(mismatch(file, tensor, shape, scale_shape)),
-    };
-    let (block_rows, block_cols) = match layout {
-        ScaleLayout::Exact => {
-            let fits =
-                (scale_rows == 1 || scale_rows == rows) && scale_rows > 0 && scale_cols > 0 && cols % scale_cols == 0;
-            if !fits {
-                return Err(mismatch(file, tensor, shape, scale_shape));
-            }
-            (rows / scale_rows, cols / scale_cols)
-        }
-        ScaleLayout::Blocks([br, bc]) => {
-            if br == 0 || bc == 0 || rows.div_ceil(br) != scale_rows || cols.div_ceil(bc) != scale_cols {
-                return Err(mismatch(file, tensor, shape, scale_shape));
-            }
-            (br, bc)
-        }
-    };
-    if scales.len() != scale_rows * scale_cols || data.len() != rows * cols {
+    let [block_rows, block_cols] = scale_blocks(file, tensor, shape, scale_shape, scales.len(), layout)?;
+    let cols = shape.last().copied().unwrap_or(0);
+    if data.len() != shape.iter().product::<usize>() {
         return Err(mismatch(file, tensor, shape, scale_shape));
     }
+    let scale_cols = cols.div_ceil(block_cols);
     for (r, row) in data.chunks_exact_mut(cols.max(1)).enumerate() {
         let scale_row = &scales[r / block_rows * scale_cols..][..scale_cols];
         for (c, v) in row.iter_mut().enumerate() {
@@ -93,6 +99,29 @@ pub fn apply_scales(
         }
     }
     Ok(())
+}
+
+/// A `[rows, cols]` E4M3 matrix kept as its bytes with its scales. Scales shared by
+/// every row (one per tensor, or per group of columns) are repeated per row, so that
+/// the matrices fused into one product (Q, K and V) stack whatever their own scales.
+pub fn weight(
+    file: &Path,
+    tensor: &str,
+    [rows, cols]: [usize; 2],
+    bytes: Vec<u8>,
+    scale_shape: &[usize],
+    scales: Vec<f32>,
+    layout: ScaleLayout,
+) -> Result<Fp8Weight, LoadError> {
+    let block = scale_blocks(file, tensor, &[rows, cols], scale_shape, scales.len(), layout)?;
+    if bytes.len() != rows * cols {
+        return Err(mismatch(file, tensor, &[rows, cols], scale_shape));
+    }
+    if block[0] >= rows && rows > 1 {
+        let scales = (0..rows).flat_map(|_| scales.iter().copied()).collect();
+        return Ok(Fp8Weight { bytes, scales, block: [1, block[1]] });
+    }
+    Ok(Fp8Weight { bytes, scales, block })
 }
 
 fn mismatch(file: &Path, tensor: &str, shape: &[usize], scale_shape: &[usize]) -> LoadError {
@@ -106,38 +135,6 @@ fn mismatch(file: &Path, tensor: &str, shape: &[usize], scale_shape: &[usize]) -
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Bytes against the OCP spec's values. All 256 of each format were compared once
-    /// with ml_dtypes 0.6.0 (`float8_e4m3fn`, `float8_e5m2`), 2026-11-27: none differed.
-    #[test]
-    fn fp8_bytes_decode_to_the_specs_values() {
-        let e4m3 = [
-            (0x00, 0.0),
-            (0x01, 2f32.powi(-9)),
-            (0x07, 7.0 / 8.0 * 2f32.powi(-6)),
-            (0x08, 2f32.powi(-6)),
-            (0x38, 1.0),
-            (0x3c, 1.5),
-            (0x7e, 448.0),
-            (0xb8, -1.0),
-            (0xfe, -448.0),
-        ];
-        for (b, want) in e4m3 {
-            assert_eq!(e4m3_to_f32(b), want, "e4m3 {b:#04x}");
-        }
-        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
-        assert!(e4m3_to_f32(0x80) == 0.0 && e4m3_to_f32(0x80).is_sign_negative());
-        // 0x78..0x7e are finite: E4M3 gives its top exponent to numbers, not infinity.
-        assert_eq!(e4m3_to_f32(0x78), 256.0);
-        let e5m2 = [(0x3c, 1.0), (0x7b, 57344.0), (0x01, 2f32.powi(-16)), (0xc0, -2.0)];
-        for (b, want) in e5m2 {
-            assert_eq!(e5m2_to_f32(b), want, "e5m2 {b:#04x}");
-        }
-        assert!(e5m2_to_f32(0x7c).is_infinite() && e5m2_to_f32(0x7d).is_nan());
-        // Order-preserving over the finite positive bytes, as a float format must be.
-        let finite: Vec<f32> = (0u8..0x7f).map(e4m3_to_f32).collect();
-        assert!(finite.windows(2).all(|w| w[0] < w[1]));
-    }
 
     fn scaled(
         shape: &[usize],

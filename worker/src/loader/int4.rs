@@ -12,10 +12,12 @@
 //!   order permuted them; absent, row `r` is in group `r / group`.
 //!
 //! The weight is `(q − zero) × scale`, returned as the `[n, k]` matrix a `.weight`
-//! holds. Here it is decoded to f32; a W4A16 kernel that reads it packed is the GPU's.
+//! holds: decoded to f32 (`dequantize`), or kept in 4 bits as rows of outputs
+//! (`repack`), the layout the GPU's kernels read.
 
 use super::LoadError;
 use std::path::Path;
+use tessera_kernels::quant::Int4Weight;
 
 /// AutoAWQ's packing order: nibble `i` of a word holds column `8c + AWQ_ORDER[i]`.
 const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
@@ -47,9 +49,9 @@ fn nibble(word: i32, i: usize) -> i32 {
     (word as u32 >> (4 * i) & 0xf) as i32
 }
 
-/// The `[outputs, inputs]` weight of a packed layer; an error names `tensor` when the
-/// pieces' sizes do not fit each other.
-pub fn dequantize(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -> Result<Vec<f32>, LoadError> {
+/// The number of groups, once the pieces' sizes are known to fit each other; an error
+/// names `tensor` when they do not.
+fn check(file: &Path, tensor: &str, p: &Packed<'_>) -> Result<usize, LoadError> {
     let (k, n) = (p.inputs, p.outputs);
     let bad = |detail: String| LoadError::BadTensor { file: file.into(), tensor: tensor.into(), detail };
     if p.group == 0 || n % 8 != 0 || k % 8 != 0 {
@@ -73,11 +75,17 @@ pub fn dequantize(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -
     {
         return Err(bad(format!("g_idx is not {k} group numbers below {groups}")));
     }
+    Ok(groups)
+}
+
+/// Each weight's 4-bit value, `[outputs, inputs]`, and each group's zero point,
+/// `[groups, outputs]`, as the writer packed them (sizes checked).
+fn unpack(p: &Packed<'_>, packing: Packing, groups: usize) -> (Vec<u8>, Vec<i32>) {
+    let (k, n) = (p.inputs, p.outputs);
     let column = |word: usize, i: usize| match packing {
         Packing::Awq => 8 * word + AWQ_ORDER[i],
         Packing::Gptq { .. } => 8 * word + i,
     };
-    // Zero points, one per (group, output).
     let mut zeros = vec![0i32; groups * n];
     let plus = i32::from(matches!(packing, Packing::Gptq { zero_minus_one: true }));
     for (w, &word) in p.qzeros.iter().enumerate() {
@@ -86,20 +94,56 @@ pub fn dequantize(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -
             zeros[g * n + column(c, i)] = nibble(word, i) + plus;
         }
     }
-    let mut out = vec![0f32; n * k];
-    let mut put = |row: usize, col: usize, q: i32| {
-        let g = p.g_idx.map_or(row / p.group, |g| g[row] as usize);
-        out[col * k + row] = (q - zeros[g * n + col]) as f32 * p.scales[g * n + col];
-    };
+    let mut q = vec![0u8; n * k];
     for (w, &word) in p.qweight.iter().enumerate() {
         for i in 0..8 {
-            match packing {
-                Packing::Awq => put(w / (n / 8), column(w % (n / 8), i), nibble(word, i)),
-                Packing::Gptq { .. } => put(8 * (w / n) + i, w % n, nibble(word, i)),
-            }
+            let (row, col) = match packing {
+                Packing::Awq => (w / (n / 8), column(w % (n / 8), i)),
+                Packing::Gptq { .. } => (8 * (w / n) + i, w % n),
+            };
+            q[col * k + row] = nibble(word, i) as u8;
         }
     }
+    (q, zeros)
+}
+
+/// The `[outputs, inputs]` weight of a packed layer; an error names `tensor` when the
+/// pieces' sizes do not fit each other.
+pub fn dequantize(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -> Result<Vec<f32>, LoadError> {
+    let groups = check(file, tensor, p)?;
+    let (q, zeros) = unpack(p, packing, groups);
+    let (k, n) = (p.inputs, p.outputs);
+    let out = q
+        .iter()
+        .enumerate()
+        .map(|(i, &q)| {
+            let (col, row) = (i / k, i % k);
+            let g = p.g_idx.map_or(row / p.group, |g| g[row] as usize);
+            (i32::from(q) - zeros[g * n + col]) as f32 * p.scales[g * n + col]
+        })
+        .collect();
     Ok(out)
+}
+
+/// The layer kept in 4 bits, rows of outputs (`quant::Int4Weight`), or None where
+/// `g_idx` permuted the groups (activation order): that layer is read dequantised.
+pub fn repack(file: &Path, tensor: &str, p: &Packed<'_>, packing: Packing) -> Result<Option<Int4Weight>, LoadError> {
+    let groups = check(file, tensor, p)?;
+    if let Some(g) = p.g_idx
+        && g.iter().enumerate().any(|(row, &g)| g as usize != row / p.group)
+    {
+        return Ok(None);
+    }
+    let (q, zeros) = unpack(p, packing, groups);
+    let (n, zeros) = (p.outputs, &zeros);
+    // Scales and zeros are stored [groups, outputs]; a row of outputs wants its own.
+    let per_row = |col: usize, g: usize| g * n + col;
+    Ok(Some(Int4Weight {
+        nibbles: q.chunks_exact(2).map(|pair| pair[0] | (pair[1] << 4)).collect(),
+        scales: (0..n).flat_map(|c| (0..groups).map(move |g| p.scales[per_row(c, g)])).collect(),
+        zeros: (0..n).flat_map(|c| (0..groups).map(move |g| zeros[per_row(c, g)] as u8)).collect(),
+        group: p.group,
+    }))
 }
 
 #[cfg(test)]

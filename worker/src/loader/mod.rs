@@ -10,6 +10,7 @@ pub mod safetensors_dir;
 
 pub use error::LoadError;
 use std::path::Path;
+use tessera_kernels::WeightData;
 use tessera_kernels::quant::GgmlType;
 
 /// A tensor on the host in f32, row-major, outermost dimension first.
@@ -30,5 +31,10 @@ pub trait TensorSource {
     /// A tensor's raw ggml blocks, for formats that store them (GGUF).
     fn blocks(&self, _name: &str) -> Option<(GgmlType, &[u8])> {
         None
+    }
+    /// A matrix kept in its checkpoint's 8-bit or 4-bit form with its scales, for
+    /// checkpoints that store one (FP8, AWQ, GPTQ); None reads it with `load`.
+    fn quantised(&self, _name: &str) -> Result<Option<WeightData>, LoadError> {
+        Ok(None)
     }
 }

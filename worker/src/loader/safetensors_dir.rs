@@ -10,6 +10,8 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use tessera_kernels::WeightData;
+use tessera_kernels::quant::Fp8Weight;
 
 pub struct SafetensorsDir {
     dir: PathBuf,
@@ -68,10 +70,11 @@ impl SafetensorsDir {
         Ok((path.into(), view.shape().to_vec(), data))
     }
 
-    /// A packed layer's weight in f32.
-    fn unpack(&self, prefix: &str, packing: Packing, group: Option<usize>) -> Result<HostTensor, LoadError> {
+    /// A packed layer's tensors, their shapes checked against each other.
+    fn packed_layer(&self, prefix: &str, group: Option<usize>) -> Result<PackedLayer, LoadError> {
         let qweight_name = format!("{prefix}.qweight");
         let (path, qweight_shape, qweight) = self.ints(&qweight_name)?;
+        let packing = self.int4.map(|(p, _)| p).expect("packed layers exist only with a 4-bit config");
         let Some([n, k]) = packed_shape(&qweight_shape, packing) else {
             return Err(LoadError::BadTensor {
                 file: path,
@@ -98,17 +101,30 @@ impl SafetensorsDir {
             true => Some(self.ints(&g_idx_name)?.2),
             false => None,
         };
-        let packed = int4::Packed {
-            qweight: &qweight,
-            qzeros: &qzeros,
-            scales: &scales.data,
-            g_idx: g_idx.as_deref(),
-            inputs: k,
-            outputs: n,
-            group,
-        };
-        let data = int4::dequantize(&path, &qweight_name, &packed, packing)?;
-        Ok(HostTensor { shape: vec![n, k], data })
+        Ok(PackedLayer { path, qweight_name, packing, qweight, qzeros, scales: scales.data, g_idx, k, n, group })
+    }
+
+    /// An E4M3 matrix's bytes and scales, or None for any other tensor (E5M2 ones and
+    /// FP8 without scales are read decoded).
+    fn fp8_weight(&self, name: &str) -> Result<Option<Fp8Weight>, LoadError> {
+        let (path, view) = self.view(name)?;
+        let [rows, cols] = view.shape() else { return Ok(None) };
+        if view.dtype() != Dtype::F8_E4M3 {
+            return Ok(None);
+        }
+        let Some((scale_name, layout)) = self.fp8_scales(name) else { return Ok(None) };
+        let (_, _, scale) = self.decode(&scale_name)?;
+        let weight = fp8::weight(path, name, [*rows, *cols], view.data().to_vec(), &scale.shape, scale.data, layout)?;
+        Ok(Some(weight))
+    }
+
+    /// The scales tensor of FP8 weight `name`, and how it divides the weight.
+    fn fp8_scales(&self, name: &str) -> Option<(String, ScaleLayout)> {
+        let scales = [
+            (format!("{name}_scale"), self.fp8_scale_block.map_or(ScaleLayout::Exact, ScaleLayout::Blocks)),
+            (format!("{name}_scale_inv"), ScaleLayout::Blocks(self.fp8_block)),
+        ];
+        scales.into_iter().find(|(n, _)| self.index.contains_key(n))
     }
 
     /// A tensor's stored values in f32, before any scales; its file and type.
@@ -300,20 +316,55 @@ impl TensorSource for SafetensorsDir {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, LoadError> {
-        if let Some((prefix, packing, group)) = self.packed(name) {
-            return self.unpack(prefix, packing, group);
+        if let Some((prefix, _, group)) = self.packed(name) {
+            let layer = self.packed_layer(prefix, group)?;
+            let data = int4::dequantize(&layer.path, &layer.qweight_name, &layer.parts(), layer.packing)?;
+            return Ok(HostTensor { shape: vec![layer.n, layer.k], data });
         }
         let (path, dtype, mut tensor) = self.decode(name)?;
-        if matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2) {
-            let scales = [
-                (format!("{name}_scale"), self.fp8_scale_block.map_or(ScaleLayout::Exact, ScaleLayout::Blocks)),
-                (format!("{name}_scale_inv"), ScaleLayout::Blocks(self.fp8_block)),
-            ];
-            if let Some((scale_name, layout)) = scales.into_iter().find(|(n, _)| self.index.contains_key(n)) {
-                let (_, _, scale) = self.decode(&scale_name)?;
-                fp8::apply_scales(&path, name, &tensor.shape, &mut tensor.data, &scale.shape, &scale.data, layout)?;
-            }
+        if matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+            && let Some((scale_name, layout)) = self.fp8_scales(name)
+        {
+            let (_, _, scale) = self.decode(&scale_name)?;
+            fp8::apply_scales(&path, name, &tensor.shape, &mut tensor.data, &scale.shape, &scale.data, layout)?;
         }
         Ok(tensor)
+    }
+
+    fn quantised(&self, name: &str) -> Result<Option<WeightData>, LoadError> {
+        if let Some((prefix, _, group)) = self.packed(name) {
+            let layer = self.packed_layer(prefix, group)?;
+            let repacked = int4::repack(&layer.path, &layer.qweight_name, &layer.parts(), layer.packing)?;
+            return Ok(repacked.map(WeightData::Int4));
+        }
+        Ok(self.fp8_weight(name)?.map(WeightData::Fp8))
+    }
+}
+
+/// A 4-bit packed layer's tensors, as read.
+struct PackedLayer {
+    path: PathBuf,
+    qweight_name: String,
+    packing: Packing,
+    qweight: Vec<i32>,
+    qzeros: Vec<i32>,
+    scales: Vec<f32>,
+    g_idx: Option<Vec<i32>>,
+    k: usize,
+    n: usize,
+    group: usize,
+}
+
+impl PackedLayer {
+    fn parts(&self) -> int4::Packed<'_> {
+        int4::Packed {
+            qweight: &self.qweight,
+            qzeros: &self.qzeros,
+            scales: &self.scales,
+            g_idx: self.g_idx.as_deref(),
+            inputs: self.k,
+            outputs: self.n,
+            group: self.group,
+        }
     }
 }

@@ -8,7 +8,7 @@
 use super::ModelError;
 use super::config::ModelConfig;
 use std::ops::Range;
-use tessera_kernels::quant::{self, GgmlType};
+use tessera_kernels::quant::{self, Fp8Weight, GgmlType, Int4Weight};
 use tessera_kernels::{HostWeight, WeightData};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +55,22 @@ pub(super) fn rows(w: HostWeight, rows: Range<usize>) -> HostWeight {
             let rb = ty.bytes_for(cols).expect("a block weight's rows are whole blocks");
             WeightData::Blocks { ty, bytes: bytes[rows.start * rb..rows.end * rb].to_vec() }
         }
+        WeightData::Fp8(f) => match fp8_rows(&f, cols, &rows) {
+            Some(f) => WeightData::Fp8(f),
+            None => {
+                let all = HostWeight { rows: w.rows, cols, data: WeightData::Fp8(f) }.into_f32();
+                WeightData::F32(all[rows.start * cols..rows.end * cols].to_vec())
+            }
+        },
+        WeightData::Int4(q) => {
+            let (half, g) = (cols / 2, q.groups(cols));
+            WeightData::Int4(Int4Weight {
+                nibbles: q.nibbles[rows.start * half..rows.end * half].to_vec(),
+                scales: q.scales[rows.start * g..rows.end * g].to_vec(),
+                zeros: q.zeros[rows.start * g..rows.end * g].to_vec(),
+                group: q.group,
+            })
+        }
         WeightData::Stacked(parts) => {
             let mut start = 0;
             let mut taken = Vec::new();
@@ -72,11 +88,51 @@ pub(super) fn rows(w: HostWeight, rows: Range<usize>) -> HostWeight {
     HostWeight { rows: rows.len(), cols, data }
 }
 
-/// Columns `cols` of `w`; block rows are cut at block boundaries when the range falls
-/// on them, else dequantised first.
+/// Rows `rows` of an FP8 matrix, when they start and end on its scale blocks' rows.
+fn fp8_rows(f: &Fp8Weight, cols: usize, rows: &Range<usize>) -> Option<Fp8Weight> {
+    let (br, sc) = (f.block[0], f.scale_cols(cols));
+    let end_rows = f.bytes.len() / cols.max(1);
+    if !rows.start.is_multiple_of(br) || !(rows.end.is_multiple_of(br) || rows.end == end_rows) {
+        return None;
+    }
+    Some(Fp8Weight {
+        bytes: f.bytes[rows.start * cols..rows.end * cols].to_vec(),
+        scales: f.scales[rows.start / br * sc..rows.end.div_ceil(br) * sc].to_vec(),
+        block: f.block,
+    })
+}
+
+/// Every row's columns `range` of a matrix `width` wide stored as `per_row` items a row.
+fn row_slices<T: Copy>(data: &[T], per_row: usize, range: Range<usize>) -> Vec<T> {
+    data.chunks_exact(per_row.max(1)).flat_map(|row| row[range.clone()].iter().copied()).collect()
+}
+
+/// Columns `cols` of `w`; block rows, FP8 scale blocks and 4-bit groups are cut at their
+/// boundaries when the range falls on them, else dequantised first.
 pub(super) fn columns(w: HostWeight, cols: Range<usize>) -> HostWeight {
     let HostWeight { rows, cols: width, data } = w;
+    let on = |unit: usize| cols.start.is_multiple_of(unit) && (cols.end.is_multiple_of(unit) || cols.end == width);
     let data = match data {
+        WeightData::Fp8(f) if on(f.block[1]) => {
+            let (bc, sc) = (f.block[1], f.scale_cols(width));
+            let data = WeightData::Fp8(Fp8Weight {
+                bytes: row_slices(&f.bytes, width, cols.clone()),
+                scales: row_slices(&f.scales, sc, cols.start / bc..cols.end.div_ceil(bc)),
+                block: f.block,
+            });
+            return HostWeight { rows, cols: cols.len(), data };
+        }
+        WeightData::Int4(q) if on(q.group) && cols.start.is_multiple_of(2) && cols.len().is_multiple_of(2) => {
+            let (g, groups) = (q.group, q.groups(width));
+            let data = WeightData::Int4(Int4Weight {
+                nibbles: row_slices(&q.nibbles, width / 2, cols.start / 2..cols.end / 2),
+                scales: row_slices(&q.scales, groups, cols.start / g..cols.end.div_ceil(g)),
+                zeros: row_slices(&q.zeros, groups, cols.start / g..cols.end.div_ceil(g)),
+                group: g,
+            });
+            return HostWeight { rows, cols: cols.len(), data };
+        }
+        data @ (WeightData::Fp8(_) | WeightData::Int4(_)) => HostWeight { rows, cols: width, data }.into_f32(),
         WeightData::Stacked(parts) => return stack(parts.into_iter().map(|p| columns(p, cols.clone())).collect()),
         WeightData::Blocks { ty, bytes } => match (ty.bytes_for(cols.start), ty.bytes_for(cols.len())) {
             (Some(skip), Some(take)) => {
@@ -118,6 +174,9 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
             data: WeightData::F32(parts.into_iter().flat_map(HostWeight::into_f32).collect()),
         };
     }
+    if let Some(data) = stack_fp8(&parts).or_else(|| stack_int4(&parts)) {
+        return HostWeight { rows, cols, data };
+    }
     let blocks: Option<Vec<(GgmlType, &[u8])>> = parts
         .iter()
         .map(|p| match &p.data {
@@ -136,6 +195,48 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
         Some(WeightData::Blocks { ty: GgmlType::Q8_0, bytes: wide.concat() })
     });
     HostWeight { rows, cols, data: block_data.unwrap_or(WeightData::Stacked(parts)) }
+}
+
+/// FP8 parts with one block shape, each but the last whole blocks of rows, as one.
+fn stack_fp8(parts: &[HostWeight]) -> Option<WeightData> {
+    let fp8: Vec<&Fp8Weight> = parts
+        .iter()
+        .map(|p| match &p.data {
+            WeightData::Fp8(f) => Some(f),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let block = fp8[0].block;
+    let aligned = parts[..parts.len() - 1].iter().all(|p| p.rows.is_multiple_of(block[0]));
+    if !aligned || fp8.iter().any(|f| f.block != block) {
+        return None;
+    }
+    Some(WeightData::Fp8(Fp8Weight {
+        bytes: fp8.iter().flat_map(|f| f.bytes.iter().copied()).collect(),
+        scales: fp8.iter().flat_map(|f| f.scales.iter().copied()).collect(),
+        block,
+    }))
+}
+
+/// 4-bit parts with one group size, as one.
+fn stack_int4(parts: &[HostWeight]) -> Option<WeightData> {
+    let q: Vec<&Int4Weight> = parts
+        .iter()
+        .map(|p| match &p.data {
+            WeightData::Int4(q) => Some(q),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let group = q[0].group;
+    if q.iter().any(|q| q.group != group) {
+        return None;
+    }
+    Some(WeightData::Int4(Int4Weight {
+        nibbles: q.iter().flat_map(|q| q.nibbles.iter().copied()).collect(),
+        scales: q.iter().flat_map(|q| q.scales.iter().copied()).collect(),
+        zeros: q.iter().flat_map(|q| q.zeros.iter().copied()).collect(),
+        group,
+    }))
 }
 
 #[cfg(test)]
@@ -160,6 +261,54 @@ mod tests {
         let both = stack(vec![rows(w.clone(), 0..1), rows(w, 3..4)]);
         assert_eq!(both.rows, 2);
         assert_eq!(f32s(&both), [&v[..c], &v[3 * c..]].concat());
+    }
+
+    /// FP8 and 4-bit matrices keep their form through row and column slices and
+    /// stacks that fall on their scale blocks and groups, and read as the same values
+    /// when they are decoded because a cut does not.
+    #[test]
+    fn fp8_and_int4_slice_and_stack_on_their_blocks() {
+        let (r, c) = (6, 64);
+        let bytes: Vec<u8> = (0..r * c).map(|i| (i * 7 % 120) as u8).collect();
+        let fp8 = |block: [usize; 2], scales: usize| HostWeight {
+            rows: r,
+            cols: c,
+            data: WeightData::Fp8(Fp8Weight {
+                bytes: bytes.clone(),
+                scales: (0..scales).map(|i| 0.5 + i as f32).collect(),
+                block,
+            }),
+        };
+        let int4 = HostWeight {
+            rows: r,
+            cols: c,
+            data: WeightData::Int4(Int4Weight {
+                nibbles: bytes[..r * c / 2].to_vec(),
+                scales: (0..r * 2).map(|i| 0.25 * i as f32).collect(),
+                zeros: (0..r * 2).map(|i| (i % 17) as u8).collect(),
+                group: 32,
+            }),
+        };
+        for w in [fp8([2, 32], 3 * 2), fp8([1, 32], 6 * 2), int4] {
+            let all = f32s(&w);
+            let kept = |x: &HostWeight| matches!(x.data, WeightData::Fp8(_) | WeightData::Int4(_));
+            let top = rows(w.clone(), 2..6);
+            assert!(kept(&top));
+            assert_eq!(f32s(&top), all[2 * c..].to_vec());
+            let right = columns(w.clone(), 32..64);
+            assert!(kept(&right));
+            assert_eq!(f32s(&right), (0..r).flat_map(|i| all[i * c + 32..(i + 1) * c].to_vec()).collect::<Vec<_>>());
+            let both = stack(vec![rows(w.clone(), 0..2), rows(w.clone(), 4..6)]);
+            assert!(kept(&both));
+            assert_eq!(f32s(&both), [&all[..2 * c], &all[4 * c..]].concat());
+            // Off the blocks: decoded, the same values.
+            let odd = columns(w.clone(), 8..16);
+            assert_eq!(f32s(&odd), (0..r).flat_map(|i| all[i * c + 8..i * c + 16].to_vec()).collect::<Vec<_>>());
+        }
+        // Row cuts inside a block of two rows read decoded.
+        let inside = rows(fp8([2, 32], 6), 1..3);
+        assert!(matches!(inside.data, WeightData::F32(_)));
+        assert_eq!(f32s(&inside), f32s(&fp8([2, 32], 6))[c..3 * c].to_vec());
     }
 
     /// Two rows of 32 in `ty`: scale 0.5, the bytes after it counting up.

@@ -74,7 +74,10 @@ impl Reader<'_> {
             let name = self.checked_name(p)?;
             let data = match self.source.blocks(&name) {
                 Some((ty, bytes)) => WeightData::Blocks { ty, bytes: bytes.to_vec() },
-                None => WeightData::F32(self.source.load(&name)?.data),
+                None => match self.source.quantised(&name)? {
+                    Some(data) => data,
+                    None => WeightData::F32(self.source.load(&name)?.data),
+                },
             };
             weights.push(HostWeight { rows: self.config.tensor_shape(p)[0], cols, data });
         }

@@ -1,0 +1,201 @@
+//! Weights kept on the device as their checkpoint stores them, decoded by the kernels
+//! that read them (`kernels/cuda/quant.cu`): ggml blocks from GGUF files, E4M3 bytes
+//! with block scales from FP8 checkpoints, 4-bit integers with group scales and zeros
+//! from AWQ/GPTQ ones. A Q4_1 model takes its 0.625 bytes a weight on the GPU, not a
+//! bf16 copy's 2, and a decode step streams that much less. Products of up to
+//! `GEMV_MAX_TOKENS` tokens (decode) run one warp per weight row; more (prefill) run a
+//! tiled kernel that decodes each 64-row tile once for 64 tokens.
+
+use super::{CudaBackend, CudaIndex, launch, u32_of};
+use crate::quant::GgmlType;
+use crate::{HostWeight, KernelError, Result, WeightData};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// GEMV_MAX_T in quant.cu.
+const GEMV_MAX_TOKENS: usize = 8;
+/// GEMV_WARPS in quant.cu: rows per block of the decode kernel.
+const GEMV_WARPS: u32 = 4;
+/// TILE and TILE_THREADS in quant.cu.
+const TILE: usize = 64;
+const TILE_THREADS: u32 = 256;
+/// Weights a kernel decodes at a time: scale blocks and groups must be multiples.
+const UNIT: usize = 32;
+
+/// A weight's format as the kernels know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Format {
+    Blocks(GgmlType),
+    Fp8,
+    Int4,
+}
+
+/// Every format quant.cu reads, with its kernels' name.
+const FORMATS: [(Format, &str); 9] = [
+    (Format::Blocks(GgmlType::Q4_0), "q4_0"),
+    (Format::Blocks(GgmlType::Q4_1), "q4_1"),
+    (Format::Blocks(GgmlType::Q5_0), "q5_0"),
+    (Format::Blocks(GgmlType::Q8_0), "q8_0"),
+    (Format::Blocks(GgmlType::Q4K), "q4_k"),
+    (Format::Blocks(GgmlType::Q5K), "q5_k"),
+    (Format::Blocks(GgmlType::Q6K), "q6_k"),
+    (Format::Fp8, "fp8"),
+    (Format::Int4, "int4"),
+];
+
+/// One format's kernels.
+pub(super) struct FormatKernels {
+    format: Format,
+    gemv: CudaFunction,
+    gemm: CudaFunction,
+    embedding: CudaFunction,
+}
+
+pub(super) fn load(find: &dyn Fn(&str) -> Result<CudaFunction>) -> Result<Vec<FormatKernels>> {
+    FORMATS
+        .iter()
+        .map(|&(format, name)| {
+            Ok(FormatKernels {
+                format,
+                gemv: find(&format!("gemv_{name}"))?,
+                gemm: find(&format!("gemm_{name}"))?,
+                embedding: find(&format!("embedding_{name}"))?,
+            })
+        })
+        .collect()
+}
+
+/// A weight on the device in its checkpoint's format.
+pub(super) enum Packed {
+    /// Rows of whole ggml blocks, `row_bytes` each.
+    Blocks { ty: GgmlType, row_bytes: u64, bytes: CudaSlice<u8> },
+    /// `quant::Fp8Weight`'s parts.
+    Fp8 { bytes: CudaSlice<u8>, scales: CudaSlice<f32>, block_rows: u32, block_cols: u32 },
+    /// `quant::Int4Weight`'s parts.
+    Int4 { nibbles: CudaSlice<u8>, scales: CudaSlice<f32>, zeros: CudaSlice<u8>, group: u32 },
+}
+
+impl Packed {
+    fn format(&self) -> Format {
+        match self {
+            Packed::Blocks { ty, .. } => Format::Blocks(*ty),
+            Packed::Fp8 { .. } => Format::Fp8,
+            Packed::Int4 { .. } => Format::Int4,
+        }
+    }
+
+    /// Bytes the weight takes on the device.
+    pub(super) fn device_bytes(&self) -> usize {
+        match self {
+            Packed::Blocks { bytes, .. } => bytes.len(),
+            Packed::Fp8 { bytes, scales, .. } => bytes.len() + 4 * scales.len(),
+            Packed::Int4 { nibbles, scales, zeros, .. } => nibbles.len() + 4 * scales.len() + zeros.len(),
+        }
+    }
+
+    /// The weight's own kernel arguments, after the output (and the ids of a lookup).
+    fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
+        match self {
+            Packed::Blocks { bytes, row_bytes, .. } => l.arg(bytes).arg(row_bytes),
+            Packed::Fp8 { bytes, scales, block_rows, block_cols } => {
+                l.arg(bytes).arg(scales).arg(block_rows).arg(block_cols)
+            }
+            Packed::Int4 { nibbles, scales, zeros, group } => l.arg(nibbles).arg(scales).arg(zeros).arg(group),
+        };
+    }
+}
+
+impl CudaBackend {
+    /// `w` kept in its format on the device, or None where the kernels do not read that
+    /// format or its scales' layout (the caller widens it to bf16). The caller checked
+    /// that its parts fit `[rows, cols]`.
+    pub(super) fn upload_packed(&self, w: &HostWeight) -> Result<Option<Packed>> {
+        const OP: &str = "upload_weight";
+        let whole_units = |n: usize| n.is_multiple_of(UNIT) && n > 0;
+        if !whole_units(w.cols) {
+            return Ok(None);
+        }
+        let (rows, cols) = (w.rows, w.cols);
+        Ok(match &w.data {
+            WeightData::Blocks { ty, bytes } if FORMATS.iter().any(|f| f.0 == Format::Blocks(*ty)) => {
+                // Checked by the caller: rows of whole blocks.
+                let row_bytes = ty.bytes_for(cols).unwrap_or(0) as u64;
+                Some(Packed::Blocks { ty: *ty, row_bytes, bytes: self.htod(OP, bytes)? })
+            }
+            WeightData::Fp8(f) if whole_units(f.block[1]) || f.block[1] >= cols => Some(Packed::Fp8 {
+                bytes: self.htod(OP, &f.bytes)?,
+                scales: self.htod(OP, &f.scales)?,
+                block_rows: u32_of(OP, f.block[0].min(rows.max(1)))?,
+                // One block over the whole row: as wide as the row, a multiple of 32.
+                block_cols: u32_of(OP, f.block[1].min(cols))?,
+            }),
+            WeightData::Int4(q) if whole_units(q.group) || q.group >= cols => Some(Packed::Int4 {
+                nibbles: self.htod(OP, &q.nibbles)?,
+                scales: self.htod(OP, &q.scales)?,
+                zeros: self.htod(OP, &q.zeros)?,
+                group: u32_of(OP, q.group.min(cols))?,
+            }),
+            _ => None,
+        })
+    }
+
+    fn format_kernels(&self, op: &'static str, format: Format) -> Result<&FormatKernels> {
+        self.k
+            .packed
+            .iter()
+            .find(|k| k.format == format)
+            .ok_or_else(|| KernelError::Device { op, detail: format!("no kernels for {format:?} weights") })
+    }
+
+    /// `out[tokens, rows] = x[tokens, cols] · wᵀ`; the caller checked `x`'s length.
+    pub(super) fn packed_linear(
+        &self,
+        op: &'static str,
+        x: &CudaSlice<bf16>,
+        tokens: usize,
+        (rows, cols): (usize, usize),
+        w: &Packed,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let k = self.format_kernels(op, w.format())?;
+        let (r, c, t) = (u32_of(op, rows)?, u32_of(op, cols)?, u32_of(op, tokens)?);
+        let (func, cfg) = if tokens <= GEMV_MAX_TOKENS {
+            let grid = (r.div_ceil(GEMV_WARPS), 1, 1);
+            (&k.gemv, LaunchConfig { grid_dim: grid, block_dim: (GEMV_WARPS * 32, 1, 1), shared_mem_bytes: 0 })
+        } else {
+            let grid = (u32_of(op, rows.div_ceil(TILE))?, u32_of(op, tokens.div_ceil(TILE))?, 1);
+            if grid.1 > 65_535 {
+                return Err(KernelError::shape(op, format!("{tokens} tokens in one product")));
+            }
+            (&k.gemm, LaunchConfig { grid_dim: grid, block_dim: (TILE_THREADS, 1, 1), shared_mem_bytes: 0 })
+        };
+        let mut l = self.stream.launch_builder(func);
+        l.arg(out);
+        w.push(&mut l);
+        l.arg(x).arg(&r).arg(&c).arg(&t);
+        launch(&mut l, cfg, op)
+    }
+
+    /// Rows `ids` of a packed table, decoded; the caller checked the ids.
+    pub(super) fn packed_embedding(
+        &self,
+        op: &'static str,
+        ids: &CudaIndex,
+        cols: usize,
+        table: &Packed,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let k = self.format_kernels(op, table.format())?;
+        let c = u32_of(op, cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(op, ids.host.len())?, 1, 1),
+            block_dim: (((cols / UNIT).clamp(1, 256) as u32).next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream.launch_builder(&k.embedding);
+        l.arg(out).arg(&ids.dev);
+        table.push(&mut l);
+        l.arg(&c);
+        launch(&mut l, cfg, op)
+    }
+}
