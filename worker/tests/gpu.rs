@@ -23,9 +23,13 @@ use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
 use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
+use tessera_worker::loader::safetensors_dir::SafetensorsDir;
+use tessera_worker::model::shard::Shard;
 use tessera_worker::model::{Model, SeqInput, kv_block_bytes};
+use tessera_worker::model::{ModelConfig, weights};
 use tessera_worker::model_cache::{self, KnownModel};
-use tiny_models::{Variant, random_weights, variants, wide, write_byte_tokenizer, write_dir};
+use tiny_models::quantised::{Int4, Scales, write_fp8, write_int4};
+use tiny_models::{Variant, Weights, random_weights, variants, wide, write_byte_tokenizer, write_dir};
 
 fn gpu() -> Option<CudaBackend> {
     CudaBackend::for_tests()
@@ -40,16 +44,25 @@ fn rng() -> StdRng {
 /// scaled to variance 1/cols, as trained models keep them: with the tiny models' fixed
 /// scale a 512-wide model saturates its softmaxes and amplifies any rounding.
 fn write_model(v: &Variant, rng: &mut StdRng, root: &Path) -> PathBuf {
-    let mut weights = random_weights(&v.config, rng);
-    for (name, (shape, data)) in weights.iter_mut() {
-        let scale =
-            if shape.len() == 2 && !name.contains("embed") { (1.0 / shape[1] as f32).sqrt() / 0.23 } else { 1.0 };
-        data.iter_mut().for_each(|x| *x = bf16::from_f32(*x * scale).to_f32());
+    let mut weights = scaled_weights(v, rng);
+    for (_, data) in weights.values_mut() {
+        data.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
     }
     let dir = root.join(v.name);
     write_dir(&dir, &v.config, &weights);
     write_byte_tokenizer(&dir);
     dir
+}
+
+/// Random weights with projections scaled to variance 1/cols.
+fn scaled_weights(v: &Variant, rng: &mut StdRng) -> Weights {
+    let mut weights = random_weights(&v.config, rng);
+    for (name, (shape, data)) in weights.iter_mut() {
+        let scale =
+            if shape.len() == 2 && !name.contains("embed") { (1.0 / shape[1] as f32).sqrt() / 0.23 } else { 1.0 };
+        data.iter_mut().for_each(|x| *x *= scale);
+    }
+    weights
 }
 
 fn temp_root(name: &str) -> PathBuf {
@@ -87,6 +100,47 @@ fn gpu_logits_match_cpu_for_every_decoder_variant() {
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let err = rel_err(g, w);
             assert!(err < 5e-2, "{}: step {i} logits differ by {err}", v.name);
+        }
+    }
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// Quantised checkpoints of the wide model (FP8 with per-tensor and per-row scales, FP8
+/// with 128 × 128 blocks, AWQ 4-bit in groups of 32) load onto the GPU with their
+/// projections packed, and give the CPU's logits on the same checkpoint within the
+/// bf16 bound above.
+#[test]
+fn gpu_quantised_checkpoints_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let root = temp_root("quantised");
+    let v = wide();
+    let weights = scaled_weights(&v, &mut rng);
+    let dirs = [
+        ("fp8-rows", &[Scales::Tensor, Scales::Row][..], None),
+        ("fp8-blocks", &[Scales::Blocks(128, 128)][..], None),
+        ("awq", &[][..], Some(32)),
+    ];
+    for (label, layouts, group) in dirs {
+        let dir = root.join(label);
+        match group {
+            None => drop(write_fp8(&dir, &v.config, &weights, layouts)),
+            Some(group) => drop(write_int4(&dir, &v.config, &weights, Int4::Awq, group)),
+        }
+        write_byte_tokenizer(&dir);
+        let source = SafetensorsDir::open(&dir).unwrap();
+        let config = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
+        let on_gpu = weights::load(&g, &config, &source, Shard::WHOLE).unwrap();
+        for (what, w) in [("qkv", &on_gpu.layers[0].qkv), ("down", &on_gpu.layers[0].down)] {
+            assert!(w.device_bytes() < w.rows * w.cols * 2, "{label}: {what} is packed ({} bytes)", w.device_bytes());
+        }
+        let cpu = load_model(CpuBackend::exact(), &dir).unwrap().model;
+        let gpu = load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model;
+        let prompt: Vec<u32> = (0..40).map(|_| rng.random_range(0..256)).collect();
+        let (want, got) = (logits(&cpu, &prompt, 30), logits(&gpu, &prompt, 30));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = rel_err(g, w);
+            assert!(err < 5e-2, "{label}: step {i} logits differ by {err}");
         }
     }
     let _ = std::fs::remove_dir_all(root);

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod quantised;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use safetensors::Dtype;
