@@ -205,20 +205,36 @@ __device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 r
     }
 }
 
-// Prefill products, any number of tokens: each block computes a 64-row × 64-token tile
-// of out, 32 columns at a time. The block's first 64 threads decode one row's unit each
-// into shared memory; all 256 stage the tokens' 32 activations; then each thread sums a
-// 4 × 4 patch in f32.
+// One warp's D = A·B + D on the tensor cores, m16n8k16 with bf16 inputs and f32
+// accumulators. Fragments (g = lane / 4, t = lane % 4, pairs of bf16 in a register, the
+// lower index in the low half): a = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
+// b = B[2t..][g], B[2t+8..][g]; d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Products of more tokens (prefill, large decode batches) on the tensor cores: each
+// block computes a 64-row × 64-token tile of out, 32 columns at a time. Its first 64
+// threads decode one row's unit each into shared memory as bf16, all 128 stage the
+// tokens' 32 activations, then each of the 4 warps multiplies a 32 × 32 quarter: 2 × 4
+// m16n8 tiles, two k16 steps. Rows of the staged tiles are 40 bf16 apart, so a warp's
+// fragment loads fall in 32 different banks.
 #define TILE 64
-#define TILE_THREADS 256
+#define TILE_THREADS 128
+#define TILE_STRIDE 40
 
 template <class D>
 __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens) {
-    __shared__ float ws[32][TILE + 1];
-    __shared__ float xs[32][TILE + 1];
-    const u32 tid = threadIdx.x, r0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
-    const u32 tr = tid / 16, tt = tid % 16;
-    float acc[4][4] = {};
+    __shared__ __align__(16) bf16 ws[TILE * TILE_STRIDE];
+    __shared__ __align__(16) bf16 xs[TILE * TILE_STRIDE];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 r0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
+    const u32 wm = (warp >> 1) * 32, wn = (warp & 1) * 32, g = lane >> 2, t = lane & 3;
+    float acc[2][4][4] = {};
     for (u32 u = 0; u < cols / 32; u++) {
         if (tid < TILE) {
             float wv[32];
@@ -228,42 +244,53 @@ __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 r
 #pragma unroll
                 for (int l = 0; l < 32; l++) wv[l] = 0.0f;
             }
+            u32* row = (u32*)(ws + tid * TILE_STRIDE);
 #pragma unroll
-            for (int l = 0; l < 32; l++) ws[l][tid] = wv[l];
+            for (int l = 0; l < 16; l++) row[l] = (u32)f2bf(wv[2 * l]) | ((u32)f2bf(wv[2 * l + 1]) << 16);
         }
-        {
-            // Thread tid stages 8 activations: token tid / 4, columns 8·(tid % 4)..
-            const u32 t = tid / 4, part = tid % 4;
-            float xv[8] = {};
-            const bf16* from = x + (unsigned long long)(t0 + t) * cols + 32 * u + 8 * part;
-            if (t0 + t < tokens) unpack8(*(const uint4*)from, xv);
 #pragma unroll
-            for (int k = 0; k < 8; k++) xs[8 * part + k][t] = xv[k];
+        for (int i = 0; i < 2; i++) {
+            // 64 tokens × 4 pieces of 8 activations: piece p of token p / 4.
+            const u32 p = tid + 128 * i, tok = p / 4, part = p % 4;
+            uint4 v = {0u, 0u, 0u, 0u};
+            if (t0 + tok < tokens) v = *(const uint4*)(x + (unsigned long long)(t0 + tok) * cols + 32 * u + 8 * part);
+            *(uint4*)(xs + tok * TILE_STRIDE + 8 * part) = v;
         }
         __syncthreads();
-#pragma unroll 8
-        for (int l = 0; l < 32; l++) {
-            float a[4], bt[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                a[i] = ws[l][4 * tr + i];
-                bt[i] = xs[l][4 * tt + i];
+        for (int k0 = 0; k0 < 32; k0 += 16) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const bf16* top = ws + (wm + 16 * mi + g) * TILE_STRIDE + k0 + 2 * t;
+                const bf16* bottom = top + 8 * TILE_STRIDE;
+                a[mi][0] = *(const u32*)top;
+                a[mi][1] = *(const u32*)bottom;
+                a[mi][2] = *(const u32*)(top + 8);
+                a[mi][3] = *(const u32*)(bottom + 8);
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int ni = 0; ni < 4; ni++) {
+                const bf16* col = xs + (wn + 8 * ni + g) * TILE_STRIDE + k0 + 2 * t;
+                b[ni][0] = *(const u32*)col;
+                b[ni][1] = *(const u32*)(col + 8);
+            }
 #pragma unroll
-                for (int k = 0; k < 4; k++) acc[i][k] = fmaf(a[i], bt[k], acc[i][k]);
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], a[mi], b[ni]);
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const u32 t = t0 + 4 * tt + k;
-        if (t >= tokens) continue;
+    for (int mi = 0; mi < 2; mi++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const u32 r = r0 + 4 * tr + i;
-            if (r < rows) out[(unsigned long long)t * rows + r] = f2bf(acc[i][k]);
+        for (int ni = 0; ni < 4; ni++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const u32 r = r0 + wm + 16 * mi + g + 8 * (e >> 1), tok = t0 + wn + 8 * ni + 2 * t + (e & 1);
+                if (r < rows && tok < tokens) out[(unsigned long long)tok * rows + r] = f2bf(acc[mi][ni][e]);
+            }
         }
     }
 }

@@ -3,8 +3,9 @@
 //! with block scales from FP8 checkpoints, 4-bit integers with group scales and zeros
 //! from AWQ/GPTQ ones. A Q4_1 model takes its 0.625 bytes a weight on the GPU, not a
 //! bf16 copy's 2, and a decode step streams that much less. Products of up to
-//! `GEMV_MAX_TOKENS` tokens (decode) run one warp per weight row; more (prefill) run a
-//! tiled kernel that decodes each 64-row tile once for 64 tokens.
+//! `GEMV_MAX_TOKENS` tokens (decode) run one warp per weight row; more (prefill, large
+//! decode batches) run a tiled kernel that decodes each 64-row tile once for 64 tokens
+//! and multiplies on the tensor cores.
 
 use super::{CudaBackend, CudaIndex, launch, u32_of};
 use crate::quant::GgmlType;
@@ -18,7 +19,7 @@ const GEMV_MAX_TOKENS: usize = 8;
 const GEMV_WARPS: u32 = 4;
 /// TILE and TILE_THREADS in quant.cu.
 const TILE: usize = 64;
-const TILE_THREADS: u32 = 256;
+const TILE_THREADS: u32 = 128;
 /// Weights a kernel decodes at a time: scale blocks and groups must be multiples.
 const UNIT: usize = 32;
 
