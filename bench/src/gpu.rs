@@ -8,11 +8,13 @@
 //! against its bandwidth floor, and picking tokens from a step's logits (greedy and
 //! sampled on the device, or downloaded for the host) against one read of them. Times are medians of host-clocked, synchronised runs
 //! after warm-up, so launch overhead counts: decode runs op by op and as a CUDA graph.
+//! `--weights q4_k` (or `q8_0`, `fp8`, `int4`) holds the model's matrices packed, made
+//! on the host, and judges decode against the packed bytes' floor.
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use std::time::Instant;
-use tessera_kernels::cuda::{CudaBackend, CudaBuffer};
+use tessera_kernels::cuda::{CudaBackend, CudaBuffer, CudaWeight};
 use tessera_kernels::pick::{Draw, PickRow};
 use tessera_kernels::quant::{Fp8Weight, GgmlType, Int4Weight, random_blocks};
 use tessera_kernels::{AttentionShape, Backend, HostWeight, PagedBatch, WeightData};
@@ -34,6 +36,69 @@ pub struct Args {
     prefill_tokens: usize,
     #[arg(long, default_value_t = 20)]
     reps: usize,
+    /// How the model's matrices are held on the device: bf16, or packed as a quantised
+    /// checkpoint stores them (the decode floor is then the packed bytes).
+    #[arg(long, value_enum, default_value = "bf16")]
+    weights: WeightKind,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum WeightKind {
+    Bf16,
+    #[value(name = "q4_k")]
+    Q4K,
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// E4M3 with a scale per row.
+    Fp8,
+    /// 4-bit in groups of 128.
+    Int4,
+}
+
+/// A packed weight's format, for random data.
+#[derive(Clone, Copy, Debug)]
+enum Packing {
+    Blocks(GgmlType),
+    /// E4M3 with scale blocks of this shape (`[1, cols]`: a scale per row).
+    Fp8([usize; 2]),
+    /// 4-bit in groups of 128.
+    Int4,
+}
+
+impl Packing {
+    fn name(self) -> String {
+        match self {
+            Packing::Blocks(ty) => format!("{ty:?}"),
+            Packing::Fp8([1, _]) => "fp8_per_row".into(),
+            Packing::Fp8([r, c]) => format!("fp8_{r}x{c}"),
+            Packing::Int4 => "int4_g128".into(),
+        }
+    }
+
+    /// Random `[rows, cols]` data in this format, reproducible from `seed`: quants from
+    /// hashed bits (E4M3's NaN bytes made finite), scales small enough that products
+    /// keep their scale.
+    fn random(self, rows: usize, cols: usize, seed: u64) -> WeightData {
+        let bytes = |n: usize| {
+            let salt = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) as usize;
+            (0..n).map(move |i: usize| ((i ^ salt).wrapping_mul(2_654_435_761) >> 13) as u8)
+        };
+        let scale = 0.2 / (cols as f32).sqrt();
+        match self {
+            Packing::Blocks(ty) => WeightData::Blocks { ty, bytes: random_blocks(ty, rows * cols, seed) },
+            Packing::Fp8(block) => WeightData::Fp8(Fp8Weight {
+                bytes: bytes(rows * cols).map(|b| if b & 0x7f == 0x7f { b ^ 1 } else { b }).collect(),
+                scales: vec![scale / 64.0; rows.div_ceil(block[0]) * cols.div_ceil(block[1].min(cols))],
+                block: [block[0], block[1].min(cols)],
+            }),
+            Packing::Int4 => WeightData::Int4(Int4Weight {
+                nibbles: bytes(rows * cols / 2).collect(),
+                scales: vec![scale / 8.0; rows * cols.div_ceil(128)],
+                zeros: vec![8; rows * cols.div_ceil(128)],
+                group: 128,
+            }),
+        }
+    }
 }
 
 const BLOCK: usize = 16;
@@ -56,7 +121,14 @@ pub fn run(args: Args) -> Result<()> {
     let config = llama3_8b_config(args.layers)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let blocks_per_seq = (args.context + 1).div_ceil(BLOCK);
-    let model = random_model(g, config.clone())?;
+    let packing = match args.weights {
+        WeightKind::Bf16 => None,
+        WeightKind::Q4K => Some(Packing::Blocks(GgmlType::Q4K)),
+        WeightKind::Q8_0 => Some(Packing::Blocks(GgmlType::Q8_0)),
+        WeightKind::Fp8 => Some(Packing::Fp8([1, usize::MAX])),
+        WeightKind::Int4 => Some(Packing::Int4),
+    };
+    let (model, weight_bytes) = random_model(g, config.clone(), packing)?;
     let g = model.backend();
     // Every sequence's blocks, and one scratch block last for padded graph rows.
     let seq_blocks = max_batch.max(args.prefill_tokens.div_ceil(args.context)) * blocks_per_seq;
@@ -74,7 +146,6 @@ pub fn run(args: Args) -> Result<()> {
             .collect::<Result<_>>()?,
         graphs: None,
     };
-    let weight_bytes = 2.0 * matmul_params(&config) as f64;
     let kv_token_bytes = (2 * config.num_layers * config.kv_width() * 2) as f64;
 
     for &batch in &args.batches {
@@ -104,9 +175,11 @@ pub fn run(args: Args) -> Result<()> {
                 }
                 Ok(g.synchronize()?)
             })?;
-            line(json!({"case": "decode", "batch": batch, "context": args.context, "layers": config.num_layers,
+            line(
+                json!({"case": "decode", "weights": format!("{:?}", args.weights), "batch": batch, "context": args.context, "layers": config.num_layers,
                 "cuda_graph": graphs, "step_ms": round(step * 1e3), "floor_ms": round(floor * 1e3),
-                "floor_over_step": round(floor / step), "output_tokens_per_s": round(batch as f64 / step)}));
+                "floor_over_step": round(floor / step), "output_tokens_per_s": round(batch as f64 / step)}),
+            );
         }
         kv.graphs = None;
     }
@@ -199,25 +272,10 @@ pub fn run(args: Args) -> Result<()> {
 /// ceiling.
 fn packed_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
     let (rows, cols) = (14_336, 4_096);
-    let blocks = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
-        .map(|ty| (format!("{ty:?}"), WeightData::Blocks { ty, bytes: random_blocks(ty, rows * cols, 21) }));
-    // FP8 and 4-bit weights from hashed bytes: E4M3's NaN bytes made finite.
-    let bytes = || (0..rows * cols).map(|i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8);
-    let e4m3: Vec<u8> = bytes().map(|b| if b & 0x7f == 0x7f { b ^ 1 } else { b }).collect();
-    let fp8 = |block: [usize; 2]| {
-        let scales = vec![0.01; rows.div_ceil(block[0]) * cols.div_ceil(block[1])];
-        WeightData::Fp8(Fp8Weight { bytes: e4m3.clone(), scales, block })
-    };
-    let int4 = WeightData::Int4(Int4Weight {
-        nibbles: bytes().take(rows * cols / 2).collect(),
-        scales: vec![0.01; rows * cols / 128],
-        zeros: vec![8; rows * cols / 128],
-        group: 128,
-    });
-    let scaled =
-        [("fp8_per_row".into(), fp8([1, cols])), ("fp8_128x128".into(), fp8([128, 128])), ("int4_g128".into(), int4)];
-    for (format, data) in blocks.into_iter().chain(scaled) {
-        let w = g.upload_weight(HostWeight { rows, cols, data })?;
+    let blocks = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K].map(Packing::Blocks);
+    for packing in blocks.into_iter().chain([Packing::Fp8([1, cols]), Packing::Fp8([128, 128]), Packing::Int4]) {
+        let format = packing.name();
+        let w = g.upload_weight(HostWeight { rows, cols, data: packing.random(rows, cols, 21) })?;
         for tokens in [1, 8, 512] {
             let x = g.random_buffer(tokens * cols, 22, 1.0)?;
             let time = median(reps, || {
@@ -274,14 +332,26 @@ fn matmul_params(c: &ModelConfig) -> usize {
     c.num_layers * layer + c.vocab_size * d
 }
 
-fn random_model(g: CudaBackend, c: ModelConfig) -> Result<Model<CudaBackend>> {
+/// A model of shape `c` with random weights made on the device (bf16) or on the host in
+/// `packing`'s format; and the bytes a decode step reads of its matrices (the layers'
+/// and the LM head, not the embedding table, of which a step reads a few rows).
+fn random_model(g: CudaBackend, c: ModelConfig, packing: Option<Packing>) -> Result<(Model<CudaBackend>, f64)> {
     let d = c.hidden_size;
     let mut seed = 0u64;
-    let mut w = |rows: usize, cols: usize| {
+    let mut streamed = 0usize;
+    let mut make = |rows: usize, cols: usize, counted: bool| -> Result<CudaWeight> {
         seed += 1;
-        // Uniform with variance 1/cols: activations keep their scale through a product.
-        g.random_weight(rows, cols, seed, (3.0 / cols as f32).sqrt())
+        let w = match packing {
+            // Uniform with variance 1/cols: activations keep their scale through a product.
+            None => g.random_weight(rows, cols, seed, (3.0 / cols as f32).sqrt())?,
+            Some(p) => g.upload_weight(HostWeight { rows, cols, data: p.random(rows, cols, seed) })?,
+        };
+        if counted {
+            streamed += w.device_bytes();
+        }
+        Ok(w)
     };
+    let mut w = |rows: usize, cols: usize| make(rows, cols, true);
     let ones = vec![1.0f32; d];
     let mut layers = Vec::with_capacity(c.num_layers);
     for _ in 0..c.num_layers {
@@ -295,14 +365,11 @@ fn random_model(g: CudaBackend, c: ModelConfig) -> Result<Model<CudaBackend>> {
             down: w(d, c.intermediate_size)?,
         });
     }
-    let weights = Weights {
-        embed: w(c.vocab_size, d)?,
-        lm_head: Some(w(c.vocab_size, d)?),
-        final_norm: g.upload(&ones)?,
-        layers,
-        inv_freq: g.upload(&c.inv_freq(None))?,
-    };
-    Ok(Model::from_weights(g, c, weights))
+    let lm_head = Some(w(c.vocab_size, d)?);
+    let embed = make(c.vocab_size, d, false)?;
+    let weights =
+        Weights { embed, lm_head, final_norm: g.upload(&ones)?, layers, inv_freq: g.upload(&c.inv_freq(None))? };
+    Ok((Model::from_weights(g, c, weights), streamed as f64))
 }
 
 /// Median seconds of `reps` runs after two warm-ups.
