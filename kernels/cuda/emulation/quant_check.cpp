@@ -1,0 +1,127 @@
+// Runs quant.cu's kernels for one packed weight on the host emulation (host.h), for the
+// Rust test that judges their results against the CPU backend's
+// (kernels/tests/cuda_host_emulation.rs).
+//
+//   quant_check DIR FORMAT ROWS COLS TOKENS...
+//
+// FORMAT is a kernel suffix (q4_0 … q6_k), fp8:BLOCK_ROWS:BLOCK_COLS or int4:GROUP. DIR
+// holds w.bin (the blocks, the E4M3 bytes or the nibbles), scales.f32 and zeros.u8 where
+// the format has them, x.bf16 (the most tokens' activations) and ids.u32. Written back:
+// decoded.f32 (every row's units through the format's decoder), out_T.bf16 for each
+// token count T (through the entry points the backend launches), emb.bf16 (the ids'
+// rows through the embedding kernel).
+
+#include "host.h"
+#include "../common.cuh"
+#include "mma.h"
+#include "../quant.cu"
+
+static std::string dir;
+
+template <class T>
+static std::vector<T> read(const char* name) {
+    std::string path = dir + "/" + name;
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) return {};
+    std::vector<T> v;
+    T x;
+    while (std::fread(&x, sizeof(T), 1, f) == 1) v.push_back(x);
+    std::fclose(f);
+    return v;
+}
+
+template <class T>
+static void write(const std::string& name, const std::vector<T>& v) {
+    std::string path = dir + "/" + name;
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
+        std::fprintf(stderr, "cannot write %s\n", path.c_str());
+        std::exit(2);
+    }
+    std::fclose(f);
+}
+
+// The format's decoder, its three entry points with the weight's own arguments bound.
+template <class D, class Gemv, class Gemm, class Embed>
+static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u32 cols,
+                const std::vector<u32>& token_counts) {
+    std::vector<float> decoded((size_t)rows * cols);
+    for (u32 r = 0; r < rows; r++)
+        for (u32 u = 0; u < cols / 32; u++) decoder.unit(r, u, &decoded[(size_t)r * cols + 32 * u]);
+    write("decoded.f32", decoded);
+    std::vector<bf16> x = read<bf16>("x.bf16");
+    for (u32 tokens : token_counts) {
+        if (x.size() < (size_t)tokens * cols) {
+            std::fprintf(stderr, "x.bf16 holds %zu values, not %u tokens of %u\n", x.size(), tokens, cols);
+            std::exit(2);
+        }
+        std::vector<bf16> out((size_t)tokens * rows, 0x7fc0);  // NaN: an unwritten output fails
+        if (tokens <= GEMV_MAX_T) {
+            emu::launch({(rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, 1}, GEMV_WARPS * 32,
+                        [&] { gemv(out.data(), x.data(), rows, cols, tokens); });
+        } else {
+            emu::launch({(rows + TILE - 1) / TILE, (tokens + TILE - 1) / TILE, 1}, TILE_THREADS,
+                        [&] { gemm(out.data(), x.data(), rows, cols, tokens); });
+        }
+        write("out_" + std::to_string(tokens) + ".bf16", out);
+    }
+    std::vector<u32> ids = read<u32>("ids.u32");
+    std::vector<bf16> emb(ids.size() * cols, 0x7fc0);
+    emu::launch({(unsigned)ids.size(), 1, 1}, 32, [&] { embed(emb.data(), ids.data(), cols); });
+    write("emb.bf16", emb);
+}
+
+#define BLOCK_FORMAT(NAME, TY)                                                                            \
+    if (format == #NAME) {                                                                                \
+        unsigned long long rb = (unsigned long long)cols / 32 / Format<TY>::units * Format<TY>::bytes;    \
+        run(                                                                                              \
+            BlockRows<TY>{w.data(), rb},                                                                  \
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_##NAME(o, w.data(), rb, xs, r, c, t); }, \
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_##NAME(o, w.data(), rb, xs, r, c, t); }, \
+            [&](bf16* o, const u32* i, u32 c) { embedding_##NAME(o, i, w.data(), rb, c); }, rows, cols, tokens); \
+        return 0;                                                                                         \
+    }
+
+int main(int argc, char** argv) {
+    if (argc < 5) {
+        std::fprintf(stderr, "usage: quant_check DIR FORMAT ROWS COLS TOKENS...\n");
+        return 2;
+    }
+    dir = argv[1];
+    std::string format = argv[2];
+    u32 rows = (u32)std::atoi(argv[3]), cols = (u32)std::atoi(argv[4]);
+    std::vector<u32> tokens;
+    for (int i = 5; i < argc; i++) tokens.push_back((u32)std::atoi(argv[i]));
+    std::vector<u8> w = read<u8>("w.bin");
+    std::vector<float> scales = read<float>("scales.f32");
+    std::vector<u8> zeros = read<u8>("zeros.u8");
+    BLOCK_FORMAT(q4_0, 2)
+    BLOCK_FORMAT(q4_1, 3)
+    BLOCK_FORMAT(q5_0, 6)
+    BLOCK_FORMAT(q8_0, 8)
+    BLOCK_FORMAT(q4_k, 12)
+    BLOCK_FORMAT(q5_k, 13)
+    BLOCK_FORMAT(q6_k, 14)
+    u32 a = 0, b = 0;
+    if (std::sscanf(format.c_str(), "fp8:%u:%u", &a, &b) == 2) {
+        run(
+            Fp8Rows{w.data(), scales.data(), cols, a, b},
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t); },
+            [&](bf16* o, const u32* i, u32 c) { embedding_fp8(o, i, w.data(), scales.data(), a, b, c); }, rows, cols,
+            tokens);
+        return 0;
+    }
+    if (std::sscanf(format.c_str(), "int4:%u", &a) == 1) {
+        const u8* q = w.data();
+        run(
+            Int4Rows{q, scales.data(), zeros.data(), cols, a},
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t); },
+            [&](bf16* o, const u32* i, u32 c) { embedding_int4(o, i, q, scales.data(), zeros.data(), a, c); }, rows, cols,
+            tokens);
+        return 0;
+    }
+    std::fprintf(stderr, "unknown format %s\n", format.c_str());
+    return 2;
+}
