@@ -8,7 +8,8 @@
 // the 32-weight ggml formats, one eighth of a K-quant super-block, 32 bytes of FP8, 16
 // bytes of nibbles), each decoded exactly as the host decodes it (quant/dequant.rs,
 // quant/scaled.rs), so the GPU's products differ from the CPU's only in bf16
-// activations and the order of f32 sums. The kernels take a decoder, a small struct
+// activations, the order of f32 sums and, in the tiled kernel, the decoded weights'
+// rounding to bf16 for the tensor cores. The kernels take a decoder, a small struct
 // whose `unit(r, u, w)` decodes unit u of row r. ggml types are their ids: 2 Q4_0,
 // 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K. Rows are whole units (the host
 // checks), and every ggml block starts 2-byte aligned (block sizes are even), so the
@@ -172,14 +173,16 @@ struct Int4Rows {
     }
 };
 
-// Decode products, 1..GEMV_MAX_T tokens: out[t, r] = Σ_c x[t, c] · w[r, c]. One warp per
+// Decode products, 1..GEMV_MAX_T tokens: out[t, r] = Σ_c x[t, c] · w[r, c], rows of out
+// `out_stride` apart (a part of a stacked weight writes its rows among the others'). One warp per
 // weight row, its lanes over the row's units in turn, so the warp reads the row's bytes
 // once, front to back, for every token.
 #define GEMV_MAX_T 8
 #define GEMV_WARPS 4
 
 template <class D>
-__device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens) {
+__device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
+                                     u32 out_stride) {
     const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;  // the whole warp: the shuffles below need every lane
     float acc[GEMV_MAX_T];
@@ -203,7 +206,7 @@ __device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 r
     for (int t = 0; t < GEMV_MAX_T; t++) {
         if ((u32)t < tokens) {
             float s = warp_sum(acc[t]);
-            if (lane == 0) out[(unsigned long long)t * rows + r] = f2bf(s);
+            if (lane == 0) out[(unsigned long long)t * out_stride + r] = f2bf(s);
         }
     }
 }
@@ -233,7 +236,8 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
 #define TILE_STRIDE 40
 
 template <class D>
-__device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens) {
+__device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
+                                     u32 out_stride) {
     __shared__ __align__(16) bf16 ws[TILE * TILE_STRIDE];
     __shared__ __align__(16) bf16 xs[TILE * TILE_STRIDE];
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -294,7 +298,7 @@ __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 r
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const u32 r = r0 + wm + 16 * mi + g + 8 * (e >> 1), tok = t0 + wn + 8 * ni + 2 * t + (e & 1);
-                if (r < rows && tok < tokens) out[(unsigned long long)tok * rows + r] = f2bf(acc[mi][ni][e]);
+                if (r < rows && tok < tokens) out[(unsigned long long)tok * out_stride + r] = f2bf(acc[mi][ni][e]);
             }
         }
     }
@@ -317,12 +321,12 @@ __device__ __forceinline__ void embedding_rows(bf16* out, const u32* ids, const 
 // PARAMS are the weight's own arguments, DECODER builds the decoder from them.
 #define WEIGHT_KERNELS(NAME, PARAMS, DECODER)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                   \
-        gemv_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens) {                             \
-        gemv(out, DECODER, x, rows, cols, tokens);                                                                  \
+        gemv_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {             \
+        gemv(out, DECODER, x, rows, cols, tokens, out_stride);                                                      \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                                      \
-        gemm_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens) {                             \
-        gemm(out, DECODER, x, rows, cols, tokens);                                                                  \
+        gemm_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {             \
+        gemm(out, DECODER, x, rows, cols, tokens, out_stride);                                                      \
     }                                                                                                               \
     extern "C" __global__ void embedding_##NAME(bf16* out, const u32* ids, PARAMS, u32 cols) {                      \
         embedding_rows(out, ids, DECODER, cols);                                                                    \

@@ -8,8 +8,9 @@
 //! Every format: each row's units decoded bit for bit as the host decodes them, products
 //! of 1, 3 and 8 tokens (the decode kernel) and 9 and 70 (the tiled tensor-core one, over
 //! partial tiles) within 1e-2 of the CPU's exact product (bf16 activations and outputs,
-//! as `cuda/tests.rs` bounds them), and embedding rows equal to the decoded ones rounded
-//! to bf16.
+//! as `cuda/tests.rs` bounds them), the same products written among a wider output's
+//! rows (a part of a stacked weight), and embedding rows equal to the decoded ones
+//! rounded to bf16.
 
 use half::bf16;
 use rand::rngs::StdRng;
@@ -116,6 +117,13 @@ fn check(format: &str, rows: usize, cols: usize, data: WeightData, rng: &mut Std
         let want = cpu.linear(&x[..tokens * cols].to_vec(), tokens, &cw, None).unwrap();
         let err = rel_err(&got, &want);
         assert!(err < 1e-2, "{format}: {tokens} tokens × [{rows}, {cols}]: relative error {err}");
+        // Written 2 rows into an output 5 rows wider: the same rows, nothing around them.
+        let wide = read_bf16(&dir.join(format!("wide_{tokens}.bf16")));
+        for (t, (line, rows_got)) in wide.chunks_exact(rows + 5).zip(got.chunks_exact(rows)).enumerate() {
+            let same = line[2..2 + rows].iter().zip(rows_got).all(|(a, b)| a.to_bits() == b.to_bits());
+            let around = line[..2].iter().chain(&line[2 + rows..]).all(|v| v.is_nan());
+            assert!(same && around, "{format}: {tokens} tokens into a wider output, token {t}");
+        }
     }
     let rows_of: Vec<f32> = ids
         .iter()

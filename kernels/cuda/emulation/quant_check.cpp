@@ -8,8 +8,9 @@
 // holds w.bin (the blocks, the E4M3 bytes or the nibbles), scales.f32 and zeros.u8 where
 // the format has them, x.bf16 (the most tokens' activations) and ids.u32. Written back:
 // decoded.f32 (every row's units through the format's decoder), out_T.bf16 for each
-// token count T (through the entry points the backend launches), emb.bf16 (the ids'
-// rows through the embedding kernel).
+// token count T (through the entry points the backend launches), wide_T.bf16 (the same
+// written 2 rows into an output 5 rows wider, as a part of a stacked weight writes),
+// emb.bf16 (the ids' rows through the embedding kernel).
 
 #include "host.h"
 #include "../common.cuh"
@@ -58,12 +59,23 @@ static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u
         std::vector<bf16> out((size_t)tokens * rows, 0x7fc0);  // NaN: an unwritten output fails
         if (tokens <= GEMV_MAX_T) {
             emu::launch({(rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, 1}, GEMV_WARPS * 32,
-                        [&] { gemv(out.data(), x.data(), rows, cols, tokens); });
+                        [&] { gemv(out.data(), x.data(), rows, cols, tokens, rows); });
         } else {
             emu::launch({(rows + TILE - 1) / TILE, (tokens + TILE - 1) / TILE, 1}, TILE_THREADS,
-                        [&] { gemm(out.data(), x.data(), rows, cols, tokens); });
+                        [&] { gemm(out.data(), x.data(), rows, cols, tokens, rows); });
         }
         write("out_" + std::to_string(tokens) + ".bf16", out);
+        // The same into rows 2.. of a wider output (a part of a stacked weight).
+        const u32 stride = rows + 5;
+        std::vector<bf16> wide((size_t)tokens * stride, 0x7fc0);
+        if (tokens <= GEMV_MAX_T) {
+            emu::launch({(rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, 1}, GEMV_WARPS * 32,
+                        [&] { gemv(wide.data() + 2, x.data(), rows, cols, tokens, stride); });
+        } else {
+            emu::launch({(rows + TILE - 1) / TILE, (tokens + TILE - 1) / TILE, 1}, TILE_THREADS,
+                        [&] { gemm(wide.data() + 2, x.data(), rows, cols, tokens, stride); });
+        }
+        write("wide_" + std::to_string(tokens) + ".bf16", wide);
     }
     std::vector<u32> ids = read<u32>("ids.u32");
     std::vector<bf16> emb(ids.size() * cols, 0x7fc0);
@@ -76,8 +88,8 @@ static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u
         unsigned long long rb = (unsigned long long)cols / 32 / Format<TY>::units * Format<TY>::bytes;    \
         run(                                                                                              \
             BlockRows<TY>{w.data(), rb},                                                                  \
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_##NAME(o, w.data(), rb, xs, r, c, t); }, \
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_##NAME(o, w.data(), rb, xs, r, c, t); }, \
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_##NAME(o, w.data(), rb, xs, r, c, t, s); }, \
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_##NAME(o, w.data(), rb, xs, r, c, t, s); }, \
             [&](bf16* o, const u32* i, u32 c) { embedding_##NAME(o, i, w.data(), rb, c); }, rows, cols, tokens); \
         return 0;                                                                                         \
     }
@@ -106,8 +118,8 @@ int main(int argc, char** argv) {
     if (std::sscanf(format.c_str(), "fp8:%u:%u", &a, &b) == 2) {
         run(
             Fp8Rows{w.data(), scales.data(), cols, a, b},
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t); },
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t, s); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t, s); },
             [&](bf16* o, const u32* i, u32 c) { embedding_fp8(o, i, w.data(), scales.data(), a, b, c); }, rows, cols,
             tokens);
         return 0;
@@ -116,8 +128,8 @@ int main(int argc, char** argv) {
         const u8* q = w.data();
         run(
             Int4Rows{q, scales.data(), zeros.data(), cols, a},
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t); },
-            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemm_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t, s); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t, s); },
             [&](bf16* o, const u32* i, u32 c) { embedding_int4(o, i, q, scales.data(), zeros.data(), a, c); }, rows, cols,
             tokens);
         return 0;

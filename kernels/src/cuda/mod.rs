@@ -244,6 +244,11 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(device_err("cuda"))?;
         let (major, minor) = ctx.compute_capability().map_err(device_err("cuda"))?;
         let arch = format!("sm_{major}{minor}");
+        if major < 8 {
+            return Err(unavailable(format!(
+                "{arch}: the CUDA backend needs compute capability 8.0 or newer (bf16 and its tensor cores)"
+            )));
+        }
         let mut modules = Vec::new();
         for source in &compile::SOURCES {
             let ptx = compile::ptx_cached(source, &arch).map_err(unavailable)?;

@@ -10,7 +10,7 @@
 use super::{CudaBackend, CudaIndex, launch, u32_of};
 use crate::quant::GgmlType;
 use crate::{HostWeight, KernelError, Result, WeightData};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// GEMV_MAX_T in quant.cu.
@@ -74,14 +74,20 @@ pub(super) enum Packed {
     Fp8 { bytes: CudaSlice<u8>, scales: CudaSlice<f32>, block_rows: u32, block_cols: u32 },
     /// `quant::Int4Weight`'s parts.
     Int4 { nibbles: CudaSlice<u8>, scales: CudaSlice<f32>, zeros: CudaSlice<u8>, group: u32 },
+    /// Groups of rows in order, each packed its own way (`WeightData::Stacked`: a fused
+    /// Q/K/V whose V a Q4_K_M file keeps in Q6_K); each part's product writes its rows
+    /// among the others'.
+    Stacked(Vec<(usize, Packed)>),
 }
 
 impl Packed {
-    fn format(&self) -> Format {
+    /// The format of a part that is not a stack.
+    fn format(&self) -> Option<Format> {
         match self {
-            Packed::Blocks { ty, .. } => Format::Blocks(*ty),
-            Packed::Fp8 { .. } => Format::Fp8,
-            Packed::Int4 { .. } => Format::Int4,
+            Packed::Blocks { ty, .. } => Some(Format::Blocks(*ty)),
+            Packed::Fp8 { .. } => Some(Format::Fp8),
+            Packed::Int4 { .. } => Some(Format::Int4),
+            Packed::Stacked(_) => None,
         }
     }
 
@@ -91,6 +97,7 @@ impl Packed {
             Packed::Blocks { bytes, .. } => bytes.len(),
             Packed::Fp8 { bytes, scales, .. } => bytes.len() + 4 * scales.len(),
             Packed::Int4 { nibbles, scales, zeros, .. } => nibbles.len() + 4 * scales.len() + zeros.len(),
+            Packed::Stacked(parts) => parts.iter().map(|(_, p)| p.device_bytes()).sum(),
         }
     }
 
@@ -102,6 +109,7 @@ impl Packed {
                 l.arg(bytes).arg(scales).arg(block_rows).arg(block_cols)
             }
             Packed::Int4 { nibbles, scales, zeros, group } => l.arg(nibbles).arg(scales).arg(zeros).arg(group),
+            Packed::Stacked(_) => unreachable!("stacks launch part by part"),
         };
     }
 }
@@ -112,6 +120,17 @@ impl CudaBackend {
     /// that its parts fit `[rows, cols]`.
     pub(super) fn upload_packed(&self, w: &HostWeight) -> Result<Option<Packed>> {
         const OP: &str = "upload_weight";
+        if let WeightData::Stacked(parts) = &w.data {
+            // Kept packed only when every part is.
+            let mut packed = Vec::with_capacity(parts.len());
+            for part in parts {
+                match self.upload_packed(part)? {
+                    Some(p) if part.cols == w.cols => packed.push((part.rows, p)),
+                    _ => return Ok(None),
+                }
+            }
+            return Ok(Some(Packed::Stacked(packed)));
+        }
         let whole_units = |n: usize| n.is_multiple_of(UNIT) && n > 0;
         if !whole_units(w.cols) {
             return Ok(None);
@@ -140,12 +159,12 @@ impl CudaBackend {
         })
     }
 
-    fn format_kernels(&self, op: &'static str, format: Format) -> Result<&FormatKernels> {
-        self.k
-            .packed
-            .iter()
-            .find(|k| k.format == format)
-            .ok_or_else(|| KernelError::Device { op, detail: format!("no kernels for {format:?} weights") })
+    fn format_kernels(&self, op: &'static str, w: &Packed) -> Result<&FormatKernels> {
+        let format = w.format();
+        self.k.packed.iter().find(|k| Some(k.format) == format).ok_or_else(|| {
+            let what = format.map_or_else(|| "stacked".to_string(), |f| format!("{f:?}"));
+            KernelError::Device { op, detail: format!("no kernels for {what} weights") }
+        })
     }
 
     /// `out[tokens, rows] = x[tokens, cols] · wᵀ`; the caller checked `x`'s length.
@@ -158,7 +177,32 @@ impl CudaBackend {
         w: &Packed,
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        let k = self.format_kernels(op, w.format())?;
+        let stride = u32_of(op, rows)?;
+        let Packed::Stacked(parts) = w else {
+            return self.part_linear(x, tokens, (rows, cols), w, &mut out.slice_mut(..), stride);
+        };
+        let mut first = 0;
+        for (part_rows, part) in parts {
+            let mut view = out.slice_mut(first..);
+            self.part_linear(x, tokens, (*part_rows, cols), part, &mut view, stride)?;
+            first += part_rows;
+        }
+        Ok(())
+    }
+
+    /// One packed part's rows of the product, into `out` (its first row's column of the
+    /// first token), rows of the output `stride` apart.
+    fn part_linear(
+        &self,
+        x: &CudaSlice<bf16>,
+        tokens: usize,
+        (rows, cols): (usize, usize),
+        w: &Packed,
+        out: &mut CudaViewMut<'_, bf16>,
+        stride: u32,
+    ) -> Result<()> {
+        let op = "linear";
+        let k = self.format_kernels(op, w)?;
         let (r, c, t) = (u32_of(op, rows)?, u32_of(op, cols)?, u32_of(op, tokens)?);
         let (func, cfg) = if tokens <= GEMV_MAX_TOKENS {
             let grid = (r.div_ceil(GEMV_WARPS), 1, 1);
@@ -173,7 +217,7 @@ impl CudaBackend {
         let mut l = self.stream.launch_builder(func);
         l.arg(out);
         w.push(&mut l);
-        l.arg(x).arg(&r).arg(&c).arg(&t);
+        l.arg(x).arg(&r).arg(&c).arg(&t).arg(&stride);
         launch(&mut l, cfg, op)
     }
 
@@ -186,7 +230,8 @@ impl CudaBackend {
         table: &Packed,
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        let k = self.format_kernels(op, table.format())?;
+        // Tables are one tensor: a stack (fused projections) is never looked up.
+        let k = self.format_kernels(op, table)?;
         let c = u32_of(op, cols)?;
         let cfg = LaunchConfig {
             grid_dim: (u32_of(op, ids.host.len())?, 1, 1),

@@ -10,7 +10,7 @@
 
 use super::CudaBackend;
 use crate::cpu::CpuBackend;
-use crate::quant::{Fp8Weight, Int4Weight};
+use crate::quant::{Fp8Weight, GgmlType, Int4Weight};
 use crate::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -71,14 +71,15 @@ fn gpu_linear_matches_cpu_with_and_without_bias() {
 /// Weights in ggml block formats stay in them on the device and are decoded by the
 /// kernels that read them: every format against the CPU's exact product (f32 weights
 /// decoded from the same blocks), through the decode kernel (≤ 8 tokens) and the tiled
-/// one, and as an embedding table. Bound: 1e-2 (bf16 activations and outputs; the
-/// weights are decoded exactly as the host decodes them).
+/// one, as an embedding table, and as a stack of parts in different formats. Bound:
+/// 1e-2 (bf16 activations and outputs; the tiled kernel rounds the decoded weights to
+/// bf16 for the tensor cores).
 #[test]
 fn gpu_block_weights_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = rng();
     let cpu = CpuBackend::exact();
-    for ty in crate::cpu::QUANT_ROWS_FORMATS.into_iter().chain([crate::quant::GgmlType::Q5K]) {
+    for ty in crate::cpu::QUANT_ROWS_FORMATS.into_iter().chain([GgmlType::Q5K]) {
         for tokens in [1, 3, 8, 9, 70] {
             let (rows, cols) = (rng.random_range(1..300), 256 * rng.random_range(1..4));
             let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
@@ -99,6 +100,28 @@ fn gpu_block_weights_match_cpu() {
         check(&format!("{ty:?} embedding"), &g.download(&got).unwrap(), &want);
         let err = g.embedding(&g.upload_index(&[vocab as u32]).unwrap(), &g.upload_weight(hw()).unwrap());
         assert!(err.is_err(), "an id past the vocabulary is refused");
+    }
+    // A stack of parts in two formats (a Q4_K_M file's Q and K beside its Q6_K V): each
+    // part packed, its rows written among the others'.
+    let cols = 512;
+    let parts: Vec<HostWeight> = [(GgmlType::Q4K, 70), (GgmlType::Q6K, 30), (GgmlType::Q4K, 9)]
+        .into_iter()
+        .map(|(ty, rows)| {
+            let bytes = crate::cpu::quant_rows_test_blocks(&mut rng, ty, rows * cols);
+            HostWeight { rows, cols, data: WeightData::Blocks { ty, bytes } }
+        })
+        .collect();
+    let packed_bytes: usize =
+        parts.iter().map(|p| if let WeightData::Blocks { bytes, .. } = &p.data { bytes.len() } else { 0 }).sum();
+    let hw = HostWeight { rows: 109, cols, data: WeightData::Stacked(parts) };
+    let gw = g.upload_weight(hw.clone()).unwrap();
+    assert_eq!(gw.device_bytes(), packed_bytes, "every part is kept in its blocks");
+    let cw = cpu.upload_weight(hw).unwrap();
+    for tokens in [1, 9, 70] {
+        let x = randn(&mut rng, tokens * cols);
+        let want = cpu.linear(&x, tokens, &cw, None).unwrap();
+        let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
+        check(&format!("stacked Q4_K/Q6_K linear {tokens}"), &g.download(&got).unwrap(), &want);
     }
 }
 

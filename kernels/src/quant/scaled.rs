@@ -48,6 +48,13 @@ impl Fp8Weight {
             && self.scales.len() == rows.div_ceil(br) * cols.div_ceil(bc)
     }
 
+    /// The scales as blocks of one row: each row of blocks' scales repeated for the
+    /// rows it covers, so that weights whose blocks differ in height stack.
+    pub fn row_scales(&self, rows: usize, cols: usize) -> Vec<f32> {
+        let (br, sc) = (self.block[0].max(1), self.scale_cols(cols));
+        (0..rows).flat_map(|r| self.scales[r / br * sc..][..sc].iter().copied()).collect()
+    }
+
     pub fn dequantize(&self, cols: usize) -> Vec<f32> {
         let (br, bc, sc) = (self.block[0].max(1), self.block[1].max(1), self.scale_cols(cols));
         let mut out = Vec::with_capacity(self.bytes.len());
@@ -147,6 +154,11 @@ mod tests {
         // Per channel: blocks of one row and every column.
         let w = Fp8Weight { bytes: vec![0x38, 0x3c, 0xb8, 0x38], scales: vec![2.0, 3.0], block: [1, 2] };
         assert_eq!(w.dequantize(2), [2.0, 3.0, -3.0, 3.0]);
+        // Blocks of two rows as blocks of one: the same values.
+        let w = Fp8Weight { bytes: vec![0x38; 9], scales: vec![1.0, 2.0, 3.0, 4.0], block: [2, 2] };
+        let rows = Fp8Weight { scales: w.row_scales(3, 3), block: [1, 2], ..w.clone() };
+        assert_eq!(rows.scales, [1.0, 2.0, 1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(rows.dequantize(3), w.dequantize(3));
     }
 
     #[test]

@@ -117,11 +117,11 @@ pub fn weight(
     if bytes.len() != rows * cols {
         return Err(mismatch(file, tensor, &[rows, cols], scale_shape));
     }
+    let weight = Fp8Weight { bytes, scales, block };
     if block[0] >= rows && rows > 1 {
-        let scales = (0..rows).flat_map(|_| scales.iter().copied()).collect();
-        return Ok(Fp8Weight { bytes, scales, block: [1, block[1]] });
+        return Ok(Fp8Weight { scales: weight.row_scales(rows, cols), block: [1, block[1]], ..weight });
     }
-    Ok(Fp8Weight { bytes, scales, block })
+    Ok(weight)
 }
 
 fn mismatch(file: &Path, tensor: &str, shape: &[usize], scale_shape: &[usize]) -> LoadError {

@@ -111,7 +111,10 @@ fn row_slices<T: Copy>(data: &[T], per_row: usize, range: Range<usize>) -> Vec<T
 /// boundaries when the range falls on them, else dequantised first.
 pub(super) fn columns(w: HostWeight, cols: Range<usize>) -> HostWeight {
     let HostWeight { rows, cols: width, data } = w;
-    let on = |unit: usize| cols.start.is_multiple_of(unit) && (cols.end.is_multiple_of(unit) || cols.end == width);
+    // On the blocks' or groups' boundaries; one that spans the row is cut with it.
+    let on = |unit: usize| {
+        unit >= width || cols.start.is_multiple_of(unit) && (cols.end.is_multiple_of(unit) || cols.end == width)
+    };
     let data = match data {
         WeightData::Fp8(f) if on(f.block[1]) => {
             let (bc, sc) = (f.block[1], f.scale_cols(width));
@@ -197,7 +200,9 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
     HostWeight { rows, cols, data: block_data.unwrap_or(WeightData::Stacked(parts)) }
 }
 
-/// FP8 parts with one block shape, each but the last whole blocks of rows, as one.
+/// FP8 parts with blocks of one width, as one: their scales as they are where the
+/// blocks have one height and each part but the last is whole blocks of rows, else
+/// repeated as blocks of one row (K's 128 rows beside Q's 128 × 128 blocks).
 fn stack_fp8(parts: &[HostWeight]) -> Option<WeightData> {
     let fp8: Vec<&Fp8Weight> = parts
         .iter()
@@ -207,13 +212,18 @@ fn stack_fp8(parts: &[HostWeight]) -> Option<WeightData> {
         })
         .collect::<Option<_>>()?;
     let block = fp8[0].block;
-    let aligned = parts[..parts.len() - 1].iter().all(|p| p.rows.is_multiple_of(block[0]));
-    if !aligned || fp8.iter().any(|f| f.block != block) {
+    if fp8.iter().any(|f| f.block[1] != block[1]) {
         return None;
     }
+    let aligned = fp8.iter().all(|f| f.block == block)
+        && parts[..parts.len() - 1].iter().all(|p| p.rows.is_multiple_of(block[0]));
+    let (scales, block) = match aligned {
+        true => (fp8.iter().flat_map(|f| f.scales.iter().copied()).collect(), block),
+        false => (parts.iter().zip(&fp8).flat_map(|(p, f)| f.row_scales(p.rows, p.cols)).collect(), [1, block[1]]),
+    };
     Some(WeightData::Fp8(Fp8Weight {
         bytes: fp8.iter().flat_map(|f| f.bytes.iter().copied()).collect(),
-        scales: fp8.iter().flat_map(|f| f.scales.iter().copied()).collect(),
+        scales,
         block,
     }))
 }
@@ -305,6 +315,17 @@ mod tests {
             let odd = columns(w.clone(), 8..16);
             assert_eq!(f32s(&odd), (0..r).flat_map(|i| all[i * c + 8..i * c + 16].to_vec()).collect::<Vec<_>>());
         }
+        // Blocks or groups as wide as the row go with every column cut.
+        let per_row = fp8([1, c], 6);
+        let right = columns(per_row.clone(), 32..64);
+        assert!(matches!(right.data, WeightData::Fp8(_)));
+        let all = f32s(&per_row);
+        assert_eq!(f32s(&right), (0..r).flat_map(|i| all[i * c + 32..(i + 1) * c].to_vec()).collect::<Vec<_>>());
+        // Blocks of different heights stack as blocks of one row.
+        let (tall, flat) = (fp8([2, 32], 6), fp8([1, 32], 12));
+        let both = stack(vec![rows(tall.clone(), 0..2), rows(flat.clone(), 2..5)]);
+        assert!(matches!(&both.data, WeightData::Fp8(f) if f.block == [1, 32]));
+        assert_eq!(f32s(&both), [&f32s(&tall)[..2 * c], &f32s(&flat)[2 * c..5 * c]].concat());
         // Row cuts inside a block of two rows read decoded.
         let inside = rows(fp8([2, 32], 6), 1..3);
         assert!(matches!(inside.data, WeightData::F32(_)));
