@@ -73,18 +73,27 @@ pub enum WeightData {
 }
 
 impl HostWeight {
-    /// For FP8 and 4-bit weights, that their parts fit `[rows, cols]` (what every other
-    /// format checks by its length).
-    pub fn check_scaled(&self, op: &'static str) -> Result<()> {
-        let fits = match &self.data {
-            WeightData::Fp8(w) => w.fits(self.rows, self.cols),
-            WeightData::Int4(w) => w.fits(self.rows, self.cols),
-            _ => true,
-        };
-        if fits {
-            return Ok(());
+    /// That the data fits `[rows, cols]`: its length, whole blocks, scales and zeros,
+    /// and every part of a stack (its columns, the rows they add up to).
+    pub fn check(&self, op: &'static str) -> Result<()> {
+        let (rows, cols) = (self.rows, self.cols);
+        let misfit = |what: &str| Err(crate::KernelError::shape(op, format!("{what} do not fit [{rows}, {cols}]")));
+        match &self.data {
+            WeightData::F32(v) => crate::error::expect_len(op, "weight", v.len(), rows * cols),
+            WeightData::Blocks { ty, bytes } => match ty.bytes_for(cols) {
+                Some(row_bytes) => crate::error::expect_len(op, "weight bytes", bytes.len(), rows * row_bytes),
+                None => misfit(&format!("rows of whole {ty:?} blocks")),
+            },
+            WeightData::Fp8(w) if !w.fits(rows, cols) => misfit("FP8 bytes and scales"),
+            WeightData::Int4(w) if !w.fits(rows, cols) => misfit("4-bit values, scales and zeros"),
+            WeightData::Fp8(_) | WeightData::Int4(_) => Ok(()),
+            WeightData::Stacked(parts) => {
+                if parts.iter().any(|p| p.cols != cols) || parts.iter().map(|p| p.rows).sum::<usize>() != rows {
+                    return misfit("stacked parts");
+                }
+                parts.iter().try_for_each(|p| p.check(op))
+            }
         }
-        Err(crate::KernelError::shape(op, format!("scaled weight parts do not fit [{}, {}]", self.rows, self.cols)))
     }
 
     /// The matrix as row-major f32, blocks decoded.
@@ -296,4 +305,49 @@ pub trait Backend: Send + Sync {
         batch: &PagedBatch<'_, Self>,
         shape: &AttentionShape,
     ) -> Result<Self::Buffer>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{Fp8Weight, Int4Weight};
+
+    fn w(rows: usize, cols: usize, data: WeightData) -> HostWeight {
+        HostWeight { rows, cols, data }
+    }
+
+    /// Every form is checked against its shape before a kernel reads it, a stack's
+    /// parts included; a misfit is a shape error naming the upload.
+    #[test]
+    fn weights_that_do_not_fit_their_shape_are_refused() {
+        let q8 =
+            |rows: usize, bytes: usize| w(rows, 32, WeightData::Blocks { ty: GgmlType::Q8_0, bytes: vec![0; bytes] });
+        let fp8 = |scales: usize| {
+            w(2, 32, WeightData::Fp8(Fp8Weight { bytes: vec![0; 64], scales: vec![1.0; scales], block: [1, 32] }))
+        };
+        let int4 = |zeros: usize| {
+            let q = Int4Weight { nibbles: vec![0; 32], scales: vec![1.0; 2], zeros: vec![0; zeros], group: 32 };
+            w(2, 32, WeightData::Int4(q))
+        };
+        let good = [w(2, 3, WeightData::F32(vec![0.0; 6])), q8(2, 68), fp8(2), int4(2)];
+        for g in &good {
+            assert!(g.check("upload_weight").is_ok(), "{g:?}");
+        }
+        let stack = |parts: Vec<HostWeight>, rows: usize| w(rows, 32, WeightData::Stacked(parts));
+        let bad = [
+            w(2, 3, WeightData::F32(vec![0.0; 5])),
+            q8(2, 67),
+            w(1, 30, WeightData::Blocks { ty: GgmlType::Q8_0, bytes: vec![0; 34] }),
+            fp8(3),
+            int4(1),
+            stack(vec![q8(2, 68), fp8(2)], 5),
+            stack(vec![q8(2, 68), q8(1, 33)], 3),
+            stack(vec![q8(2, 68), w(1, 31, WeightData::F32(vec![0.0; 31]))], 3),
+        ];
+        for b in &bad {
+            let err = b.check("upload_weight").expect_err("refused");
+            assert!(err.to_string().contains("upload_weight"), "{err}");
+        }
+        assert!(stack(vec![q8(2, 68), fp8(2)], 4).check("upload_weight").is_ok());
+    }
 }

@@ -94,36 +94,22 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, w: HostWeight) -> Result<CpuWeight> {
+        w.check("upload_weight")?;
         let (rows, cols) = (w.rows, w.cols);
-        match w.data {
-            WeightData::F32(data) => {
-                expect_len("upload_weight", "weight", data.len(), rows * cols)?;
-                Ok(CpuWeight::f32(data, rows, cols))
-            }
-            WeightData::Blocks { ty, bytes } => {
-                let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
-                    KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
-                })?;
-                expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
-                Ok(match QuantRows::from_blocks(ty, &bytes, cols) {
-                    Some(q) => CpuWeight::quantized(q, rows, cols),
-                    None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
-                })
-            }
+        Ok(match w.data {
+            WeightData::F32(data) => CpuWeight::f32(data, rows, cols),
+            WeightData::Blocks { ty, bytes } => match QuantRows::from_blocks(ty, &bytes, cols) {
+                Some(q) => CpuWeight::quantized(q, rows, cols),
+                None => CpuWeight::f32(quant::dequantize(ty, &bytes), rows, cols),
+            },
             data @ (WeightData::Fp8(_) | WeightData::Int4(_)) => {
-                let w = HostWeight { rows, cols, data };
-                w.check_scaled("upload_weight")?;
-                Ok(CpuWeight::f32(w.into_f32(), rows, cols))
+                CpuWeight::f32(HostWeight { rows, cols, data }.into_f32(), rows, cols)
             }
             WeightData::Stacked(parts) => {
                 let parts = parts.into_iter().map(|p| self.upload_weight(p)).collect::<Result<Vec<_>>>()?;
-                if let Some(p) = parts.iter().find(|p| p.cols != cols) {
-                    return Err(KernelError::shape("upload_weight", format!("a part of {} columns in {cols}", p.cols)));
-                }
-                expect_len("upload_weight", "stacked rows", parts.iter().map(|p| p.rows).sum(), rows)?;
-                Ok(CpuWeight::stacked(parts, rows, cols))
+                CpuWeight::stacked(parts, rows, cols)
             }
-        }
+        })
     }
 
     fn write_index(&self, dst: &mut Vec<u32>, data: &[u32]) -> Result<()> {

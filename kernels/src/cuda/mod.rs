@@ -19,7 +19,7 @@ mod tests;
 
 use crate::error::expect_len;
 use crate::paged::HostBatch;
-use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle, WeightData};
+use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -517,13 +517,8 @@ impl Backend for CudaBackend {
 
     fn upload_weight(&self, w: HostWeight) -> Result<CudaWeight> {
         let (rows, cols) = (w.rows, w.cols);
-        if let WeightData::Blocks { ty, bytes } = &w.data {
-            let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
-                KernelError::shape("upload_weight", format!("rows of {cols} are not whole {ty:?} blocks"))
-            })?;
-            expect_len("upload_weight", "weight bytes", bytes.len(), rows * row_bytes)?;
-        }
-        w.check_scaled("upload_weight")?;
+        // Every part checked before a kernel reads it.
+        w.check("upload_weight")?;
         if let Some(p) = self.upload_packed(&w)? {
             return Ok(CudaWeight { rows, cols, data: WeightStore::Packed(p) });
         }
