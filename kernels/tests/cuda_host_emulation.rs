@@ -1,16 +1,20 @@
-//! `kernels/cuda/quant.cu`'s kernels for packed weights, run on the host under g++
-//! (`kernels/cuda/emulation`: each CUDA thread an OS thread, warps exchanging values
-//! between barriers) and judged against the CPU backend, so that where no GPU is (CI)
-//! their decoding, indexing and tensor-core fragment layouts are still checked on every
-//! build. The emulation is a test double for the GPU; `kernels/src/cuda/tests.rs` checks
-//! the same kernels on a device.
+//! CUDA kernels run on the host under g++ (`kernels/cuda/emulation`: each CUDA thread an
+//! OS thread, warps exchanging values between barriers) and judged against the CPU, so
+//! that where no GPU is (CI) their decoding, indexing, warp-wide steps and tensor-core
+//! fragment layouts are still checked on every build. The emulation is a test double for
+//! the GPU; `kernels/src/cuda/tests.rs` and `worker/tests/gpu.rs` check the same kernels
+//! on a device.
 //!
-//! Every format: each row's units decoded bit for bit as the host decodes them, products
+//! `quant.cu`'s kernels for packed weights, every format: each row's units decoded bit for bit as the host decodes them, products
 //! of 1, 3 and 8 tokens (the decode kernel) and 9 and 70 (the tiled tensor-core one, over
 //! partial tiles) within 1e-2 of the CPU's exact product (bf16 activations and outputs,
 //! as `cuda/tests.rs` bounds them), the same products written among a wider output's
 //! rows (a part of a stacked weight), and embedding rows equal to the decoded ones
 //! rounded to bf16.
+//!
+//! `sampling.cu`'s pick, split over 1 to 7 blocks a row, f32 and bf16 logits: every
+//! greedy and drawn token equal to a plain sort-and-walk of the row in the same fixed
+//! point (`reference_pick`).
 
 use half::bf16;
 use rand::rngs::StdRng;
@@ -24,12 +28,14 @@ use tessera_kernels::{Backend, HostWeight, WeightData};
 
 const TOKENS: [usize; 5] = [1, 3, 8, 9, 70];
 
-/// The emulation's driver, compiled once per test run.
-fn driver() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda/emulation/quant_check.cpp");
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("quant_check");
+/// An emulation driver (`cuda/emulation/NAME.cpp`), compiled once per test run.
+fn driver(name: &'static str) -> &'static Path {
+    static QUANT: OnceLock<PathBuf> = OnceLock::new();
+    static PICK: OnceLock<PathBuf> = OnceLock::new();
+    let cell = if name == "quant_check" { &QUANT } else { &PICK };
+    cell.get_or_init(|| {
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("cuda/emulation/{name}.cpp"));
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
         let flags = ["-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"];
         let status =
             Command::new("g++").args(flags).arg("-pthread").arg("-o").arg(&out).arg(&source).status().unwrap_or_else(
@@ -90,7 +96,7 @@ fn check(format: &str, rows: usize, cols: usize, data: WeightData, rng: &mut Std
     let ids: Vec<u32> = vec![0, rows as u32 - 1, rng.random_range(0..rows as u32)];
     put("ids.u32", bytes_of(&ids, |v| v.to_le_bytes().to_vec()));
 
-    let output = Command::new(driver())
+    let output = Command::new(driver("quant_check"))
         .arg(&dir)
         .arg(format)
         .arg(rows.to_string())
@@ -181,5 +187,167 @@ fn fp8_and_int4_kernels_match_the_cpu_on_the_host_emulation() {
             group,
         };
         check(&format!("int4:{group}"), rows, cols, WeightData::Int4(w), &mut rng);
+    }
+}
+
+/// A row's draw as `cuda/sampling.rs` uploads it; temperature 0 is greedy.
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    temperature: f32,
+    top_k: u32,
+    top_p: f32,
+    min_p: f32,
+    uniform: f32,
+}
+
+/// Logit bits whose unsigned order is the floats' (sampling.cu's order_key).
+fn order_key(l: f32) -> u32 {
+    let b = l.to_bits();
+    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+}
+
+/// The pick the kernels make, the plain way: the greedy token is the first of the
+/// highest key (NaN never; token 0 for a row of NaNs). A draw sorts the row by key, then
+/// index; keeps the top k; weighs each token exp((l - max) / T) in 2^-40 fixed point;
+/// keeps the prefix whose weights first reach top_p of the kept total; zeroes tokens under
+/// min_p of the top; and walks to where the weights first reach uniform of what is left
+/// (nothing left: the greedy token).
+fn reference_pick(row: &[f32], p: Params) -> u32 {
+    let key = |i: usize| if row[i].is_nan() { 0 } else { order_key(row[i]) };
+    let greedy = (0..row.len()).filter(|&i| !row[i].is_nan()).max_by_key(|&i| (key(i), std::cmp::Reverse(i)));
+    let greedy = greedy.map_or(0, |i| i as u32);
+    if p.temperature.is_nan() || p.temperature <= 0.0 {
+        return greedy;
+    }
+    let max = row.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let weight = |l: f32, min_p: f32| -> u64 {
+        let w = ((l - max) / p.temperature).exp();
+        if w >= min_p { (w * 1_099_511_627_776.0f32) as u64 } else { 0 } // NaN too
+    };
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(order_key(row[i])), i));
+    let mut kept = order.len();
+    if p.top_k > 0 && (p.top_k as usize) < kept {
+        kept = p.top_k as usize;
+    }
+    // Where the kept tokens' weights first reach `share` of their total.
+    let walk = |kept: usize, min_p: f32, share: f32| -> Option<usize> {
+        let total: u64 = order[..kept].iter().map(|&i| weight(row[i], min_p)).sum();
+        if total == 0 {
+            return None;
+        }
+        let target = ((share as f64 * total as f64) as u64).max(1);
+        let mut acc = 0;
+        order[..kept].iter().position(|&i| {
+            acc += weight(row[i], min_p);
+            acc >= target
+        })
+    };
+    if p.top_p < 1.0
+        && let Some(j) = walk(kept, 0.0, p.top_p)
+    {
+        kept = j + 1;
+    }
+    walk(kept, p.min_p, p.uniform).map_or(greedy, |j| order[j] as u32)
+}
+
+#[test]
+fn pick_kernels_match_a_sort_and_walk_on_the_host_emulation() {
+    let mut rng = rng();
+    // Not a multiple of the blocks, so chunks end short.
+    let (rows, vocab, threads) = (18usize, 601usize, 64);
+    let splits = ["1", "7"];
+    let mut params = Vec::new();
+    for r in 0..rows {
+        let mut p = Params {
+            temperature: [0.0, 0.5, 1.0, 1.7][r % 4],
+            top_k: [0, 1, 20, 1000, 7, vocab as u32 + 5][r % 6],
+            top_p: [1.0, 0.9, 0.5, 0.0][r % 4 / 2 + (r / 9) * 2],
+            min_p: [0.0, 0.05, 0.3][r % 3],
+            uniform: rng.random_range(0.0..1.0),
+        };
+        if r % 4 == 0 {
+            p.temperature = [0.0, 0.8][r / 4 % 2]; // greedy and drawn rows side by side
+        }
+        if r == 5 {
+            p.uniform = 0.0;
+        }
+        if r == 9 {
+            p.uniform = 0.999_999;
+        }
+        params.push(p);
+    }
+    for logit_type in ["f32", "bf16"] {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("emulation-pick-{logit_type}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut logits = Vec::with_capacity(rows * vocab);
+        for r in 0..rows {
+            // Peaked and flat rows; in f32, runs of equal logits too (bf16 ties anyway).
+            let spread = [2.0f32, 12.0][r % 2];
+            let mut row: Vec<f32> = (0..vocab).map(|_| rng.random_range(-spread..spread)).collect();
+            if r % 3 == 0 {
+                let v = row[0];
+                for i in (0..vocab).step_by(97) {
+                    row[i] = v;
+                }
+            }
+            match r {
+                // Every logit -inf: nothing to draw, the greedy token (the first) stands.
+                15 => row.fill(f32::NEG_INFINITY),
+                // NaNs are never the greedy pick; a row of them picks token 0.
+                16 => row[11] = f32::NAN,
+                17 => row.fill(f32::NAN),
+                _ => {}
+            }
+            if logit_type == "bf16" {
+                row.iter_mut().for_each(|l| *l = bf16::from_f32(*l).to_f32());
+            }
+            logits.extend(row);
+        }
+        // NaN rows are greedy only: what a draw makes of NaN is no sampler's contract.
+        let mut params = params.clone();
+        params[16].temperature = 0.0;
+        params[17].temperature = 0.0;
+        let bytes = match logit_type {
+            "f32" => bytes_of(&logits, |v| v.to_le_bytes().to_vec()),
+            _ => bytes_of(&logits, |v| bf16::from_f32(v).to_le_bytes().to_vec()),
+        };
+        std::fs::write(dir.join(format!("logits.{logit_type}")), bytes).unwrap();
+        let words: Vec<u32> = params
+            .iter()
+            .flat_map(|p| [p.temperature.to_bits(), p.top_k, p.top_p.to_bits(), p.min_p.to_bits(), p.uniform.to_bits()])
+            .collect();
+        std::fs::write(dir.join("params.u32"), bytes_of(&words, |v| v.to_le_bytes().to_vec())).unwrap();
+
+        let output = Command::new(driver("pick_check"))
+            .arg(&dir)
+            .arg(logit_type)
+            .args([rows, vocab, threads].map(|v| v.to_string()))
+            .args(splits)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{logit_type}: {}", String::from_utf8_lossy(&output.stderr));
+        let want: Vec<u32> = (0..rows).map(|r| reference_pick(&logits[r * vocab..][..vocab], params[r])).collect();
+        // The checks have teeth: draws differ from the greedy pick on most drawn rows.
+        let drawn_elsewhere = (0..rows)
+            .filter(|&r| params[r].temperature > 0.0)
+            .filter(|&r| {
+                want[r] != reference_pick(&logits[r * vocab..][..vocab], Params { temperature: 0.0, ..params[r] })
+            })
+            .count();
+        assert!(drawn_elsewhere >= 5, "{logit_type}: only {drawn_elsewhere} draws leave the greedy token");
+        assert_eq!((want[15], want[16], want[17]), (0, want[16], 0));
+        assert_ne!(want[16], 11, "a NaN is never the greedy pick");
+        for s in splits {
+            let got: Vec<u32> = std::fs::read(dir.join(format!("tokens_{s}.u32")))
+                .unwrap()
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            for r in 0..rows {
+                assert_eq!(got[r], want[r], "{logit_type}, {s} splits, row {r}: {:?}", params[r]);
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

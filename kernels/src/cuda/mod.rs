@@ -145,10 +145,10 @@ struct Kernels {
     paged_attention_merge: CudaFunction,
     apply_penalties: CudaFunction,
     add_at: CudaFunction,
-    row_argmax: CudaFunction,
     row_max_lse: CudaFunction,
     row_topk: CudaFunction,
-    row_sample: CudaFunction,
+    /// Greedy and drawn picks, per logit type.
+    pick: sampling::PickSet,
     gather_f32: CudaFunction,
     /// Products and lookups with block-format weights, per format.
     packed: Vec<packed::FormatKernels>,
@@ -291,10 +291,9 @@ impl CudaBackend {
             paged_attention_merge: find("paged_attention_merge")?,
             apply_penalties: find("apply_penalties")?,
             add_at: find("add_at")?,
-            row_argmax: find("row_argmax")?,
             row_max_lse: find("row_max_lse")?,
             row_topk: find("row_topk")?,
-            row_sample: find("row_sample")?,
+            pick: sampling::PickSet::load(&find)?,
             gather_f32: find("gather_f32")?,
             packed: packed::load(&find)?,
         };

@@ -7,9 +7,47 @@ use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch, per_row};
 use crate::error::expect_len;
 use crate::pick::{Draw, MAX_TOP_LOGPROBS, PickRow, Picked};
 use crate::{KernelError, Result};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
 const ROW_THREADS: u32 = 1024;
+/// Threads of a pick's blocks, and the fewest tokens of a row one takes.
+const PICK_THREADS: u32 = 256;
+const PICK_MIN_SPLIT: usize = 2048;
+/// Most blocks per row and the words of a row's state (PICK_SPLITS_MAX and
+/// PICK_STATE_WORDS in sampling.cu).
+const PICK_SPLITS_MAX: usize = 128;
+const PICK_STATE_WORDS: usize = 4 + 3 * PICK_SPLITS_MAX / 2 + 3 * 4 * 256;
+
+/// One logit type's pick kernels.
+pub(super) struct PickKernels {
+    best: CudaFunction,
+    radix: CudaFunction,
+    count: CudaFunction,
+    find: CudaFunction,
+    /// Radix passes of a key: four bytes of an f32's, two of a bf16's.
+    passes: u32,
+}
+
+pub(super) struct PickSet {
+    f32: PickKernels,
+    bf16: PickKernels,
+    tokens: CudaFunction,
+}
+
+impl PickSet {
+    pub(super) fn load(find: &impl Fn(&str) -> Result<CudaFunction>) -> Result<Self> {
+        let of = |name: &str, passes| -> Result<PickKernels> {
+            Ok(PickKernels {
+                best: find(&format!("pick_best_{name}"))?,
+                radix: find(&format!("pick_radix_{name}"))?,
+                count: find(&format!("pick_count_{name}"))?,
+                find: find(&format!("pick_find_{name}"))?,
+                passes,
+            })
+        };
+        Ok(Self { f32: of("f32", 4)?, bf16: of("bf16", 2)?, tokens: find("pick_tokens")? })
+    }
+}
 
 impl CudaBackend {
     /// Picks each row's token from `logits` (`[rows.len(), vocab]`).
@@ -39,56 +77,48 @@ impl CudaBackend {
         }
         let v = u32::try_from(vocab).map_err(|_| KernelError::shape(OP, "vocabulary too large"))?;
         let n = rows.len();
-        // The raw logits in f32: log-probabilities are read from them, the pick from a
-        // penalised copy.
-        let raw = self.f32_copy(OP, logits)?;
         let want_logprobs = rows.iter().any(|r| r.top_logprobs.is_some());
-        let (mut maxes, mut lses) = (self.zeros_f32(OP, n)?, self.zeros_f32(OP, n)?);
-        let k = rows.iter().filter_map(|r| r.top_logprobs).max().unwrap_or(0);
-        let mut top = self.stream.alloc_zeros::<u32>((n * k as usize).max(1)).map_err(device_err(OP))?;
-        if want_logprobs {
-            let mut l = self.stream.launch_builder(&self.k.row_max_lse);
-            l.arg(&raw).arg(&v).arg(&mut maxes).arg(&mut lses);
-            launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-            if k > 0 {
-                let mut l = self.stream.launch_builder(&self.k.row_topk);
-                l.arg(&raw).arg(&v).arg(&k).arg(&mut top);
-                launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-            }
-        }
         let penalised = rows.iter().any(|r| !r.history.is_empty() || !r.logit_bias.is_empty());
-        let work = if penalised { Some(self.penalise(OP, &raw, v, rows)?) } else { None };
-        let mut tokens = self.stream.alloc_zeros::<u32>(n).map_err(device_err(OP))?;
-        let mut l = self.stream.launch_builder(&self.k.row_argmax);
-        l.arg(work.as_ref().unwrap_or(&raw)).arg(&v).arg(&mut tokens);
-        launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-        if rows.iter().any(|r| r.draw.is_some()) {
-            // Greedy rows carry temperature 0, and the kernel leaves their argmax as it is.
-            let draw = |f: fn(&Draw) -> f32, off: f32| -> Vec<f32> {
-                rows.iter().map(|r| r.draw.as_ref().map_or(off, f)).collect()
-            };
-            let temperature = self.htod(OP, &draw(|d| d.temperature, 0.0))?;
-            let top_k: Vec<u32> = rows.iter().map(|r| r.draw.map_or(0, |d| d.top_k)).collect();
-            let top_k = self.htod(OP, &top_k)?;
-            let top_p = self.htod(OP, &draw(|d| d.top_p, 1.0))?;
-            let min_p = self.htod(OP, &draw(|d| d.min_p, 0.0))?;
-            let uniform = self.htod(OP, &draw(|d| d.uniform, 0.0))?;
-            let mut l = self.stream.launch_builder(&self.k.row_sample);
-            l.arg(work.as_ref().unwrap_or(&raw)).arg(&v).arg(&temperature).arg(&top_k).arg(&top_p);
-            l.arg(&min_p).arg(&uniform).arg(&mut tokens);
-            launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-        }
-
-        let tokens = self.stream.clone_dtoh(&tokens).map_err(device_err(OP))?;
-        let (maxes, lses, top) = if want_logprobs {
-            (
-                self.stream.clone_dtoh(&maxes).map_err(device_err(OP))?,
-                self.stream.clone_dtoh(&lses).map_err(device_err(OP))?,
-                self.stream.clone_dtoh(&top).map_err(device_err(OP))?,
-            )
-        } else {
-            (Vec::new(), Vec::new(), Vec::new())
+        // The raw logits in f32 where log-probabilities are read from them or penalties
+        // change them (in a copy of their own); otherwise the pick reads them as they are.
+        let raw = if want_logprobs || penalised { Some(self.f32_copy(OP, logits)?) } else { None };
+        let k = rows.iter().filter_map(|r| r.top_logprobs).max().unwrap_or(0);
+        // Each row's max and log-sum-exp, and its top k, from the raw logits.
+        let logprob_parts = match raw.as_ref().filter(|_| want_logprobs) {
+            Some(raw) => {
+                let (mut maxes, mut lses) = (self.zeros_f32(OP, n)?, self.zeros_f32(OP, n)?);
+                let mut top = self.stream.alloc_zeros::<u32>((n * k as usize).max(1)).map_err(device_err(OP))?;
+                let mut l = self.stream.launch_builder(&self.k.row_max_lse);
+                l.arg(raw).arg(&v).arg(&mut maxes).arg(&mut lses);
+                launch(&mut l, per_row(n, ROW_THREADS), OP)?;
+                if k > 0 {
+                    let mut l = self.stream.launch_builder(&self.k.row_topk);
+                    l.arg(raw).arg(&v).arg(&k).arg(&mut top);
+                    launch(&mut l, per_row(n, ROW_THREADS), OP)?;
+                }
+                Some((maxes, lses, top))
+            }
+            None => None,
         };
+        let work = match &raw {
+            Some(raw) if penalised => Some(self.penalise(OP, raw, v, rows)?),
+            _ => None,
+        };
+        let tokens = match (&work, &logits.0) {
+            (Some(w), _) => self.pick(OP, w, &self.k.pick.f32, v, rows)?,
+            (None, Data::F32(s)) => self.pick(OP, s, &self.k.pick.f32, v, rows)?,
+            (None, Data::Bf16(s)) => self.pick(OP, s, &self.k.pick.bf16, v, rows)?,
+        };
+        let tokens = self.stream.clone_dtoh(&tokens).map_err(device_err(OP))?;
+        let (Some(raw), Some((maxes, lses, top))) = (&raw, logprob_parts) else {
+            return Ok(tokens
+                .into_iter()
+                .map(|token| Picked { token, logprob: None, top_logprobs: Vec::new() })
+                .collect());
+        };
+        let maxes = self.stream.clone_dtoh(&maxes).map_err(device_err(OP))?;
+        let lses = self.stream.clone_dtoh(&lses).map_err(device_err(OP))?;
+        let top = self.stream.clone_dtoh(&top).map_err(device_err(OP))?;
         // The raw logits of the picked and the top tokens, gathered on the host side
         // from a small download rather than the whole matrix.
         let mut wanted: Vec<u32> = Vec::new();
@@ -98,7 +128,7 @@ impl CudaBackend {
                 wanted.extend(top[i * k as usize..][..kr as usize].iter().map(|&t| (i * vocab) as u32 + t));
             }
         }
-        let values = self.gather_f32(OP, &raw, &wanted)?;
+        let values = self.gather_f32(OP, raw, &wanted)?;
         let mut at = 0;
         let mut picked = Vec::with_capacity(n);
         for (i, r) in rows.iter().enumerate() {
@@ -113,6 +143,65 @@ impl CudaBackend {
             picked.push(Picked { token: tokens[i], logprob, top_logprobs });
         }
         Ok(picked)
+    }
+
+    /// Each row's token, greedy or drawn (`pick_*` in sampling.cu): the row split over
+    /// blocks until the grid fills the GPU twice over, each split at least
+    /// PICK_MIN_SPLIT tokens; the launches only the batch's rows need.
+    fn pick<T: DeviceRepr>(
+        &self,
+        op: &'static str,
+        logits: &CudaSlice<T>,
+        kernels: &PickKernels,
+        vocab: u32,
+        rows: &[PickRow],
+    ) -> Result<CudaSlice<u32>> {
+        let n = rows.len();
+        let splits = (2 * self.sm_count).div_ceil(n).min(vocab as usize / PICK_MIN_SPLIT).clamp(1, PICK_SPLITS_MAX);
+        let (n32, splits32) = (n as u32, splits as u32);
+        let mut state = self.stream.alloc_zeros::<u64>(n * PICK_STATE_WORDS).map_err(device_err(op))?;
+        let grid = LaunchConfig { grid_dim: (n32, splits32, 1), block_dim: (PICK_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut l = self.stream.launch_builder(&kernels.best);
+        l.arg(logits).arg(&vocab).arg(&mut state).arg(&splits32);
+        launch(&mut l, grid, op)?;
+        if rows.iter().any(|r| r.draw.is_some()) {
+            // Greedy rows carry temperature 0, which every cut skips.
+            let params: Vec<u32> = rows
+                .iter()
+                .flat_map(|r| match r.draw {
+                    Some(d) => {
+                        [d.temperature.to_bits(), d.top_k, d.top_p.to_bits(), d.min_p.to_bits(), d.uniform.to_bits()]
+                    }
+                    None => [0, 0, 1f32.to_bits(), 0, 0],
+                })
+                .collect();
+            let params = self.htod(op, &params)?;
+            let needs = |cut: u32, d: &Draw| match cut {
+                0 => d.top_k > 0 && d.top_k < vocab,
+                1 => d.top_p < 1.0,
+                _ => true,
+            };
+            for cut in 0..3u32 {
+                if !rows.iter().any(|r| r.draw.is_some_and(|d| needs(cut, &d))) {
+                    continue;
+                }
+                for pass in 0..kernels.passes {
+                    let mut l = self.stream.launch_builder(&kernels.radix);
+                    l.arg(logits).arg(&vocab).arg(&params).arg(&mut state).arg(&splits32).arg(&cut).arg(&pass);
+                    launch(&mut l, grid, op)?;
+                }
+                for f in [&kernels.count, &kernels.find] {
+                    let mut l = self.stream.launch_builder(f);
+                    l.arg(logits).arg(&vocab).arg(&params).arg(&mut state).arg(&splits32).arg(&cut);
+                    launch(&mut l, grid, op)?;
+                }
+            }
+        }
+        let mut tokens = self.stream.alloc_zeros::<u32>(n).map_err(device_err(op))?;
+        let mut l = self.stream.launch_builder(&self.k.pick.tokens);
+        l.arg(&state).arg(&n32).arg(&vocab).arg(&mut tokens);
+        launch(&mut l, flat(n), op)?;
+        Ok(tokens)
     }
 
     fn zeros_f32(&self, op: &'static str, n: usize) -> Result<CudaSlice<f32>> {
@@ -183,5 +272,26 @@ impl CudaBackend {
         l.arg(&mut out).arg(src).arg(&idx).arg(&n);
         launch(&mut l, flat(at.len()), op)?;
         self.stream.clone_dtoh(&out).map_err(device_err(op))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The state's size here is the one the kernels index: sampling.cu's defines.
+    #[test]
+    fn pick_state_layout_matches_sampling_cu() {
+        let source = include_str!("../../cuda/sampling.cu");
+        let define = |name: &str| -> usize {
+            let line = source.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap();
+            line.split_whitespace().nth(2).unwrap().parse().unwrap_or_else(|_| panic!("{line}"))
+        };
+        let (splits, cuts, passes, bins) =
+            (define("PICK_SPLITS_MAX"), define("PICK_CUTS"), define("PICK_PASSES_MAX"), define("SAMPLE_BINS"));
+        assert_eq!(splits, PICK_SPLITS_MAX);
+        assert_eq!(PICK_STATE_WORDS, define("PW_COUNTS") + cuts * splits / 2 + cuts * passes * bins);
+        assert!(source.contains("#define PW_HIST (PW_COUNTS + PICK_CUTS * PICK_SPLITS_MAX / 2)"));
+        assert!(source.contains("#define PICK_STATE_WORDS (PW_HIST + PICK_CUTS * PICK_PASSES_MAX * SAMPLE_BINS)"));
     }
 }
