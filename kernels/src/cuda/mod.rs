@@ -521,9 +521,7 @@ impl Backend for CudaBackend {
         if let Some(p) = self.upload_packed(&w)? {
             return Ok(CudaWeight { rows, cols, data: WeightStore::Packed(p) });
         }
-        let data = w.into_f32();
-        expect_len("upload_weight", "weight", data.len(), rows * cols)?;
-        let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+        let host: Vec<bf16> = w.into_f32().into_iter().map(bf16::from_f32).collect();
         Ok(CudaWeight { rows, cols, data: WeightStore::Bf16(self.htod("upload_weight", &host)?) })
     }
 

@@ -180,13 +180,10 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
     if let Some(data) = stack_fp8(&parts).or_else(|| stack_int4(&parts)) {
         return HostWeight { rows, cols, data };
     }
-    let blocks: Option<Vec<(GgmlType, &[u8])>> = parts
-        .iter()
-        .map(|p| match &p.data {
-            WeightData::Blocks { ty, bytes } => Some((*ty, bytes.as_slice())),
-            _ => None,
-        })
-        .collect();
+    let blocks = all_parts(&parts, |d| match d {
+        WeightData::Blocks { ty, bytes } => Some((*ty, bytes.as_slice())),
+        _ => None,
+    });
     let block_data = blocks.and_then(|blocks| {
         if blocks.windows(2).all(|w| w[0].0 == w[1].0) {
             return Some(WeightData::Blocks {
@@ -200,17 +197,19 @@ pub(super) fn stack(parts: Vec<HostWeight>) -> HostWeight {
     HostWeight { rows, cols, data: block_data.unwrap_or(WeightData::Stacked(parts)) }
 }
 
+/// Each part's data in one form, or None where a part has another.
+fn all_parts<'a, T>(parts: &'a [HostWeight], form: impl Fn(&'a WeightData) -> Option<T>) -> Option<Vec<T>> {
+    parts.iter().map(|p| form(&p.data)).collect()
+}
+
 /// FP8 parts with blocks of one width, as one: their scales as they are where the
 /// blocks have one height and each part but the last is whole blocks of rows, else
 /// repeated as blocks of one row (K's 128 rows beside Q's 128 × 128 blocks).
 fn stack_fp8(parts: &[HostWeight]) -> Option<WeightData> {
-    let fp8: Vec<&Fp8Weight> = parts
-        .iter()
-        .map(|p| match &p.data {
-            WeightData::Fp8(f) => Some(f),
-            _ => None,
-        })
-        .collect::<Option<_>>()?;
+    let fp8 = all_parts(parts, |d| match d {
+        WeightData::Fp8(f) => Some(f),
+        _ => None,
+    })?;
     let block = fp8[0].block;
     if fp8.iter().any(|f| f.block[1] != block[1]) {
         return None;
@@ -230,13 +229,10 @@ fn stack_fp8(parts: &[HostWeight]) -> Option<WeightData> {
 
 /// 4-bit parts with one group size, as one.
 fn stack_int4(parts: &[HostWeight]) -> Option<WeightData> {
-    let q: Vec<&Int4Weight> = parts
-        .iter()
-        .map(|p| match &p.data {
-            WeightData::Int4(q) => Some(q),
-            _ => None,
-        })
-        .collect::<Option<_>>()?;
+    let q = all_parts(parts, |d| match d {
+        WeightData::Int4(q) => Some(q),
+        _ => None,
+    })?;
     let group = q[0].group;
     if q.iter().any(|q| q.group != group) {
         return None;
