@@ -141,10 +141,14 @@ struct Fp8Rows {
     const u8* w;
     const float* scales;
     u32 cols, block_rows, block_cols;
+    // Row r's scale for unit u.
+    __device__ __forceinline__ float scale(u32 r, u32 u) const {
+        const u32 scale_cols = (cols + block_cols - 1) / block_cols;
+        return scales[(unsigned long long)(r / block_rows) * scale_cols + 32 * u / block_cols];
+    }
     __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const {
         const uint4* p = (const uint4*)(w + (unsigned long long)r * cols + 32 * u);
-        const u32 scale_cols = (cols + block_cols - 1) / block_cols;
-        const float s = scales[(unsigned long long)(r / block_rows) * scale_cols + 32 * u / block_cols];
+        const float s = scale(r, u);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             uint4 q = p[h];
@@ -347,3 +351,132 @@ WEIGHT_KERNELS(fp8, const u8* w COMMA const float* scales COMMA u32 block_rows C
                (Fp8Rows{w COMMA scales COMMA cols COMMA block_rows COMMA block_cols}))
 WEIGHT_KERNELS(int4, const u8* q COMMA const float* scales COMMA const u8* zeros COMMA u32 group,
                (Int4Rows{q COMMA scales COMMA zeros COMMA cols COMMA group}))
+
+// ---- FP8 weights on FP8 tensor cores (compute capability 8.9 and up): W8A8 products ----
+//
+// For more tokens than the decode kernel takes, FP8 weights multiply as they are stored,
+// on the FP8 tensor cores (twice the bf16 rate): each token's activations are scaled to
+// E4M3 by their largest magnitude (quantise_e4m3, as FP8 serving does), and the tile
+// kernel feeds both byte tiles to mma m16n8k32. A k32 step is exactly one 32-column
+// unit, which has one weight scale per row, so each step's product is taken apart and
+// added to an f32 sum times its rows' scales: no long sum stays in the tensor cores'
+// narrower FP8 accumulator. Decode (up to 8 tokens) keeps bf16 activations (gemv_fp8).
+
+#define E4M3_MAX 448.0f
+
+// f32 to E4M3 ("fn"), to nearest (ties to even), saturating at ±448; finite inputs.
+__device__ __forceinline__ u32 to_e4m3(float f) {
+    const u32 bits = __float_as_uint(f), sign = (bits >> 24) & 0x80u;
+    const float a = fabsf(f);
+    if (a >= E4M3_MAX) return sign | 0x7eu;
+    if (a < 0.015625f) return sign | (u32)rintf(a * 512.0f);  // subnormals, m·2⁻⁹ (8: the least normal)
+    // The exponent rebiased from 127 to 7 above three mantissa bits; a carry out of
+    // the mantissa's rounding moves up the exponent.
+    const u32 keep = (bits >> 20) & 7u, rest = bits & 0xfffffu;
+    u32 v = ((((bits >> 23) & 0xffu) - 120u) << 3) | keep;
+    v += rest > 0x80000u || (rest == 0x80000u && (keep & 1u));
+    return sign | min(v, 0x7eu);
+}
+
+// Each token's activations as E4M3 bytes times a scale per token: x ≈ e4m3(q) · scales[t],
+// the largest magnitude at ±448. One block per token.
+extern "C" __global__ void quantise_e4m3(u8* q, float* scales, const bf16* x, u32 cols) {
+    const bf16* row = x + (unsigned long long)blockIdx.x * cols;
+    float m = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(bf2f(row[c])));
+    m = block_max(m);
+    const float inv = m > 0.0f ? E4M3_MAX / m : 0.0f;
+    u8* out = q + (unsigned long long)blockIdx.x * cols;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) out[c] = (u8)to_e4m3(bf2f(row[c]) * inv);
+    if (threadIdx.x == 0) scales[blockIdx.x] = m / E4M3_MAX;
+}
+
+// D = A·B + D, m16n8k32, E4M3 inputs, f32 accumulators. Fragments (g = lane / 4, t = lane
+// % 4, four bytes a register, the lowest k in the low byte; the PTX ISA's 8-bit layout):
+// a = A[g][4t..], A[g+8][4t..], A[g][4t+16..], A[g+8][4t+16..]; b = B[4t..][g],
+// B[4t+16..][g]; d as mma_bf16's.
+#ifndef TESSERA_HOST_EMULATION
+__device__ __forceinline__ void mma_e4m3(float* d, const u32* a, const u32* b) {
+#if __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the backend launches these only on compute capability 8.9 and up
+#endif
+}
+#endif
+
+// Rows of the staged byte tiles are 48 bytes apart: a fragment load's 8 rows × 4 lanes
+// fall in 32 different banks, and 16-byte stores stay aligned.
+#define FP8_TILE_STRIDE 48
+
+// out[t, r] = x_scales[t] · Σ_u scale(r, u) · Σ_{c in u} e4m3(w[r, c]) · e4m3(xq[t, c]): a
+// 64-row × 64-token tile per block of 128 threads, as gemm's: each thread stages 16
+// bytes of the weight tile and 16 of the tokens' for each unit.
+extern "C" __global__ void __launch_bounds__(TILE_THREADS)
+    gemm_fp8_tc(bf16* out, const u8* w, const float* scales, u32 block_rows, u32 block_cols, const u8* xq,
+                const float* x_scales, u32 rows, u32 cols, u32 tokens, u32 out_stride) {
+    __shared__ __align__(16) u8 ws[TILE * FP8_TILE_STRIDE];
+    __shared__ __align__(16) u8 xs[TILE * FP8_TILE_STRIDE];
+    __shared__ float row_scale[TILE];
+    const Fp8Rows weight{w, scales, cols, block_rows, block_cols};
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 r0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
+    const u32 wm = (warp >> 1) * 32, wn = (warp & 1) * 32, g = lane >> 2, t = lane & 3;
+    const u32 staged = tid >> 1, half = 16 * (tid & 1);  // this thread's row (or token) and half
+    float acc[2][4][4] = {};
+    for (u32 u = 0; u < cols / 32; u++) {
+        uint4 v = {0u, 0u, 0u, 0u}, xv = {0u, 0u, 0u, 0u};
+        if (r0 + staged < rows) v = *(const uint4*)(w + (unsigned long long)(r0 + staged) * cols + 32 * u + half);
+        if (t0 + staged < tokens) xv = *(const uint4*)(xq + (unsigned long long)(t0 + staged) * cols + 32 * u + half);
+        *(uint4*)(ws + staged * FP8_TILE_STRIDE + half) = v;
+        *(uint4*)(xs + staged * FP8_TILE_STRIDE + half) = xv;
+        if (tid < TILE) row_scale[tid] = r0 + tid < rows ? weight.scale(r0 + tid, u) : 0.0f;
+        __syncthreads();
+        u32 a[2][4], b[4][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+            const u8* top = ws + (wm + 16 * mi + g) * FP8_TILE_STRIDE + 4 * t;
+            const u8* bottom = top + 8 * FP8_TILE_STRIDE;
+            a[mi][0] = *(const u32*)top;
+            a[mi][1] = *(const u32*)bottom;
+            a[mi][2] = *(const u32*)(top + 16);
+            a[mi][3] = *(const u32*)(bottom + 16);
+        }
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            const u8* col = xs + (wn + 8 * ni + g) * FP8_TILE_STRIDE + 4 * t;
+            b[ni][0] = *(const u32*)col;
+            b[ni][1] = *(const u32*)(col + 16);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+            const float s_top = row_scale[wm + 16 * mi + g], s_bottom = row_scale[wm + 16 * mi + g + 8];
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                float step[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_e4m3(step, a[mi], b[ni]);
+                acc[mi][ni][0] += step[0] * s_top;
+                acc[mi][ni][1] += step[1] * s_top;
+                acc[mi][ni][2] += step[2] * s_bottom;
+                acc[mi][ni][3] += step[3] * s_bottom;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const u32 r = r0 + wm + 16 * mi + g + 8 * (e >> 1), tok = t0 + wn + 8 * ni + 2 * t + (e & 1);
+                if (r < rows && tok < tokens)
+                    out[(unsigned long long)tok * out_stride + r] = f2bf(acc[mi][ni][e] * x_scales[tok]);
+            }
+        }
+    }
+}

@@ -10,7 +10,9 @@
 // decoded.f32 (every row's units through the format's decoder), out_T.bf16 for each
 // token count T (through the entry points the backend launches), wide_T.bf16 (the same
 // written 2 rows into an output 5 rows wider, as a part of a stacked weight writes),
-// emb.bf16 (the ids' rows through the embedding kernel).
+// emb.bf16 (the ids' rows through the embedding kernel). FP8 weights also take the W8A8
+// path for each count above the decode kernel's: xq_T.u8 and xs_T.f32 (quantise_e4m3's
+// bytes and scales) and tc_T.bf16 (gemm_fp8_tc's product).
 
 #include "host.h"
 #include "../common.cuh"
@@ -83,6 +85,27 @@ static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u
     write("emb.bf16", emb);
 }
 
+// quantise_e4m3 then gemm_fp8_tc, as the backend runs FP8 weights' products of many tokens.
+static void fp8_tensor_cores(const std::vector<u8>& w, const std::vector<float>& scales, u32 block_rows,
+                             u32 block_cols, u32 rows, u32 cols, const std::vector<u32>& token_counts) {
+    std::vector<bf16> x = read<bf16>("x.bf16");
+    for (u32 tokens : token_counts) {
+        if (tokens <= GEMV_MAX_T) continue;
+        std::vector<u8> xq((size_t)tokens * cols, 0xff);
+        std::vector<float> xs(tokens, NAN);
+        emu::launch({tokens, 1, 1}, 64, [&] { quantise_e4m3(xq.data(), xs.data(), x.data(), cols); });
+        std::vector<bf16> out((size_t)tokens * rows, 0x7fc0);
+        emu::launch({(rows + TILE - 1) / TILE, (tokens + TILE - 1) / TILE, 1}, TILE_THREADS, [&] {
+            gemm_fp8_tc(out.data(), w.data(), scales.data(), block_rows, block_cols, xq.data(), xs.data(), rows, cols,
+                        tokens, rows);
+        });
+        const std::string t = std::to_string(tokens);
+        write("xq_" + t + ".u8", xq);
+        write("xs_" + t + ".f32", xs);
+        write("tc_" + t + ".bf16", out);
+    }
+}
+
 #define BLOCK_FORMAT(NAME, TY)                                                                            \
     if (format == #NAME) {                                                                                \
         unsigned long long rb = (unsigned long long)cols / 32 / Format<TY>::units * Format<TY>::bytes;    \
@@ -122,6 +145,7 @@ int main(int argc, char** argv) {
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t, s); },
             [&](bf16* o, const u32* i, u32 c) { embedding_fp8(o, i, w.data(), scales.data(), a, b, c); }, rows, cols,
             tokens);
+        fp8_tensor_cores(w, scales, a, b, rows, cols, tokens);
         return 0;
     }
     if (std::sscanf(format.c_str(), "int4:%u", &a) == 1) {

@@ -121,7 +121,9 @@ mod tests {
     /// CI's check of every kernel source without a GPU: each must compile for Ampere
     /// and Hopper with an empty log (no warnings). Where NVRTC cannot be loaded the
     /// test says so and passes, unless `TESSERA_REQUIRE_NVRTC=1` (set by `.ci/run`,
-    /// which installs NVRTC from PyPI) makes that a failure.
+    /// which installs NVRTC from PyPI) makes that a failure. NVRTC passes inline PTX
+    /// through unread, so where `TESSERA_PTXAS` names a `ptxas` (`.ci/run` installs
+    /// PyPI's) the PTX is also assembled for its architecture, as the driver would.
     #[test]
     fn every_cuda_source_compiles_cleanly_for_sm80_and_sm90() {
         if !nvrtc_present() {
@@ -135,8 +137,27 @@ mod tests {
                 let compiled = compile(source, arch).unwrap_or_else(|e| panic!("{e}"));
                 assert!(compiled.log.is_empty(), "{} for {arch} warns:\n{}", source.name, compiled.log);
                 assert!(compiled.ptx.contains(".entry"), "{} for {arch}: no kernel in the PTX", source.name);
+                if let Ok(ptxas) = std::env::var("TESSERA_PTXAS") {
+                    assemble(&ptxas, source.name, arch, &compiled.ptx);
+                }
             }
         }
+    }
+
+    fn assemble(ptxas: &str, name: &str, arch: &str, ptx: &str) {
+        let dir = std::env::temp_dir().join(format!("tessera-ptxas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let input = dir.join(format!("{name}.{arch}.ptx"));
+        std::fs::write(&input, ptx).unwrap();
+        let out = std::process::Command::new(ptxas)
+            .arg(format!("-arch={arch}"))
+            .arg("-o")
+            .arg(dir.join(format!("{name}.{arch}.cubin")))
+            .arg(&input)
+            .output()
+            .unwrap_or_else(|e| panic!("TESSERA_PTXAS={ptxas}: {e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(out.status.success(), "ptxas {name} for {arch}:\n{}", String::from_utf8_lossy(&out.stderr));
     }
 
     #[test]

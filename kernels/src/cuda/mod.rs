@@ -152,6 +152,8 @@ struct Kernels {
     gather_f32: CudaFunction,
     /// Products and lookups with block-format weights, per format.
     packed: Vec<packed::FormatKernels>,
+    /// FP8 weights' W8A8 products, where the GPU has FP8 tensor cores (8.9 and up).
+    fp8_tensor_cores: Option<packed::Fp8TensorCores>,
 }
 
 /// Threads per block of the elementwise and row kernels.
@@ -296,6 +298,10 @@ impl CudaBackend {
             pick: sampling::PickSet::load(&find)?,
             gather_f32: find("gather_f32")?,
             packed: packed::load(&find)?,
+            fp8_tensor_cores: match (major, minor) >= (8, 9) {
+                true => Some(packed::Fp8TensorCores::load(&find)?),
+                false => None,
+            },
         };
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

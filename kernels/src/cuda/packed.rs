@@ -5,7 +5,8 @@
 //! bf16 copy's 2, and a decode step streams that much less. Products of up to
 //! `GEMV_MAX_TOKENS` tokens (decode) run one warp per weight row; more (prefill, large
 //! decode batches) run a tiled kernel that decodes each 64-row tile once for 64 tokens
-//! and multiplies on the tensor cores.
+//! and multiplies on the tensor cores; FP8 weights there, on GPUs that have them, on the
+//! FP8 tensor cores as they are, with the activations scaled to E4M3 per token (W8A8).
 
 use super::{CudaBackend, CudaIndex, launch, u32_of};
 use crate::quant::GgmlType;
@@ -52,6 +53,25 @@ pub(super) struct FormatKernels {
     embedding: CudaFunction,
 }
 
+/// FP8 weights' products on FP8 tensor cores: activations to E4M3 per token, then the
+/// W8A8 tile kernel (compute capability 8.9 and up).
+pub(super) struct Fp8TensorCores {
+    quantise: CudaFunction,
+    gemm: CudaFunction,
+}
+
+impl Fp8TensorCores {
+    pub(super) fn load(find: &dyn Fn(&str) -> Result<CudaFunction>) -> Result<Self> {
+        Ok(Self { quantise: find("quantise_e4m3")?, gemm: find("gemm_fp8_tc")? })
+    }
+}
+
+/// A token's activations as E4M3 bytes, and each token's scale.
+struct Quantised {
+    bytes: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+}
+
 pub(super) fn load(find: &dyn Fn(&str) -> Result<CudaFunction>) -> Result<Vec<FormatKernels>> {
     FORMATS
         .iter()
@@ -88,6 +108,14 @@ impl Packed {
             Packed::Fp8 { .. } => Some(Format::Fp8),
             Packed::Int4 { .. } => Some(Format::Int4),
             Packed::Stacked(_) => None,
+        }
+    }
+
+    fn has_fp8(&self) -> bool {
+        match self {
+            Packed::Fp8 { .. } => true,
+            Packed::Stacked(parts) => parts.iter().any(|(_, p)| p.has_fp8()),
+            _ => false,
         }
     }
 
@@ -178,23 +206,48 @@ impl CudaBackend {
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
         let stride = u32_of(op, rows)?;
+        // FP8 parts of a product of many tokens take the activations in E4M3, once.
+        let xq = match self.k.fp8_tensor_cores.as_ref() {
+            Some(tc) if tokens > GEMV_MAX_TOKENS && w.has_fp8() => Some(self.quantise_e4m3(op, tc, x, tokens, cols)?),
+            _ => None,
+        };
         let Packed::Stacked(parts) = w else {
-            return self.part_linear(x, tokens, (rows, cols), w, &mut out.slice_mut(..), stride);
+            return self.part_linear(x, xq.as_ref(), tokens, (rows, cols), w, &mut out.slice_mut(..), stride);
         };
         let mut first = 0;
         for (part_rows, part) in parts {
             let mut view = out.slice_mut(first..);
-            self.part_linear(x, tokens, (*part_rows, cols), part, &mut view, stride)?;
+            self.part_linear(x, xq.as_ref(), tokens, (*part_rows, cols), part, &mut view, stride)?;
             first += part_rows;
         }
         Ok(())
     }
 
+    fn quantise_e4m3(
+        &self,
+        op: &'static str,
+        tc: &Fp8TensorCores,
+        x: &CudaSlice<bf16>,
+        tokens: usize,
+        cols: usize,
+    ) -> Result<Quantised> {
+        // SAFETY: the kernel writes every byte and scale.
+        let mut bytes = unsafe { self.stream.alloc::<u8>(tokens * cols) }.map_err(super::device_err(op))?;
+        let mut scales = unsafe { self.stream.alloc::<f32>(tokens) }.map_err(super::device_err(op))?;
+        let c = u32_of(op, cols)?;
+        let mut l = self.stream.launch_builder(&tc.quantise);
+        l.arg(&mut bytes).arg(&mut scales).arg(x).arg(&c);
+        launch(&mut l, super::per_row(tokens, 256), op)?;
+        Ok(Quantised { bytes, scales })
+    }
+
     /// One packed part's rows of the product, into `out` (its first row's column of the
     /// first token), rows of the output `stride` apart.
+    #[allow(clippy::too_many_arguments)]
     fn part_linear(
         &self,
         x: &CudaSlice<bf16>,
+        xq: Option<&Quantised>,
         tokens: usize,
         (rows, cols): (usize, usize),
         w: &Packed,
@@ -214,6 +267,15 @@ impl CudaBackend {
             }
             (&k.gemm, LaunchConfig { grid_dim: grid, block_dim: (TILE_THREADS, 1, 1), shared_mem_bytes: 0 })
         };
+        if let (Some(q), Some(tc), Packed::Fp8 { bytes, scales, block_rows, block_cols }) =
+            (xq, self.k.fp8_tensor_cores.as_ref(), w)
+        {
+            // The tiled kernel's grid, on the FP8 tensor cores.
+            let mut l = self.stream.launch_builder(&tc.gemm);
+            l.arg(out).arg(bytes).arg(scales).arg(block_rows).arg(block_cols).arg(&q.bytes).arg(&q.scales);
+            l.arg(&r).arg(&c).arg(&t).arg(&stride);
+            return launch(&mut l, cfg, op);
+        }
         let mut l = self.stream.launch_builder(func);
         l.arg(out);
         w.push(&mut l);
