@@ -138,10 +138,13 @@ fn gpu_quantised_checkpoints_match_cpu() {
         let gpu = load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model;
         let prompt: Vec<u32> = (0..40).map(|_| rng.random_range(0..256)).collect();
         let (want, got) = (logits(&cpu, &prompt, 30), logits(&gpu, &prompt, 30));
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let err = rel_err(g, w);
-            assert!(err < 5e-2, "{label}: step {i} logits differ by {err}");
-        }
+        // FP8 prompts are prefilled W8A8 on FP8 tensor cores (activations rounded to
+        // E4M3, ~2.5 % a product), and their K/V carry it into every step: a wider bound
+        // there, its first measurement due on a device.
+        let bound = if label.starts_with("fp8") { 0.12 } else { 5e-2 };
+        let worst = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).fold(0.0, f64::max);
+        eprintln!("{label}: logits within {worst:.4} of the CPU's over {} steps", got.len());
+        assert!(worst < bound, "{label}: logits differ by {worst} (bound {bound})");
     }
     let _ = std::fs::remove_dir_all(root);
 }

@@ -127,7 +127,9 @@ fn gpu_block_weights_match_cpu() {
 
 /// FP8 (per-row and block scales) and 4-bit weights (groups of 32 and 128, zeros up to
 /// 16) stay in their layouts on the device: products through both kernels and
-/// embedding rows against the CPU's, which decodes them to f32. Bound: 1e-2, as above.
+/// embedding rows against the CPU's, which decodes them to f32. Bound: 1e-2, as above,
+/// but 4e-2 for FP8 products of many tokens on FP8 tensor cores (W8A8: the activations
+/// rounded to E4M3, 2.5 % on the host emulation's uniform data).
 #[test]
 fn gpu_fp8_and_int4_weights_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -170,7 +172,11 @@ fn gpu_fp8_and_int4_weights_match_cpu() {
             let x = randn(&mut rng, tokens * cols);
             let want = cpu.linear(&x, tokens, &cw, None).unwrap();
             let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
-            check(&format!("{what} linear {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want);
+            let op = format!("{what} linear {tokens}x[{rows}x{cols}]");
+            let w8a8 = matches!(data, WeightData::Fp8(_)) && tokens > 8 && g.k.fp8_tensor_cores.is_some();
+            let err = rel_err(&g.download(&got).unwrap(), &want);
+            assert!(err < if w8a8 { 4e-2 } else { 1e-2 }, "{op}: relative error {err}");
+            eprintln!("{op}: relative error {err:.4}{}", if w8a8 { " (W8A8)" } else { "" });
         }
         let ids: Vec<u32> = (0..5).map(|_| rng.random_range(0..rows as u32)).collect();
         let got = g.embedding(&g.upload_index(&ids).unwrap(), &gw).unwrap();
