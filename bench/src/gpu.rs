@@ -265,17 +265,22 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Products with weights kept in their checkpoints' formats on the device (ggml blocks,
-/// FP8 with per-row and 128 × 128 scales, 4-bit in groups of 128), at the Llama-3-8B
+/// Products with bf16 weights (cuBLAS) and with weights kept in their checkpoints'
+/// formats on the device (ggml blocks, FP8 with per-row and 128 × 128 scales, 4-bit in
+/// groups of 128; FP8 on FP8 tensor cores for 512 tokens where the GPU has them), at the Llama-3-8B
 /// MLP's up-projection shape (14336 × 4096): decode (1 and 8 tokens) against the
 /// memory floor of the format's own bytes, prefill (512 tokens) against the bf16 matrix
 /// ceiling.
 fn packed_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
     let (rows, cols) = (14_336, 4_096);
     let blocks = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K].map(Packing::Blocks);
-    for packing in blocks.into_iter().chain([Packing::Fp8([1, cols]), Packing::Fp8([128, 128]), Packing::Int4]) {
-        let format = packing.name();
-        let w = g.upload_weight(HostWeight { rows, cols, data: packing.random(rows, cols, 21) })?;
+    let packings = blocks.into_iter().chain([Packing::Fp8([1, cols]), Packing::Fp8([128, 128]), Packing::Int4]);
+    // bf16 first, through cuBLAS: the unpacked product the packed ones are read beside.
+    for packing in [None].into_iter().chain(packings.map(Some)) {
+        let (format, w) = match packing {
+            None => ("bf16".to_string(), g.random_weight(rows, cols, 21, 0.02)?),
+            Some(p) => (p.name(), g.upload_weight(HostWeight { rows, cols, data: p.random(rows, cols, 21) })?),
+        };
         for tokens in [1, 8, 512] {
             let x = g.random_buffer(tokens * cols, 22, 1.0)?;
             let time = median(reps, || {

@@ -139,9 +139,9 @@ struct Kernels {
     dense_attention: CudaFunction,
     write_kv: CudaFunction,
     paged_attention: CudaFunction,
-    /// The grouped, split fast path by (head size, query heads per KV head), and its
-    /// merge.
-    paged_attention_fast: Vec<((usize, usize), CudaFunction)>,
+    /// The grouped, split fast path by (head size, query heads per KV head), with how
+    /// many of its blocks a multiprocessor holds at once, and its merge.
+    paged_attention_fast: Vec<((usize, usize), CudaFunction, usize)>,
     paged_attention_merge: CudaFunction,
     apply_penalties: CudaFunction,
     add_at: CudaFunction,
@@ -191,6 +191,29 @@ fn flat(n: usize) -> LaunchConfig {
 /// One block of `threads` per row.
 fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Key splits per query row of the fast attention path, for `blocks` (rows × KV heads)
+/// on `sm_count` multiprocessors that hold `slots` blocks at once, each split at least
+/// MIN_SPLIT_KEYS keys (`most` splits). Few blocks: split until the grid fills the GPU
+/// twice over. Many: blocks run in waves of `slots`, and a last wave a fifth full
+/// leaves most of the GPU idle for a whole block's time (2,048 blocks in waves of 660
+/// keep it 78 % busy), so the fewest splits (up to 8) whose waves are 90 % full, else
+/// the fullest.
+fn attention_splits(blocks: usize, sm_count: usize, slots: usize, most: usize) -> usize {
+    let most = most.max(1);
+    if blocks < 2 * sm_count {
+        return (2 * sm_count).div_ceil(blocks.max(1)).min(most);
+    }
+    let fill = |s: usize| {
+        let n = blocks * s;
+        n as f64 / (n.div_ceil(slots) * slots) as f64
+    };
+    let candidates = 1..=most.min(8);
+    candidates
+        .clone()
+        .find(|&s| fill(s) >= 0.9)
+        .unwrap_or_else(|| candidates.fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
 }
 
 fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
@@ -288,7 +311,11 @@ impl CudaBackend {
             paged_attention_fast: [64, 128, 256]
                 .iter()
                 .flat_map(|&hd| [1, 2, 4, 8].map(|g| (hd, g)))
-                .map(|(hd, g)| Ok(((hd, g), find(&format!("paged_attention_hd{hd}_g{g}"))?)))
+                .map(|(hd, g)| {
+                    let f = find(&format!("paged_attention_hd{hd}_g{g}"))?;
+                    let resident = f.occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None);
+                    Ok(((hd, g), f, resident.map_err(device_err("occupancy"))?.max(1) as usize))
+                })
                 .collect::<Result<_>>()?,
             paged_attention_merge: find("paged_attention_merge")?,
             apply_penalties: find("apply_penalties")?,
@@ -909,12 +936,14 @@ impl Backend for CudaBackend {
         }
         let (qs, kc, vc) = (self.act(OP, q)?, self.act(OP, k_cache)?, self.act(OP, v_cache)?);
         let group = shape.num_heads / shape.num_kv_heads;
-        let fast = self.k.paged_attention_fast.iter().find(|(key, _)| *key == (shape.head_dim, group));
-        if let Some((_, kernel)) = fast {
-            // Split the keys over blocks until the grid fills the GPU twice over, each
-            // split keeping at least MIN_SPLIT_KEYS keys.
-            let blocks = rows * shape.num_kv_heads;
-            let splits = (2 * self.sm_count).div_ceil(blocks).min(max_keys.div_ceil(MIN_SPLIT_KEYS)).max(1);
+        let fast = self.k.paged_attention_fast.iter().find(|(key, _, _)| *key == (shape.head_dim, group));
+        if let Some((_, kernel, resident)) = fast {
+            let splits = attention_splits(
+                rows * shape.num_kv_heads,
+                self.sm_count,
+                self.sm_count * resident,
+                max_keys.div_ceil(MIN_SPLIT_KEYS),
+            );
             let parts = if splits > 1 { rows * shape.num_heads * splits } else { 1 };
             // SAFETY: with several splits every entry is written by the split kernel.
             let alloc = |n: usize| unsafe { self.stream.alloc::<f32>(n) }.map_err(device_err(OP));

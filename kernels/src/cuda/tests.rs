@@ -418,3 +418,22 @@ fn attention_case(g: &CudaBackend, rng: &mut StdRng, shape: &AttentionShape, seq
     let bad_batch = PagedBatch::<CudaBackend> { block_tables: &bad, ..gpu_batch };
     assert!(g.paged_attention(&g.upload(&q).unwrap(), &k_gpu, &v_gpu, &bad_batch, shape).is_err());
 }
+
+/// Split choice of the fast attention path, on an H100's 132 multiprocessors holding 5
+/// blocks each (660 at once), keys enough for 9 splits.
+#[test]
+fn attention_splits_fill_the_gpu_in_whole_waves() {
+    let splits = |blocks| super::attention_splits(blocks, 132, 660, 9);
+    // Few blocks (batch 1 and 8, 8 KV heads): until the grid is twice the GPU.
+    assert_eq!(splits(8), 9);
+    assert_eq!(splits(64), 5);
+    // Batch 64: 512 blocks fill 78 % of one wave; 5 splits, 2,560 blocks, 97 % of four.
+    assert_eq!(splits(512), 5);
+    // Batch 256: 2,048 blocks leave the fourth wave a tenth full; 3 splits fill 93 %.
+    assert_eq!(splits(2048), 3);
+    // Already whole waves: no split.
+    assert_eq!(splits(1320), 1);
+    // Short contexts cap the splits; the fullest allowed is taken.
+    assert_eq!(super::attention_splits(512, 132, 660, 2), 1);
+    assert_eq!(super::attention_splits(2048, 132, 660, 1), 1);
+}
