@@ -72,6 +72,39 @@ extern "C" __global__ void rope(bf16* x, const u32* positions, const float* inv_
     }
 }
 
+// Attention's inputs from a fused Q/K/V row per token ([heads + 2 kv_heads] × head_dim):
+// query heads rotated into q_out, key heads rotated and value heads copied into the
+// caches at slot slots[t] ([slots, kv_heads, head_dim]). One thread per pair of a head:
+// pair p < half is rope's rotated pair (the same arithmetic, so the same bits as rope
+// then write_kv), the rest (partial rotary) and every value pair are copied.
+extern "C" __global__ void qkv_to_cache(bf16* q_out, bf16* k_cache, bf16* v_cache, const bf16* qkv,
+                                        const u32* positions, const u32* slots, const float* inv_freq, u32 tokens,
+                                        u32 heads, u32 kv_heads, u32 head_dim, u32 half, u32 neox) {
+    const u32 all = heads + 2 * kv_heads, pairs = head_dim / 2;
+    FOR_EACH(n, (unsigned long long)tokens * all * pairs) {
+        const u32 p = n % pairs;
+        const unsigned long long th = n / pairs, t = th / all;
+        const u32 h = th % all;
+        const bf16* src = qkv + th * head_dim;
+        bf16* dst = h < heads ? q_out + (t * heads + h) * head_dim
+                    : h < heads + kv_heads
+                        ? k_cache + ((unsigned long long)slots[t] * kv_heads + (h - heads)) * head_dim
+                        : v_cache + ((unsigned long long)slots[t] * kv_heads + (h - heads - kv_heads)) * head_dim;
+        const bool rotate = p < half && h < heads + kv_heads;
+        const u32 a = rotate && neox ? p : 2 * p, b = rotate && neox ? p + half : 2 * p + 1;
+        if (rotate) {
+            float s, c;
+            sincosf((float)positions[t] * inv_freq[p], &s, &c);
+            const float x0 = bf2f(src[a]), x1 = bf2f(src[b]);
+            dst[a] = f2bf(x0 * c - x1 * s);
+            dst[b] = f2bf(x0 * s + x1 * c);
+        } else {
+            dst[a] = src[a];
+            dst[b] = src[b];
+        }
+    }
+}
+
 // gate_up rows are [gate (width), up (width)].
 extern "C" __global__ void silu_mul(bf16* out, const bf16* gate_up, u32 rows, u32 width) {
     FOR_EACH(i, (unsigned long long)rows * width) {

@@ -294,6 +294,33 @@ pub trait Backend: Send + Sync {
         v_cache: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Attention's inputs from a fused Q/K/V product (`[tokens, q_width + 2 · kv_width]`):
+    /// queries and keys rotated at `positions` (as `rope`), keys and values written to the
+    /// cache at `slots` (as `write_kv`); returns the rotated queries, `[tokens, q_width]`.
+    /// The default composes those ops; a GPU does it in one pass over the product.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_to_cache(
+        &self,
+        qkv: &Self::Buffer,
+        positions: &Self::Index,
+        inv_freq: &Self::Buffer,
+        style: RopeStyle,
+        slots: &Self::Index,
+        shape: &AttentionShape,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    ) -> Result<Self::Buffer> {
+        let (q_width, kv_width) = (shape.q_width(), shape.kv_width());
+        let parts = self.split_columns(qkv, &[q_width, kv_width, kv_width])?;
+        let Ok([mut q, mut k, v]) = <[Self::Buffer; 3]>::try_from(parts) else {
+            return Err(crate::KernelError::shape("qkv_to_cache", "split_columns returned another number of parts"));
+        };
+        self.rope(&mut q, positions, shape.num_heads, shape.head_dim, inv_freq, style)?;
+        self.rope(&mut k, positions, shape.num_kv_heads, shape.head_dim, inv_freq, style)?;
+        self.write_kv(&k, &v, slots, shape, k_cache, v_cache)?;
+        Ok(q)
+    }
+
     /// Causal attention of the batch's query rows (`[tokens, num_heads, head_dim]`) over
     /// keys and values read through each sequence's block table; grouped-query heads
     /// share a KV head. Returns `[tokens, num_heads * head_dim]`.

@@ -12,6 +12,10 @@
 //! rows (a part of a stacked weight), and embedding rows equal to the decoded ones
 //! rounded to bf16.
 //!
+//! `elementwise.cu`'s qkv_to_cache: RoPE within a bf16 step of a plain rotation, both
+//! styles, whole and partial; values and unrotated dimensions copied bit for bit; the
+//! cache written at exactly the tokens' slots.
+//!
 //! `sampling.cu`'s pick, split over 1 to 7 blocks a row, f32 and bf16 logits: every
 //! greedy and drawn token equal to a plain sort-and-walk of the row in the same fixed
 //! point (`reference_pick`).
@@ -32,7 +36,12 @@ const TOKENS: [usize; 5] = [1, 3, 8, 9, 70];
 fn driver(name: &'static str) -> &'static Path {
     static QUANT: OnceLock<PathBuf> = OnceLock::new();
     static PICK: OnceLock<PathBuf> = OnceLock::new();
-    let cell = if name == "quant_check" { &QUANT } else { &PICK };
+    static QKV: OnceLock<PathBuf> = OnceLock::new();
+    let cell = match name {
+        "quant_check" => &QUANT,
+        "pick_check" => &PICK,
+        _ => &QKV,
+    };
     cell.get_or_init(|| {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("cuda/emulation/{name}.cpp"));
         let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
@@ -397,5 +406,77 @@ fn pick_kernels_match_a_sort_and_walk_on_the_host_emulation() {
             }
         }
         let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn qkv_to_cache_matches_a_plain_rotation_on_the_host_emulation() {
+    let mut rng = rng();
+    let (tokens, heads, kv_heads, head_dim, capacity) = (5usize, 4usize, 2usize, 16usize, 12usize);
+    let all = heads + 2 * kv_heads;
+    // Whole and partial rotary, in both styles.
+    for (half, neox) in [(8usize, true), (8, false), (4, true), (4, false)] {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("emulation-qkv-{half}-{neox}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let qkv: Vec<f32> =
+            (0..tokens * all * head_dim).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_f32()).collect();
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..5000)).collect();
+        let slots: Vec<u32> = vec![7, 0, 11, 3, 4];
+        let inv_freq: Vec<f32> = (0..half).map(|i| 10_000f32.powf(-((2 * i) as f32) / head_dim as f32)).collect();
+        let le = |v: &[u32]| bytes_of(v, |x| x.to_le_bytes().to_vec());
+        std::fs::write(dir.join("qkv.bf16"), bytes_of(&qkv, |v| bf16::from_f32(v).to_le_bytes().to_vec())).unwrap();
+        std::fs::write(dir.join("positions.u32"), le(&positions)).unwrap();
+        std::fs::write(dir.join("slots.u32"), le(&slots)).unwrap();
+        std::fs::write(dir.join("inv_freq.f32"), bytes_of(&inv_freq, |v| v.to_le_bytes().to_vec())).unwrap();
+        let sizes = [tokens, heads, kv_heads, head_dim, half, usize::from(neox), capacity];
+        let output = Command::new(driver("qkv_check")).arg(&dir).args(sizes.map(|v| v.to_string())).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let (q, k_cache, v_cache) = (
+            read_bf16(&dir.join("q.bf16")),
+            read_bf16(&dir.join("k_cache.bf16")),
+            read_bf16(&dir.join("v_cache.bf16")),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+
+        // Head h of token t, rotated plainly in f32: rope's pairs (i, i + half) or (2i, 2i + 1).
+        let rotated = |t: usize, h: usize| -> Vec<f32> {
+            let mut x = qkv[(t * all + h) * head_dim..][..head_dim].to_vec();
+            for i in 0..half {
+                let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (s, c) = (positions[t] as f32 * inv_freq[i]).sin_cos();
+                let (x0, x1) = (x[a], x[b]);
+                (x[a], x[b]) = (x0 * c - x1 * s, x0 * s + x1 * c);
+            }
+            x
+        };
+        // Within one bf16 rounding (2⁻⁸ of the pair's size) plus the sine's.
+        let close = |got: &[f32], want: &[f32], input: &[f32], what: &str| {
+            for d in 0..head_dim {
+                let scale = input[d].abs() + input[d ^ 1].abs() + input[(d + half) % head_dim].abs();
+                assert!((got[d] - want[d]).abs() <= scale / 128.0 + 1e-6, "{what} dim {d}: {} vs {}", got[d], want[d]);
+                if d >= 2 * half {
+                    assert_eq!(got[d].to_bits(), input[d].to_bits(), "{what} dim {d}: unrotated, copied");
+                }
+            }
+        };
+        for t in 0..tokens {
+            for h in 0..heads {
+                let input = &qkv[(t * all + h) * head_dim..][..head_dim];
+                close(&q[(t * heads + h) * head_dim..][..head_dim], &rotated(t, h), input, &format!("q t{t} h{h}"));
+            }
+            for g in 0..kv_heads {
+                let at = (slots[t] as usize * kv_heads + g) * head_dim;
+                let input = &qkv[(t * all + heads + g) * head_dim..][..head_dim];
+                close(&k_cache[at..][..head_dim], &rotated(t, heads + g), input, &format!("k t{t} g{g}"));
+                let value = &qkv[(t * all + heads + kv_heads + g) * head_dim..][..head_dim];
+                let same = v_cache[at..][..head_dim].iter().zip(value).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "v t{t} g{g}: copied bit for bit");
+            }
+        }
+        for slot in (0..capacity as u32).filter(|s| !slots.contains(s)) {
+            let at = slot as usize * kv_heads * head_dim;
+            assert!(k_cache[at..][..kv_heads * head_dim].iter().all(|v| v.is_nan()), "slot {slot} left alone");
+            assert!(v_cache[at..][..kv_heads * head_dim].iter().all(|v| v.is_nan()), "slot {slot} left alone");
+        }
     }
 }

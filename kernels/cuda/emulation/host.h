@@ -227,6 +227,8 @@ inline T atomicMax(T* p, T v) {
     }
     return old;
 }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
 inline unsigned long long __float2ull_rz(float f) { return f > 0.0f ? (unsigned long long)f : 0ull; }
 template <class T>
 inline T min(T a, T b) {

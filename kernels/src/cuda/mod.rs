@@ -138,6 +138,7 @@ struct Kernels {
     scatter_rows: CudaFunction,
     dense_attention: CudaFunction,
     write_kv: CudaFunction,
+    qkv_to_cache: CudaFunction,
     paged_attention: CudaFunction,
     /// The grouped, split fast path by (head size, query heads per KV head), with how
     /// many of its blocks a multiprocessor holds at once, and its merge.
@@ -307,6 +308,7 @@ impl CudaBackend {
             scatter_rows: find("scatter_rows")?,
             dense_attention: find("dense_attention")?,
             write_kv: find("write_kv")?,
+            qkv_to_cache: find("qkv_to_cache")?,
             paged_attention: find("paged_attention")?,
             paged_attention_fast: [64, 128, 256]
                 .iter()
@@ -906,6 +908,50 @@ impl Backend for CudaBackend {
         let mut l = self.stream.launch_builder(&self.k.write_kv);
         l.arg(&mut *kc).arg(&mut *vc).arg(&*ks).arg(&*vs).arg(&slots.dev).arg(&t).arg(&width);
         launch(&mut l, flat(tokens * w), OP)
+    }
+
+    fn qkv_to_cache(
+        &self,
+        qkv: &CudaBuffer,
+        positions: &CudaIndex,
+        inv_freq: &CudaBuffer,
+        style: RopeStyle,
+        slots: &CudaIndex,
+        shape: &AttentionShape,
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) -> Result<CudaBuffer> {
+        const OP: &str = "qkv_to_cache";
+        let (q_width, kv_width, head_dim) = (shape.q_width(), shape.kv_width(), shape.head_dim);
+        let tokens = positions.host.len();
+        expect_len(OP, "slots", slots.host.len(), tokens)?;
+        expect_len(OP, "input", qkv.len(), tokens * (q_width + 2 * kv_width))?;
+        expect_len(OP, "value cache", v_cache.len(), k_cache.len())?;
+        let half = inv_freq.len();
+        if 2 * half > head_dim || head_dim % 2 != 0 {
+            return Err(KernelError::shape(OP, format!("{half} frequencies for head_dim {head_dim}")));
+        }
+        let capacity = k_cache.len() / kv_width.max(1);
+        if let Some(&slot) = slots.host.iter().find(|&&s| s as usize >= capacity) {
+            return Err(KernelError::shape(OP, format!("slot {slot} outside a cache of {capacity}")));
+        }
+        let mut q = self.alloc(OP, tokens * q_width)?;
+        let n = tokens * (shape.num_heads + 2 * shape.num_kv_heads) * (head_dim / 2);
+        if n == 0 {
+            return Ok(CudaBuffer(Data::Bf16(q)));
+        }
+        let (freq, x) = (self.param(OP, inv_freq)?, self.act(OP, qkv)?);
+        let kc = self.act_mut(OP, k_cache)?;
+        let vc = self.act_mut(OP, v_cache)?;
+        let sizes = [tokens, shape.num_heads, shape.num_kv_heads, head_dim, half];
+        let [t, h, kvh, d, hf] = sizes.map(|v| v as u32);
+        u32_of(OP, n)?; // and so every size below
+        let neox = u32::from(style == RopeStyle::Neox);
+        let mut l = self.stream.launch_builder(&self.k.qkv_to_cache);
+        l.arg(&mut q).arg(&mut *kc).arg(&mut *vc).arg(&*x).arg(&positions.dev).arg(&slots.dev).arg(&*freq);
+        l.arg(&t).arg(&h).arg(&kvh).arg(&d).arg(&hf).arg(&neox);
+        launch(&mut l, flat(n), OP)?;
+        Ok(CudaBuffer(Data::Bf16(q)))
     }
 
     fn paged_attention(

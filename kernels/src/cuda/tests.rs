@@ -227,6 +227,38 @@ fn gpu_rope_matches_cpu_in_both_styles_at_long_positions() {
     }
 }
 
+/// The fused Q/K/V step gives the very bits of split_columns, rope and write_kv, both
+/// styles, whole and partial rotary, caches written only at the tokens' slots.
+#[test]
+fn gpu_qkv_to_cache_is_rope_then_write_kv() {
+    let Some(g) = gpu() else { return };
+    let mut rng = rng();
+    let (tokens, heads, kv_heads, head_dim) = (7, 8, 2, 64);
+    let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size: 16, scale: 0.125 };
+    let (qw, kw) = (shape.q_width(), shape.kv_width());
+    let positions = g.upload_index(&(0..tokens).map(|_| rng.random_range(0..32_000)).collect::<Vec<u32>>()).unwrap();
+    let slots = g.upload_index(&[5, 17, 0, 31, 2, 9, 20]).unwrap();
+    for (half, style) in [(32, RopeStyle::Neox), (32, RopeStyle::Interleaved), (16, RopeStyle::Neox)] {
+        let inv_freq: Vec<f32> = (0..half).map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32)).collect();
+        let inv_freq = g.upload(&inv_freq).unwrap();
+        let qkv = g.upload(&randn(&mut rng, tokens * (qw + 2 * kw))).unwrap();
+        let caches = || (g.upload(&vec![f32::NAN; 32 * kw]).unwrap(), g.upload(&vec![f32::NAN; 32 * kw]).unwrap());
+        let (mut k1, mut v1) = caches();
+        let q1 = g.qkv_to_cache(&qkv, &positions, &inv_freq, style, &slots, &shape, &mut k1, &mut v1).unwrap();
+        let (mut k2, mut v2) = caches();
+        let [mut q2, mut k, v]: [super::CudaBuffer; 3] =
+            g.split_columns(&qkv, &[qw, kw, kw]).unwrap().try_into().ok().unwrap();
+        g.rope(&mut q2, &positions, heads, head_dim, &inv_freq, style).unwrap();
+        g.rope(&mut k, &positions, kv_heads, head_dim, &inv_freq, style).unwrap();
+        g.write_kv(&k, &v, &slots, &shape, &mut k2, &mut v2).unwrap();
+        for (what, a, b) in [("q", &q1, &q2), ("k cache", &k1, &k2), ("v cache", &v1, &v2)] {
+            let (a, b) = (g.download(a).unwrap(), g.download(b).unwrap());
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+            assert!(same && a.len() == b.len(), "{what}, {half} pairs {style:?}: the fused step differs");
+        }
+    }
+}
+
 #[test]
 fn gpu_elementwise_and_row_ops_match_cpu() {
     let Some(g) = gpu() else { return };

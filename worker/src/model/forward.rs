@@ -272,13 +272,8 @@ impl<B: Backend> Model<B> {
         let mut x = b.rms_norm(&h, &first.attn_norm, c.rms_norm_eps)?;
         for (i, (layer, (k_cache, v_cache))) in w.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             let qkv = b.linear(&x, tokens, &layer.qkv, layer.qkv_bias.as_ref())?;
-            let [mut q, mut k, v]: [B::Buffer; 3] = b
-                .split_columns(&qkv, &[c.q_width(), c.kv_width(), c.kv_width()])?
-                .try_into()
-                .map_err(|_| ModelError::Input("split_columns returned the wrong number of parts".into()))?;
-            b.rope(&mut q, &d.positions, c.num_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
-            b.rope(&mut k, &d.positions, c.num_kv_heads, c.head_dim, &w.inv_freq, c.rope_style)?;
-            b.write_kv(&k, &v, &d.slots, &shape, k_cache, v_cache)?;
+            let q =
+                b.qkv_to_cache(&qkv, &d.positions, &w.inv_freq, c.rope_style, &d.slots, &shape, k_cache, v_cache)?;
             let attn = b.paged_attention(&q, k_cache, v_cache, &batch, &shape)?;
             let mut attn_out = b.linear(&attn, tokens, &layer.o, None)?;
             self.all_reduce(&mut attn_out)?;
