@@ -111,7 +111,9 @@ paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
 //    dimension-per-lane with coalesced loads, the probabilities passed by shuffles;
 //  * a long context with few rows is split over blocks (flash-decoding): each split
 //    writes its running max, sum and weighted values in f32, and
-//    paged_attention_merge combines them. With one split the block writes the output.
+//    paged_attention_merge combines them. With one split the block writes the output;
+//  * rows of sequences with `tiled_from` query rows or more are prefill.cu's: skipped
+//    here (their merged output is garbage, overwritten by the tiled kernel after).
 
 #define PA_WARPS 4
 
@@ -135,7 +137,7 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
                                              const bf16* k_cache, const bf16* v_cache, const u32* query_start,
                                              const u32* context_lens, const u32* block_tables, u32 num_seqs,
                                              u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size,
-                                             float scale, u32 splits) {
+                                             float scale, u32 splits, u32 tiled_from) {
     constexpr int DPL = HD / 32;
     const u32 row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     u32 lo = 0, hi = num_seqs;
@@ -145,6 +147,7 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     }
     const u32 s = lo;
     const u32 q_len = query_start[s + 1] - query_start[s];
+    if (q_len >= tiled_from) return;  // prefill.cu's tiled kernel writes this row after
     const u32 keys = context_lens[s] - q_len + (row - query_start[s]) + 1;
     // This row's share of its keys: whole tiles of 32, so the splits stay balanced
     // whatever the context (a captured graph fixes only the number of splits).
@@ -281,10 +284,11 @@ __device__ __forceinline__ void attend_split(bf16* out, float* part_m, float* pa
     extern "C" __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention_hd##HD##_g##G(                       \
         bf16* out, float* part_m, float* part_l, float* part_acc, const bf16* q, const bf16* k_cache,               \
         const bf16* v_cache, const u32* query_start, const u32* context_lens, const u32* block_tables, u32 num_seqs, \
-        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size, float scale, u32 splits) {                 \
+        u32 max_blocks, u32 num_heads, u32 num_kv_heads, u32 block_size, float scale, u32 splits,                   \
+        u32 tiled_from) {                                                                                            \
         attend_split<HD, G>(out, part_m, part_l, part_acc, q, k_cache, v_cache, query_start, context_lens,          \
                             block_tables, num_seqs, max_blocks, num_heads, num_kv_heads, block_size, scale,         \
-                            splits);                                                                                 \
+                            splits, tiled_from);                                                                     \
     }
 #define PAGED_ATTENTION_GROUPS(HD) \
     PAGED_ATTENTION(HD, 1) PAGED_ATTENTION(HD, 2) PAGED_ATTENTION(HD, 4) PAGED_ATTENTION(HD, 8)

@@ -25,6 +25,20 @@ __device__ __forceinline__ void unpack8(uint4 raw, float* f) {
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// One warp's D = A·B + D on the tensor cores, m16n8k16 with bf16 inputs and f32
+// accumulators. Fragments (g = lane / 4, t = lane % 4, pairs of bf16 in a register, the
+// lower index in the low half): a = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
+// b = B[2t..][g], B[2t+8..][g]; d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
+#ifndef TESSERA_HOST_EMULATION
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -17,7 +17,8 @@
 
 typedef unsigned char u8;
 
-// The two instructions written in PTX; kernels/cuda/emulation gives the host its own.
+// The instructions written in PTX; kernels/cuda/emulation gives the host its own
+// (mma_bf16 is in common.cuh).
 #ifndef TESSERA_HOST_EMULATION
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
@@ -215,19 +216,6 @@ __device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 r
     }
 }
 
-// One warp's D = A·B + D on the tensor cores, m16n8k16 with bf16 inputs and f32
-// accumulators. Fragments (g = lane / 4, t = lane % 4, pairs of bf16 in a register, the
-// lower index in the low half): a = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..];
-// b = B[2t..][g], B[2t+8..][g]; d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
-#ifndef TESSERA_HOST_EMULATION
-__device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
 
 // Products of more tokens (prefill, large decode batches) on the tensor cores: each
 // block computes a 64-row × 64-token tile of out, 32 columns at a time. Its first 64

@@ -1,5 +1,5 @@
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the host emulation, with the
-// fragment layouts of the PTX ISA (quant.cu's comment above its mma_bf16): each lane
+// fragment layouts of the PTX ISA (common.cuh's comment above its mma_bf16): each lane
 // posts its fragments, then computes its four outputs from the lanes that hold them.
 
 inline void mma_bf16(float* d, const u32* a, const u32* b) {

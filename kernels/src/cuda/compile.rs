@@ -15,9 +15,10 @@ pub struct Source {
 /// Helpers every source uses; NVRTC cannot read include files, so it is prepended.
 const COMMON: &str = include_str!("../../cuda/common.cuh");
 
-pub const SOURCES: [Source; 4] = [
+pub const SOURCES: [Source; 5] = [
     Source { name: "elementwise.cu", text: include_str!("../../cuda/elementwise.cu") },
     Source { name: "attention.cu", text: include_str!("../../cuda/attention.cu") },
+    Source { name: "prefill.cu", text: include_str!("../../cuda/prefill.cu") },
     Source { name: "sampling.cu", text: include_str!("../../cuda/sampling.cu") },
     Source { name: "quant.cu", text: include_str!("../../cuda/quant.cu") },
 ];

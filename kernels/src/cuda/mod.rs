@@ -144,6 +144,8 @@ struct Kernels {
     /// many of its blocks a multiprocessor holds at once, and its merge.
     paged_attention_fast: Vec<((usize, usize), CudaFunction, usize)>,
     paged_attention_merge: CudaFunction,
+    /// The tiled prefill kernel by head size.
+    prefill_attention: Vec<(usize, CudaFunction)>,
     apply_penalties: CudaFunction,
     add_at: CudaFunction,
     row_max_lse: CudaFunction,
@@ -167,6 +169,12 @@ const MAX_HEAD_DIM: usize = 256;
 const DENSE_ATTENTION_SHARED_BYTES: usize = 48 * 1024;
 /// Fewest keys a split of the fast attention path takes.
 const MIN_SPLIT_KEYS: usize = 128;
+/// Query rows of a sequence from which the tiled prefill kernel takes it (it reads
+/// each key once per query head and tile of rows, where the row kernels read it once
+/// per row), the rows of its tiles and its block (FA_ROWS and 4 warps in prefill.cu).
+const PREFILL_TILE_MIN_ROWS: usize = 8;
+const PREFILL_TILE_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
 
 fn device_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
     move |e| KernelError::Device { op, detail: e.to_string() }
@@ -320,6 +328,10 @@ impl CudaBackend {
                 })
                 .collect::<Result<_>>()?,
             paged_attention_merge: find("paged_attention_merge")?,
+            prefill_attention: [64, 128]
+                .iter()
+                .map(|&hd| Ok((hd, find(&format!("prefill_attention_hd{hd}"))?)))
+                .collect::<Result<_>>()?,
             apply_penalties: find("apply_penalties")?,
             add_at: find("add_at")?,
             row_max_lse: find("row_max_lse")?,
@@ -971,7 +983,15 @@ impl Backend for CudaBackend {
             max_blocks_per_seq: batch.max_blocks_per_seq,
         };
         let rows = host.validate(q.len(), k_cache.len(), v_cache.len(), shape)?;
-        let max_keys = rows.iter().map(|r| r.keys).max().unwrap_or(0);
+        let q_len = |seq: usize| (host.query_start[seq + 1] - host.query_start[seq]) as usize;
+        // Sequences with many query rows (prefill chunks) go to the tiled kernel, if
+        // there is one for this head size; the rest to the row kernels.
+        let tiled = self.k.prefill_attention.iter().find(|(hd, _)| *hd == shape.head_dim).map(|(_, f)| f);
+        let tiled = tiled.filter(|_| (0..host.num_seqs).any(|s| q_len(s) >= PREFILL_TILE_MIN_ROWS));
+        let tiled_from = if tiled.is_some() { PREFILL_TILE_MIN_ROWS as u32 } else { u32::MAX };
+        let short = |r: &&crate::paged::Row| q_len(r.seq) < tiled_from as usize;
+        let max_keys = rows.iter().filter(short).map(|r| r.keys).max().unwrap_or(0);
+        let any_short = rows.iter().any(|r| short(&r));
         let rows = rows.len();
         if shape.head_dim > MAX_HEAD_DIM {
             return Err(KernelError::shape(OP, format!("head_dim {} above {MAX_HEAD_DIM}", shape.head_dim)));
@@ -981,6 +1001,55 @@ impl Backend for CudaBackend {
             return Ok(CudaBuffer(Data::Bf16(out)));
         }
         let (qs, kc, vc) = (self.act(OP, q)?, self.act(OP, k_cache)?, self.act(OP, v_cache)?);
+        if any_short {
+            self.row_attention(&mut out, (&qs, &kc, &vc), batch, shape, (rows, max_keys), tiled_from)?;
+        }
+        if let Some(kernel) = tiled {
+            // After the row kernels: it overwrites what they merged for its rows.
+            let mut tiles = Vec::new();
+            for seq in (0..host.num_seqs).filter(|&s| q_len(s) >= PREFILL_TILE_MIN_ROWS) {
+                tiles.extend((0..q_len(seq)).step_by(PREFILL_TILE_ROWS).flat_map(|r0| [seq as u32, r0 as u32]));
+            }
+            let tiles = self.htod(OP, &tiles)?;
+            let args = [
+                u32_of(OP, batch.max_blocks_per_seq)?,
+                u32_of(OP, shape.num_heads)?,
+                u32_of(OP, shape.num_kv_heads)?,
+                u32_of(OP, shape.block_size)?,
+            ];
+            let cfg = LaunchConfig {
+                grid_dim: (u32_of(OP, tiles.len() / 2)?, args[1], 1),
+                block_dim: (PREFILL_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = self.stream.launch_builder(kernel);
+            l.arg(&mut out).arg(&*qs).arg(&*kc).arg(&*vc).arg(&tiles);
+            l.arg(&batch.query_start.dev).arg(&batch.context_lens.dev).arg(&batch.block_tables.dev);
+            for a in &args {
+                l.arg(a);
+            }
+            l.arg(&shape.scale);
+            launch(&mut l, cfg, OP)?;
+        }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+}
+
+impl CudaBackend {
+    /// The row kernels of paged attention: the grouped, split fast path where there is
+    /// one for the head size and group, else one block per row and head. Rows of
+    /// sequences with `tiled_from` query rows or more are left to the tiled kernel
+    /// (the fast path skips them; the general one computes them anyway).
+    fn row_attention(
+        &self,
+        out: &mut CudaSlice<bf16>,
+        (qs, kc, vc): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
+        batch: &PagedBatch<'_, Self>,
+        shape: &AttentionShape,
+        (rows, max_keys): (usize, usize),
+        tiled_from: u32,
+    ) -> Result<()> {
+        const OP: &str = "paged_attention";
         let group = shape.num_heads / shape.num_kv_heads;
         let fast = self.k.paged_attention_fast.iter().find(|(key, _, _)| *key == (shape.head_dim, group));
         if let Some((_, kernel, resident)) = fast {
@@ -1008,12 +1077,12 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             let mut l = self.stream.launch_builder(kernel);
-            l.arg(&mut out).arg(&mut pm).arg(&mut pl).arg(&mut pa).arg(&*qs).arg(&*kc).arg(&*vc);
+            l.arg(&mut *out).arg(&mut pm).arg(&mut pl).arg(&mut pa).arg(qs).arg(kc).arg(vc);
             l.arg(&batch.query_start.dev).arg(&batch.context_lens.dev).arg(&batch.block_tables.dev);
             for a in &args {
                 l.arg(a);
             }
-            l.arg(&shape.scale).arg(&splits32);
+            l.arg(&shape.scale).arg(&splits32).arg(&tiled_from);
             launch(&mut l, cfg, OP)?;
             if splits > 1 {
                 let (heads, hd) = (u32_of(OP, shape.num_heads)?, u32_of(OP, shape.head_dim)?);
@@ -1023,10 +1092,10 @@ impl Backend for CudaBackend {
                     shared_mem_bytes: 0,
                 };
                 let mut l = self.stream.launch_builder(&self.k.paged_attention_merge);
-                l.arg(&mut out).arg(&pm).arg(&pl).arg(&pa).arg(&heads).arg(&hd).arg(&splits32);
+                l.arg(&mut *out).arg(&pm).arg(&pl).arg(&pa).arg(&heads).arg(&hd).arg(&splits32);
                 launch(&mut l, cfg, OP)?;
             }
-            return Ok(CudaBuffer(Data::Bf16(out)));
+            return Ok(());
         }
         let args = [
             u32_of(OP, batch.num_seqs)?,
@@ -1042,13 +1111,12 @@ impl Backend for CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut l = self.stream.launch_builder(&self.k.paged_attention);
-        l.arg(&mut out).arg(&*qs).arg(&*kc).arg(&*vc);
+        l.arg(&mut *out).arg(qs).arg(kc).arg(vc);
         l.arg(&batch.query_start.dev).arg(&batch.context_lens.dev).arg(&batch.block_tables.dev);
         for a in &args {
             l.arg(a);
         }
         l.arg(&shape.scale);
-        launch(&mut l, cfg, OP)?;
-        Ok(CudaBuffer(Data::Bf16(out)))
+        launch(&mut l, cfg, OP)
     }
 }
