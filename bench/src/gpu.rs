@@ -40,6 +40,10 @@ pub struct Args {
     /// checkpoint stores them (the decode floor is then the packed bytes).
     #[arg(long, value_enum, default_value = "bf16")]
     weights: WeightKind,
+    /// Decode steps' products with bf16 weights through the backend's gemv_bf16
+    /// kernel instead of cuBLAS.
+    #[arg(long)]
+    bf16_gemv: bool,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -104,7 +108,7 @@ impl Packing {
 const BLOCK: usize = 16;
 
 pub fn run(args: Args) -> Result<()> {
-    let g = CudaBackend::new(0).context("the gpu benchmark needs a CUDA GPU")?;
+    let mut g = CudaBackend::new(0).context("the gpu benchmark needs a CUDA GPU")?;
     let device = g.device_name();
     let line = |mut v: serde_json::Value| {
         v["bench"] = json!("gpu");
@@ -116,7 +120,8 @@ pub fn run(args: Args) -> Result<()> {
     line(json!({"case": "copy_bandwidth", "bytes_per_s": round(bandwidth)}));
     let ceiling = matmul_ceiling(&g, args.reps)?;
     line(json!({"case": "matmul_ceiling", "m_n_k": 8192, "flop_per_s": round(ceiling)}));
-    packed_products(&g, bandwidth, ceiling, args.reps, &line)?;
+    packed_products(&mut g, bandwidth, ceiling, args.reps, &line)?;
+    g.set_bf16_gemv(args.bf16_gemv);
 
     let config = llama3_8b_config(args.layers)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -176,7 +181,7 @@ pub fn run(args: Args) -> Result<()> {
                 Ok(g.synchronize()?)
             })?;
             line(
-                json!({"case": "decode", "weights": format!("{:?}", args.weights), "batch": batch, "context": args.context, "layers": config.num_layers,
+                json!({"case": "decode", "weights": format!("{:?}", args.weights), "bf16_gemv": args.bf16_gemv, "batch": batch, "context": args.context, "layers": config.num_layers,
                 "cuda_graph": graphs, "step_ms": round(step * 1e3), "floor_ms": round(floor * 1e3),
                 "floor_over_step": round(floor / step), "output_tokens_per_s": round(batch as f64 / step)}),
             );
@@ -271,17 +276,22 @@ pub fn run(args: Args) -> Result<()> {
 /// MLP's up-projection shape (14336 × 4096): decode (1 and 8 tokens) against the
 /// memory floor of the format's own bytes, prefill (512 tokens) against the bf16 matrix
 /// ceiling.
-fn packed_products(g: &CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
+fn packed_products(g: &mut CudaBackend, bandwidth: f64, ceiling: f64, reps: usize, line: &dyn Fn(Value)) -> Result<()> {
     let (rows, cols) = (14_336, 4_096);
     let blocks = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K].map(Packing::Blocks);
     let packings = blocks.into_iter().chain([Packing::Fp8([1, cols]), Packing::Fp8([128, 128]), Packing::Int4]);
-    // bf16 first, through cuBLAS: the unpacked product the packed ones are read beside.
-    for packing in [None].into_iter().chain(packings.map(Some)) {
+    // bf16 first, through cuBLAS and through gemv_bf16 (decode only): the unpacked
+    // product the packed ones are read beside.
+    let formats = [None, Some(None)].into_iter().chain(packings.map(|p| Some(Some(p))));
+    for packing in formats {
+        g.set_bf16_gemv(packing.is_none());
         let (format, w) = match packing {
-            None => ("bf16".to_string(), g.random_weight(rows, cols, 21, 0.02)?),
-            Some(p) => (p.name(), g.upload_weight(HostWeight { rows, cols, data: p.random(rows, cols, 21) })?),
+            None => ("bf16_gemv".to_string(), g.random_weight(rows, cols, 21, 0.02)?),
+            Some(None) => ("bf16".to_string(), g.random_weight(rows, cols, 21, 0.02)?),
+            Some(Some(p)) => (p.name(), g.upload_weight(HostWeight { rows, cols, data: p.random(rows, cols, 21) })?),
         };
-        for tokens in [1, 8, 512] {
+        let counts: &[usize] = if packing.is_none() { &[1, 8] } else { &[1, 8, 512] };
+        for &tokens in counts {
             let x = g.random_buffer(tokens * cols, 22, 1.0)?;
             let time = median(reps, || {
                 g.linear(&x, tokens, &w, None)?;

@@ -217,6 +217,39 @@ __device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 r
 }
 
 
+// bf16 weights, 1..GEMV_MAX_T tokens (the backend's alternative to cuBLAS for decode):
+// one warp per row, each lane 8 consecutive weights of every 256, so that each of the
+// warp's loads is 512 contiguous bytes; rows 16-byte aligned (cols a multiple of 8).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_bf16(bf16* out, const bf16* w, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {
+    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= rows) return;  // the whole warp
+    const bf16* row = w + (unsigned long long)r * cols;
+    float acc[GEMV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.0f;
+#pragma unroll 4
+    for (u32 c = 8 * lane; c < cols; c += 256) {
+        float wv[8], xv[8];
+        unpack8(*(const uint4*)(row + c), wv);
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_T; t++) {
+            if ((u32)t < tokens) {
+                unpack8(*(const uint4*)(x + (unsigned long long)t * cols + c), xv);
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[t] = fmaf(wv[e], xv[e], acc[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_T; t++) {
+        if ((u32)t < tokens) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) out[(unsigned long long)t * out_stride + r] = f2bf(s);
+        }
+    }
+}
+
 // Products of more tokens (prefill, large decode batches) on the tensor cores: each
 // block computes a 64-row × 64-token tile of out, 32 columns at a time. Its first 64
 // threads decode one row's unit each into shared memory as bf16, all 128 stage the

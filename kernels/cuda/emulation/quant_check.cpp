@@ -4,7 +4,8 @@
 //
 //   quant_check DIR FORMAT ROWS COLS TOKENS...
 //
-// FORMAT is a kernel suffix (q4_0 … q6_k), fp8:BLOCK_ROWS:BLOCK_COLS or int4:GROUP. DIR
+// FORMAT is a kernel suffix (q4_0 … q6_k), fp8:BLOCK_ROWS:BLOCK_COLS, int4:GROUP, or bf16
+// (w.bin bf16 weights through gemv_bf16 alone: out_T.bf16 for each T up to 8). DIR
 // holds w.bin (the blocks, the E4M3 bytes or the nibbles), scales.f32 and zeros.u8 where
 // the format has them, x.bf16 (the most tokens' activations) and ids.u32. Written back:
 // decoded.f32 (every row's units through the format's decoder), out_T.bf16 for each
@@ -128,6 +129,17 @@ int main(int argc, char** argv) {
     std::vector<u32> tokens;
     for (int i = 5; i < argc; i++) tokens.push_back((u32)std::atoi(argv[i]));
     std::vector<u8> w = read<u8>("w.bin");
+    if (format == "bf16") {  // gemv_bf16 only: bf16 weights' decode products
+        std::vector<bf16> x = read<bf16>("x.bf16");
+        for (u32 t : tokens) {
+            if (t > GEMV_MAX_T) continue;
+            std::vector<bf16> out((size_t)t * rows, 0x7fc0);
+            emu::launch({(rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, 1}, GEMV_WARPS * 32,
+                        [&] { gemv_bf16(out.data(), (const bf16*)w.data(), x.data(), rows, cols, t, rows); });
+            write("out_" + std::to_string(t) + ".bf16", out);
+        }
+        return 0;
+    }
     std::vector<float> scales = read<float>("scales.f32");
     std::vector<u8> zeros = read<u8>("zeros.u8");
     BLOCK_FORMAT(q4_0, 2)

@@ -40,6 +40,10 @@ pub struct CudaBackend {
     /// Tests set this to fill every new output with NaN, so an element a kernel
     /// forgets to write cannot pass for a right one.
     poison: bool,
+    /// Decode products (up to 8 tokens) with bf16 weights through quant.cu's
+    /// gemv_bf16 rather than cuBLAS: off until a device's measurement says otherwise
+    /// (`tessera-bench gpu` runs both).
+    bf16_gemv: bool,
 }
 
 /// A device buffer: bf16 activations, or f32 as uploaded.
@@ -150,6 +154,7 @@ struct Kernels {
     add_at: CudaFunction,
     row_max_lse: CudaFunction,
     row_topk: CudaFunction,
+    gemv_bf16: CudaFunction,
     /// Greedy and drawn picks, per logit type.
     pick: sampling::PickSet,
     gather_f32: CudaFunction,
@@ -167,6 +172,9 @@ const ATTN_THREADS: u32 = 128;
 const MAX_HEAD_DIM: usize = 256;
 /// Dynamic shared memory `dense_attention` may take (the default limit of a block).
 const DENSE_ATTENTION_SHARED_BYTES: usize = 48 * 1024;
+/// GEMV_MAX_T and GEMV_WARPS in quant.cu: tokens of a decode product, rows a block.
+const GEMV_MAX_TOKENS: usize = 8;
+const GEMV_WARPS: u32 = 4;
 /// Fewest keys a split of the fast attention path takes.
 const MIN_SPLIT_KEYS: usize = 128;
 /// Query rows of a sequence from which the tiled prefill kernel takes it (it reads
@@ -335,6 +343,7 @@ impl CudaBackend {
             apply_penalties: find("apply_penalties")?,
             add_at: find("add_at")?,
             row_max_lse: find("row_max_lse")?,
+            gemv_bf16: find("gemv_bf16")?,
             row_topk: find("row_topk")?,
             pick: sampling::PickSet::load(&find)?,
             gather_f32: find("gather_f32")?,
@@ -348,7 +357,7 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(device_err("cuda"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| unavailable(format!("cuBLAS: {e:?}")))?;
-        Ok(Self { ctx, stream, blas, k, sm_count, poison: false })
+        Ok(Self { ctx, stream, blas, k, sm_count, poison: false, bf16_gemv: false })
     }
 
     /// GPU 0 for a test, or None, with the reason printed, where it cannot be opened;
@@ -492,7 +501,14 @@ impl CudaBackend {
         }
     }
 
-    /// `out[tokens, rows] = x[tokens, cols] · wᵀ` through cuBLAS; the caller checked the sizes.
+    /// Whether decode products with bf16 weights run quant.cu's gemv_bf16 (true) or
+    /// cuBLAS (false, the default): for measuring one against the other.
+    pub fn set_bf16_gemv(&mut self, on: bool) {
+        self.bf16_gemv = on;
+    }
+
+    /// `out[tokens, rows] = x[tokens, cols] · wᵀ` through cuBLAS, or for up to 8 tokens
+    /// gemv_bf16 where `bf16_gemv` is set; the caller checked the sizes.
     fn bf16_linear(
         &self,
         x: &CudaSlice<bf16>,
@@ -502,6 +518,17 @@ impl CudaBackend {
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
         const OP: &str = "linear";
+        if self.bf16_gemv && tokens <= GEMV_MAX_TOKENS && cols.is_multiple_of(8) {
+            let (r, c, t) = (u32_of(OP, rows)?, u32_of(OP, cols)?, tokens as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (r.div_ceil(GEMV_WARPS), 1, 1),
+                block_dim: (GEMV_WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = self.stream.launch_builder(&self.k.gemv_bf16);
+            l.arg(out).arg(w).arg(x).arg(&r).arg(&c).arg(&t).arg(&r);
+            return launch(&mut l, cfg, OP);
+        }
         // Row-major out[tokens, rows] = x[tokens, cols] · w[rows, cols]ᵀ is, in cuBLAS's
         // column-major terms, out (rows × tokens) = wᵀ-as-stored (op T) · x (op N).
         let cfg = GemmConfig {

@@ -8,16 +8,12 @@
 //! and multiplies on the tensor cores; FP8 weights there, on GPUs that have them, on the
 //! FP8 tensor cores as they are, with the activations scaled to E4M3 per token (W8A8).
 
-use super::{CudaBackend, CudaIndex, launch, u32_of};
+use super::{CudaBackend, CudaIndex, GEMV_MAX_TOKENS, GEMV_WARPS, launch, u32_of};
 use crate::quant::GgmlType;
 use crate::{HostWeight, KernelError, Result, WeightData};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-/// GEMV_MAX_T in quant.cu.
-const GEMV_MAX_TOKENS: usize = 8;
-/// GEMV_WARPS in quant.cu: rows per block of the decode kernel.
-const GEMV_WARPS: u32 = 4;
 /// TILE and TILE_THREADS in quant.cu.
 const TILE: usize = 64;
 const TILE_THREADS: u32 = 128;

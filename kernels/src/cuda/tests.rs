@@ -74,6 +74,24 @@ fn gpu_linear_matches_cpu_with_and_without_bias() {
 /// one, as an embedding table, and as a stack of parts in different formats. Bound:
 /// 1e-2 (bf16 activations and outputs; the tiled kernel rounds the decoded weights to
 /// bf16 for the tensor cores).
+/// bf16 weights' decode products through gemv_bf16 instead of cuBLAS (the bench's
+/// alternative): 1 to 8 tokens against the CPU, bound 1e-2 as above.
+#[test]
+fn gpu_bf16_gemv_matches_cpu() {
+    let Some(mut g) = gpu() else { return };
+    g.set_bf16_gemv(true);
+    let mut rng = rng();
+    for tokens in [1, 5, 8] {
+        let (rows, cols) = (rng.random_range(1..700), 8 * rng.random_range(1..300));
+        let w = randn(&mut rng, rows * cols);
+        let x = randn(&mut rng, tokens * cols);
+        let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
+        let want = CpuBackend::exact().linear(&x, tokens, &CpuBackend::exact().upload_weight(hw()).unwrap(), None);
+        let got = g.linear(&g.upload(&x).unwrap(), tokens, &g.upload_weight(hw()).unwrap(), None).unwrap();
+        check(&format!("gemv_bf16 {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want.unwrap());
+    }
+}
+
 #[test]
 fn gpu_block_weights_match_cpu() {
     let Some(g) = gpu() else { return };
