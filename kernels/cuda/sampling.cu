@@ -70,44 +70,7 @@ __device__ __forceinline__ void block_argmax(float& v, u32& i) {
     __syncthreads();
 }
 
-// Each row's maximum and log-sum-exp, so that log P(t) = logit(t) - max - lse.
-extern "C" __global__ void row_max_lse(const float* logits, u32 vocab, float* max_out, float* lse_out) {
-    const float* row = logits + (unsigned long long)blockIdx.x * vocab;
-    float m = NEG_INF;
-    for (u32 c = threadIdx.x; c < vocab; c += blockDim.x) m = fmaxf(m, row[c]);
-    m = block_max(m);
-    float s = 0.0f;
-    for (u32 c = threadIdx.x; c < vocab; c += blockDim.x) s += expf(row[c] - m);
-    s = block_sum(s);
-    if (threadIdx.x == 0) {
-        max_out[blockIdx.x] = m;
-        lse_out[blockIdx.x] = logf(s);
-    }
-}
-
 #define TOPK_MAX 20
-
-// The k (at most TOPK_MAX) largest logits of each row, largest first: k rounds of an
-// argmax that skips the indices already taken.
-extern "C" __global__ void row_topk(const float* logits, u32 vocab, u32 k, u32* idx_out) {
-    const float* row = logits + (unsigned long long)blockIdx.x * vocab;
-    __shared__ u32 taken[TOPK_MAX];
-    for (u32 round = 0; round < k; round++) {
-        float v = NEG_INF;
-        u32 i = 0xffffffffu;
-        for (u32 c = threadIdx.x; c < vocab; c += blockDim.x) {
-            bool skip = false;
-            for (u32 t = 0; t < round; t++) skip |= taken[t] == c;
-            if (!skip) better(v, i, row[c], c);
-        }
-        block_argmax(v, i);
-        if (threadIdx.x == 0) {
-            taken[round] = i;
-            idx_out[(unsigned long long)blockIdx.x * k + round] = i;
-        }
-        __syncthreads();
-    }
-}
 
 // out[i] = src[at[i]]: a few logits fetched without downloading the matrix.
 extern "C" __global__ void gather_f32(float* out, const float* src, const u32* at, unsigned long long n) {
@@ -563,4 +526,87 @@ extern "C" __global__ void pick_tokens(const u64* state, u32 rows, u32 vocab, u3
         const u32 greedy = ~(u32)best;
         tokens[i] = (drawn >> 32) ? (u32)drawn : best != 0 && greedy < vocab ? greedy : 0;
     }
+}
+
+// ---- Log-probabilities, split over blocks as the pick is ----
+
+// Each chunk's maximum and sum of exp(l - max); an empty chunk holds max -inf, sum 0.
+extern "C" __global__ void lse_parts(const float* logits, u32 vocab, u32 splits, float* part_max, float* part_sum) {
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    const Chunk ch = chunk_of(vocab, splits);
+    float m = NEG_INF;
+    for (u32 c = ch.begin + threadIdx.x; c < ch.end; c += blockDim.x) m = fmaxf(m, row[c]);
+    m = block_max(m);
+    float s = 0.0f;
+    if (m != NEG_INF) {
+        for (u32 c = ch.begin + threadIdx.x; c < ch.end; c += blockDim.x) s += expf(row[c] - m);
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+        part_max[(u64)blockIdx.x * splits + blockIdx.y] = m;
+        part_sum[(u64)blockIdx.x * splits + blockIdx.y] = s;
+    }
+}
+
+// Each row's maximum and log-sum-exp from its chunks', so that log P(t) = logit(t) - max - lse.
+extern "C" __global__ void lse_merge(const float* part_max, const float* part_sum, u32 rows, u32 splits,
+                                     float* max_out, float* lse_out) {
+    FOR_EACH(r, rows) {
+        const float* pm = part_max + r * splits;
+        const float* ps = part_sum + r * splits;
+        float m = NEG_INF;
+        for (u32 s = 0; s < splits; s++) m = fmaxf(m, pm[s]);
+        float total = 0.0f;
+        for (u32 s = 0; s < splits; s++) {
+            if (pm[s] != NEG_INF) total += ps[s] * expf(pm[s] - m);
+        }
+        max_out[r] = m;
+        lse_out[r] = logf(total);
+    }
+}
+
+// k rounds of a block-wide argmax over `count` candidates (`at(j)`: a token, or one past
+// the vocabulary for none), each skipping the tokens already taken: the k largest,
+// largest first, equal logits by lower index. Returns nothing; `put(round, token)`
+// gets each (0xffffffff where none is left but NaNs).
+template <class At, class Put>
+__device__ void top_rounds(const float* row, u32 vocab, u32 k, u32 count, At at, Put put) {
+    __shared__ u32 taken[TOPK_MAX];
+    for (u32 round = 0; round < k; round++) {
+        float v = NEG_INF;
+        u32 i = 0xffffffffu;
+        for (u32 j = threadIdx.x; j < count; j += blockDim.x) {
+            const u32 c = at(j);
+            if (c >= vocab) continue;
+            bool skip = false;
+            for (u32 t = 0; t < round; t++) skip |= taken[t] == c;
+            if (!skip) better(v, i, row[c], c);
+        }
+        block_argmax(v, i);
+        if (threadIdx.x == 0) {
+            taken[round] = i;
+            put(round, i);
+        }
+        __syncthreads();
+    }
+}
+
+// Each chunk's k largest logits (k at most TOPK_MAX): cand[(row, split)] holds k tokens.
+extern "C" __global__ void topk_parts(const float* logits, u32 vocab, u32 k, u32 splits, u32* cand) {
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    const Chunk ch = chunk_of(vocab, splits);
+    u32* out = cand + ((u64)blockIdx.x * splits + blockIdx.y) * k;
+    top_rounds(row, vocab, k, ch.end - ch.begin, [&](u32 j) { return ch.begin + j; },
+               [&](u32 round, u32 token) { out[round] = token; });
+}
+
+// Each row's k largest from its chunks' (the row's top k are among them); one block per
+// row. A row with fewer than k numbers names token 0 for the rest.
+extern "C" __global__ void topk_merge(const float* logits, u32 vocab, u32 k, u32 splits, const u32* cand,
+                                      u32* idx_out) {
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    const u32* mine = cand + (u64)blockIdx.x * splits * k;
+    u32* out = idx_out + (u64)blockIdx.x * k;
+    top_rounds(row, vocab, k, splits * k, [&](u32 j) { return mine[j]; },
+               [&](u32 round, u32 token) { out[round] = token < vocab ? token : 0; });
 }

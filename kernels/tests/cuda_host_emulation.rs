@@ -253,6 +253,29 @@ fn fp8_and_int4_kernels_match_the_cpu_on_the_host_emulation() {
     }
 }
 
+/// The log-probabilities' kernels over the same rows (split as the pick): each row's
+/// max exactly, its log-sum-exp within 1e-5 of an f64 sum, its top 20 in order (value,
+/// then index) exactly; rows of numbers only (the last three hold -inf or NaN).
+fn check_logprob_parts(dir: &Path, splits: &str, logits: &[f32], vocab: usize) {
+    let f32s = |name: String| -> Vec<f32> {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    };
+    let maxes = f32s(format!("max_{splits}.f32"));
+    let lses = f32s(format!("lse_{splits}.f32"));
+    let top: Vec<u32> = f32s(format!("top_{splits}.u32")).into_iter().map(f32::to_bits).collect();
+    for r in 0..15 {
+        let row = &logits[r * vocab..][..vocab];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = row.iter().map(|&l| ((l - m) as f64).exp()).sum::<f64>().ln();
+        assert_eq!(maxes[r], m, "{splits} splits, row {r}: max");
+        assert!((lses[r] as f64 - lse).abs() < 1e-5, "{splits} splits, row {r}: lse {} vs {lse}", lses[r]);
+        let mut order: Vec<u32> = (0..vocab as u32).collect();
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        assert_eq!(&top[r * 20..][..20], &order[..20], "{splits} splits, row {r}: top 20");
+    }
+}
+
 /// A row's draw as `cuda/sampling.rs` uploads it; temperature 0 is greedy.
 #[derive(Debug, Clone, Copy)]
 struct Params {
@@ -409,6 +432,9 @@ fn pick_kernels_match_a_sort_and_walk_on_the_host_emulation() {
                 .collect();
             for r in 0..rows {
                 assert_eq!(got[r], want[r], "{logit_type}, {s} splits, row {r}: {:?}", params[r]);
+            }
+            if logit_type == "f32" {
+                check_logprob_parts(&dir, s, &logits, vocab);
             }
         }
         let _ = std::fs::remove_dir_all(dir);

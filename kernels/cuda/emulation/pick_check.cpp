@@ -7,7 +7,8 @@
 // TYPE is f32 or bf16: DIR holds logits.TYPE ([ROWS, VOCAB]) and params.u32 (5 words a
 // row, as cuda/sampling.rs uploads them). For each SPLITS, the launches the backend makes
 // (every cut launched, whether or not a row needs it: the kernels skip the rows that do
-// not) over blocks of THREADS; written back: tokens_SPLITS.u32.
+// not) over blocks of THREADS; written back: tokens_SPLITS.u32, and for f32 logits each
+// row's max, log-sum-exp and top 20 (max_SPLITS.f32, lse_SPLITS.f32, top_SPLITS.u32).
 
 #include "host.h"
 #include "../common.cuh"
@@ -91,6 +92,20 @@ int main(int argc, char** argv) {
         std::vector<u32> tokens(rows, 0xffffffffu);
         emu::launch({1, 1, 1}, 32, [&] { pick_tokens(state.data(), rows, vocab, tokens.data()); });
         write("tokens_" + std::to_string(splits) + ".u32", tokens);
+        if (is_bf16) continue;
+        // Log-probabilities' parts (f32 logits, as the backend keeps them for those).
+        std::vector<float> part_max((size_t)rows * splits), part_sum(part_max.size());
+        emu::launch(grid, threads, [&] { lse_parts(f32.data(), vocab, splits, part_max.data(), part_sum.data()); });
+        std::vector<float> maxes(rows, NAN), lses(rows, NAN);
+        emu::launch({1, 1, 1}, 32,
+                    [&] { lse_merge(part_max.data(), part_sum.data(), rows, splits, maxes.data(), lses.data()); });
+        const u32 k = TOPK_MAX;
+        std::vector<u32> cand((size_t)rows * splits * k), top((size_t)rows * k, 0xeeeeeeeeu);
+        emu::launch(grid, threads, [&] { topk_parts(f32.data(), vocab, k, splits, cand.data()); });
+        emu::launch({rows, 1, 1}, threads, [&] { topk_merge(f32.data(), vocab, k, splits, cand.data(), top.data()); });
+        write("max_" + std::to_string(splits) + ".f32", maxes);
+        write("lse_" + std::to_string(splits) + ".f32", lses);
+        write("top_" + std::to_string(splits) + ".u32", top);
     }
     return 0;
 }

@@ -152,8 +152,6 @@ struct Kernels {
     prefill_attention: Vec<(usize, CudaFunction)>,
     apply_penalties: CudaFunction,
     add_at: CudaFunction,
-    row_max_lse: CudaFunction,
-    row_topk: CudaFunction,
     gemv_bf16: CudaFunction,
     /// Greedy and drawn picks, per logit type.
     pick: sampling::PickSet,
@@ -342,9 +340,7 @@ impl CudaBackend {
                 .collect::<Result<_>>()?,
             apply_penalties: find("apply_penalties")?,
             add_at: find("add_at")?,
-            row_max_lse: find("row_max_lse")?,
             gemv_bf16: find("gemv_bf16")?,
-            row_topk: find("row_topk")?,
             pick: sampling::PickSet::load(&find)?,
             gather_f32: find("gather_f32")?,
             packed: packed::load(&find)?,

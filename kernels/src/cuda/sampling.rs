@@ -9,7 +9,6 @@ use crate::pick::{Draw, MAX_TOP_LOGPROBS, PickRow, Picked};
 use crate::{KernelError, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
-const ROW_THREADS: u32 = 1024;
 /// Threads of a pick's blocks, and the fewest tokens of a row one takes.
 const PICK_THREADS: u32 = 256;
 const PICK_MIN_SPLIT: usize = 2048;
@@ -32,6 +31,10 @@ pub(super) struct PickSet {
     f32: PickKernels,
     bf16: PickKernels,
     tokens: CudaFunction,
+    lse_parts: CudaFunction,
+    lse_merge: CudaFunction,
+    topk_parts: CudaFunction,
+    topk_merge: CudaFunction,
 }
 
 impl PickSet {
@@ -45,7 +48,15 @@ impl PickSet {
                 passes,
             })
         };
-        Ok(Self { f32: of("f32", 4)?, bf16: of("bf16", 2)?, tokens: find("pick_tokens")? })
+        Ok(Self {
+            f32: of("f32", 4)?,
+            bf16: of("bf16", 2)?,
+            tokens: find("pick_tokens")?,
+            lse_parts: find("lse_parts")?,
+            lse_merge: find("lse_merge")?,
+            topk_parts: find("topk_parts")?,
+            topk_merge: find("topk_merge")?,
+        })
     }
 }
 
@@ -85,19 +96,7 @@ impl CudaBackend {
         let k = rows.iter().filter_map(|r| r.top_logprobs).max().unwrap_or(0);
         // Each row's max and log-sum-exp, and its top k, from the raw logits.
         let logprob_parts = match raw.as_ref().filter(|_| want_logprobs) {
-            Some(raw) => {
-                let (mut maxes, mut lses) = (self.zeros_f32(OP, n)?, self.zeros_f32(OP, n)?);
-                let mut top = self.stream.alloc_zeros::<u32>((n * k as usize).max(1)).map_err(device_err(OP))?;
-                let mut l = self.stream.launch_builder(&self.k.row_max_lse);
-                l.arg(raw).arg(&v).arg(&mut maxes).arg(&mut lses);
-                launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-                if k > 0 {
-                    let mut l = self.stream.launch_builder(&self.k.row_topk);
-                    l.arg(raw).arg(&v).arg(&k).arg(&mut top);
-                    launch(&mut l, per_row(n, ROW_THREADS), OP)?;
-                }
-                Some((maxes, lses, top))
-            }
+            Some(raw) => Some(self.logprob_parts(OP, raw, v, n, k)?),
             None => None,
         };
         let work = match &raw {
@@ -145,9 +144,48 @@ impl CudaBackend {
         Ok(picked)
     }
 
-    /// Each row's token, greedy or drawn (`pick_*` in sampling.cu): the row split over
-    /// blocks until the grid fills the GPU twice over, each split at least
-    /// PICK_MIN_SPLIT tokens; the launches only the batch's rows need.
+    /// Blocks a row of `vocab` logits is split over: until the grid fills the GPU twice
+    /// over, each split at least PICK_MIN_SPLIT tokens.
+    fn pick_splits(&self, rows: usize, vocab: u32) -> usize {
+        (2 * self.sm_count).div_ceil(rows).min(vocab as usize / PICK_MIN_SPLIT).clamp(1, PICK_SPLITS_MAX)
+    }
+
+    /// Each row's maximum and log-sum-exp, and its `k` largest logits, largest first
+    /// (`lse_*` and `topk_*` in sampling.cu: chunks, then a merge per row).
+    fn logprob_parts(
+        &self,
+        op: &'static str,
+        raw: &CudaSlice<f32>,
+        vocab: u32,
+        n: usize,
+        k: u32,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u32>)> {
+        let splits = self.pick_splits(n, vocab);
+        let (n32, splits32) = (n as u32, splits as u32);
+        let grid = LaunchConfig { grid_dim: (n32, splits32, 1), block_dim: (PICK_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let (mut part_max, mut part_sum) = (self.zeros_f32(op, n * splits)?, self.zeros_f32(op, n * splits)?);
+        let mut l = self.stream.launch_builder(&self.k.pick.lse_parts);
+        l.arg(raw).arg(&vocab).arg(&splits32).arg(&mut part_max).arg(&mut part_sum);
+        launch(&mut l, grid, op)?;
+        let (mut maxes, mut lses) = (self.zeros_f32(op, n)?, self.zeros_f32(op, n)?);
+        let mut l = self.stream.launch_builder(&self.k.pick.lse_merge);
+        l.arg(&part_max).arg(&part_sum).arg(&n32).arg(&splits32).arg(&mut maxes).arg(&mut lses);
+        launch(&mut l, flat(n), op)?;
+        let mut top = self.stream.alloc_zeros::<u32>((n * k as usize).max(1)).map_err(device_err(op))?;
+        if k > 0 {
+            let mut cand = self.stream.alloc_zeros::<u32>(n * splits * k as usize).map_err(device_err(op))?;
+            let mut l = self.stream.launch_builder(&self.k.pick.topk_parts);
+            l.arg(raw).arg(&vocab).arg(&k).arg(&splits32).arg(&mut cand);
+            launch(&mut l, grid, op)?;
+            let mut l = self.stream.launch_builder(&self.k.pick.topk_merge);
+            l.arg(raw).arg(&vocab).arg(&k).arg(&splits32).arg(&cand).arg(&mut top);
+            launch(&mut l, per_row(n, PICK_THREADS), op)?;
+        }
+        Ok((maxes, lses, top))
+    }
+
+    /// Each row's token, greedy or drawn (`pick_*` in sampling.cu), each row split over
+    /// `pick_splits` blocks; the launches only the batch's rows need.
     fn pick<T: DeviceRepr>(
         &self,
         op: &'static str,
@@ -157,7 +195,7 @@ impl CudaBackend {
         rows: &[PickRow],
     ) -> Result<CudaSlice<u32>> {
         let n = rows.len();
-        let splits = (2 * self.sm_count).div_ceil(n).min(vocab as usize / PICK_MIN_SPLIT).clamp(1, PICK_SPLITS_MAX);
+        let splits = self.pick_splits(n, vocab);
         let (n32, splits32) = (n as u32, splits as u32);
         let mut state = self.stream.alloc_zeros::<u64>(n * PICK_STATE_WORDS).map_err(device_err(op))?;
         let grid = LaunchConfig { grid_dim: (n32, splits32, 1), block_dim: (PICK_THREADS, 1, 1), shared_mem_bytes: 0 };
