@@ -21,6 +21,7 @@ use crate::error::expect_len;
 use crate::paged::HostBatch;
 use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -44,6 +45,11 @@ pub struct CudaBackend {
     /// gemv_bf16 rather than cuBLAS: off until a device's measurement says otherwise
     /// (`tessera-bench gpu` runs both).
     bf16_gemv: bool,
+    /// cuBLASLt (its heuristic's first algorithm, a 32 MiB workspace on Hopper), where
+    /// its library loads, and whether bf16 products of more tokens go through it rather
+    /// than cublasGemmEx: off until measured, as `bf16_gemv`.
+    lt: Option<CudaBlasLT>,
+    use_lt: bool,
 }
 
 /// A device buffer: bf16 activations, or f32 as uploaded.
@@ -353,7 +359,12 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(device_err("cuda"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| unavailable(format!("cuBLAS: {e:?}")))?;
-        Ok(Self { ctx, stream, blas, k, sm_count, poison: false, bf16_gemv: false })
+        // SAFETY: only probes for the library.
+        let lt = match unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            true => CudaBlasLT::new(stream.clone()).ok(),
+            false => None,
+        };
+        Ok(Self { ctx, stream, blas, k, sm_count, poison: false, bf16_gemv: false, lt, use_lt: false })
     }
 
     /// GPU 0 for a test, or None, with the reason printed, where it cannot be opened;
@@ -503,6 +514,13 @@ impl CudaBackend {
         self.bf16_gemv = on;
     }
 
+    /// Whether bf16 products of more than 8 tokens run through cuBLASLt (true) or
+    /// cublasGemmEx (false, the default); false where cuBLASLt cannot be loaded.
+    pub fn set_cublaslt(&mut self, on: bool) -> bool {
+        self.use_lt = on && self.lt.is_some();
+        self.use_lt
+    }
+
     /// `out[tokens, rows] = x[tokens, cols] · wᵀ` through cuBLAS, or for up to 8 tokens
     /// gemv_bf16 where `bf16_gemv` is set; the caller checked the sizes.
     fn bf16_linear(
@@ -539,6 +557,32 @@ impl CudaBackend {
             beta: bf16::ZERO,
             ldc: rows as i32,
         };
+        let aligned = rows.is_multiple_of(8) && cols.is_multiple_of(8);
+        if let Some(lt) = self.lt.as_ref().filter(|_| self.use_lt && tokens > GEMV_MAX_TOKENS && aligned) {
+            // The same column-major product: W as stored, transposed, times X (16-byte
+            // aligned columns, which cuBLASLt's kernels want; others stay on GemmEx).
+            let cfg = MatmulConfig {
+                transa: true,
+                transb: false,
+                transc: false,
+                m: rows as u64,
+                n: tokens as u64,
+                k: cols as u64,
+                alpha: 1.0,
+                lda: cols as i64,
+                ldb: cols as i64,
+                beta: 0.0,
+                ldc: rows as i64,
+                stride_a: None,
+                stride_b: None,
+                stride_c: None,
+                stride_bias: None,
+                batch_size: None,
+            };
+            // SAFETY: the caller checked the sizes against the three buffers.
+            return unsafe { lt.matmul(cfg, w, x, out, None, None) }
+                .map_err(|e| KernelError::Device { op: OP, detail: format!("cuBLASLt: {e:?}") });
+        }
         // SAFETY: the caller checked the sizes against the three buffers.
         unsafe { self.blas.gemm(cfg, w, x, out) }
             .map_err(|e| KernelError::Device { op: OP, detail: format!("cuBLAS: {e:?}") })

@@ -92,6 +92,25 @@ fn gpu_bf16_gemv_matches_cpu() {
     }
 }
 
+/// bf16 products of many tokens through cuBLASLt instead of cublasGemmEx (the bench's
+/// alternative for prefill; shapes of multiples of 8, the rest staying on GemmEx),
+/// against the CPU; bound 1e-2 as above.
+#[test]
+fn gpu_cublaslt_products_match_cpu() {
+    let Some(mut g) = gpu() else { return };
+    assert!(g.set_cublaslt(true), "cuBLASLt cannot be loaded beside cuBLAS");
+    let mut rng = rng();
+    for (tokens, align) in [(9, 8), (64, 8), (300, 8), (70, 1)] {
+        let (rows, cols) = (align * rng.random_range(1..700 / align), align * rng.random_range(1..700 / align));
+        let w = randn(&mut rng, rows * cols);
+        let x = randn(&mut rng, tokens * cols);
+        let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
+        let want = CpuBackend::exact().linear(&x, tokens, &CpuBackend::exact().upload_weight(hw()).unwrap(), None);
+        let got = g.linear(&g.upload(&x).unwrap(), tokens, &g.upload_weight(hw()).unwrap(), None).unwrap();
+        check(&format!("cuBLASLt {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want.unwrap());
+    }
+}
+
 #[test]
 fn gpu_block_weights_match_cpu() {
     let Some(g) = gpu() else { return };
