@@ -133,9 +133,11 @@ mod tests {
             eprintln!("skipped: NVRTC is not installed");
             return;
         }
+        let mut entries = String::new();
         for arch in ["sm_80", "sm_90"] {
             for source in &SOURCES {
                 let compiled = compile(source, arch).unwrap_or_else(|e| panic!("{e}"));
+                entries.push_str(&compiled.ptx);
                 assert!(compiled.log.is_empty(), "{} for {arch} warns:\n{}", source.name, compiled.log);
                 assert!(compiled.ptx.contains(".entry"), "{} for {arch}: no kernel in the PTX", source.name);
                 if let Ok(ptxas) = std::env::var("TESSERA_PTXAS") {
@@ -143,6 +145,34 @@ mod tests {
                 }
             }
         }
+        // Every kernel the backend looks up is an entry point: a misspelt name would
+        // otherwise surface only on a GPU, as the backend failing to start.
+        for name in kernel_names() {
+            assert!(
+                entries.contains(&format!(".entry {name}(")),
+                "the backend looks up {name}, which no source defines"
+            );
+        }
+    }
+
+    /// The kernels `CudaBackend::new` finds: the literal names in the backend's sources,
+    /// and those it builds from formats, head sizes and logit types.
+    fn kernel_names() -> Vec<String> {
+        let rust = [include_str!("mod.rs"), include_str!("sampling.rs"), include_str!("packed.rs")].concat();
+        let mut names: Vec<String> =
+            rust.split("find(\"").skip(1).filter_map(|r| r.split('"').next()).map(String::from).collect();
+        assert!(names.len() > 20, "the backend's lookups moved: {names:?}");
+        for format in ["q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "fp8", "int4"] {
+            names.extend(["gemv", "gemm", "embedding"].map(|k| format!("{k}_{format}")));
+        }
+        for logits in ["f32", "bf16"] {
+            names.extend(["best", "radix", "count", "find"].map(|k| format!("pick_{k}_{logits}")));
+        }
+        for hd in [64, 128, 256] {
+            names.extend([1, 2, 4, 8].map(|g| format!("paged_attention_hd{hd}_g{g}")));
+        }
+        names.extend([64, 128].map(|hd| format!("prefill_attention_hd{hd}")));
+        names
     }
 
     fn assemble(ptxas: &str, name: &str, arch: &str, ptx: &str) {
