@@ -11,33 +11,9 @@
 // row's max, log-sum-exp and top 20 (max_SPLITS.f32, lse_SPLITS.f32, top_SPLITS.u32).
 
 #include "host.h"
+#include "files.h"
 #include "../common.cuh"
 #include "../sampling.cu"
-
-static std::string dir;
-
-template <class T>
-static std::vector<T> read(const char* name) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) return {};
-    std::vector<T> v;
-    T x;
-    while (std::fread(&x, sizeof(T), 1, f) == 1) v.push_back(x);
-    std::fclose(f);
-    return v;
-}
-
-template <class T>
-static void write(const std::string& name, const std::vector<T>& v) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "wb");
-    if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
-        std::fprintf(stderr, "cannot write %s\n", path.c_str());
-        std::exit(2);
-    }
-    std::fclose(f);
-}
 
 struct Kernels {
     void (*best)(const void*, u32, u64*, u32);
@@ -63,7 +39,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: pick_check DIR TYPE ROWS VOCAB THREADS SPLITS...\n");
         return 2;
     }
-    dir = argv[1];
+    files::dir = argv[1];
     const std::string type = argv[2];
     const u32 rows = (u32)std::atoi(argv[3]), vocab = (u32)std::atoi(argv[4]), threads = (u32)std::atoi(argv[5]);
     std::vector<float> f32 = read<float>("logits.f32");

@@ -10,30 +10,17 @@
 // backend lists them). Written back: out.bf16.
 
 #include "host.h"
+#include "files.h"
 #include "../common.cuh"
 #include "mma.h"
 #include "../prefill.cu"
-
-static std::string dir;
-
-template <class T>
-static std::vector<T> read(const char* name) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) return {};
-    std::vector<T> v;
-    T x;
-    while (std::fread(&x, sizeof(T), 1, f) == 1) v.push_back(x);
-    std::fclose(f);
-    return v;
-}
 
 int main(int argc, char** argv) {
     if (argc != 8) {
         std::fprintf(stderr, "usage: prefill_check DIR HEAD_DIM HEADS KV_HEADS BLOCK_SIZE MAX_BLOCKS SCALE\n");
         return 2;
     }
-    dir = argv[1];
+    files::dir = argv[1];
     const u32 head_dim = (u32)std::atoi(argv[2]), heads = (u32)std::atoi(argv[3]), kv_heads = (u32)std::atoi(argv[4]);
     const u32 block_size = (u32)std::atoi(argv[5]), max_blocks = (u32)std::atoi(argv[6]);
     const float scale = (float)std::atof(argv[7]);
@@ -56,8 +43,6 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "no kernel for head_dim %u\n", head_dim);
         return 2;
     }
-    FILE* f = std::fopen((dir + "/out.bf16").c_str(), "wb");
-    if (!f || std::fwrite(out.data(), 2, out.size(), f) != out.size()) return 2;
-    std::fclose(f);
+    write("out.bf16", out);
     return 0;
 }

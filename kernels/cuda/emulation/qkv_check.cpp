@@ -9,40 +9,16 @@
 // token was written).
 
 #include "host.h"
+#include "files.h"
 #include "../common.cuh"
 #include "../elementwise.cu"
-
-static std::string dir;
-
-template <class T>
-static std::vector<T> read(const char* name) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) return {};
-    std::vector<T> v;
-    T x;
-    while (std::fread(&x, sizeof(T), 1, f) == 1) v.push_back(x);
-    std::fclose(f);
-    return v;
-}
-
-template <class T>
-static void write(const std::string& name, const std::vector<T>& v) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "wb");
-    if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
-        std::fprintf(stderr, "cannot write %s\n", path.c_str());
-        std::exit(2);
-    }
-    std::fclose(f);
-}
 
 int main(int argc, char** argv) {
     if (argc != 9) {
         std::fprintf(stderr, "usage: qkv_check DIR TOKENS HEADS KV_HEADS HEAD_DIM HALF NEOX CAPACITY\n");
         return 2;
     }
-    dir = argv[1];
+    files::dir = argv[1];
     u32 a[7];
     for (int i = 0; i < 7; i++) a[i] = (u32)std::atoi(argv[2 + i]);
     const u32 tokens = a[0], heads = a[1], kv_heads = a[2], head_dim = a[3], half = a[4], neox = a[5], capacity = a[6];

@@ -16,34 +16,10 @@
 // bytes and scales) and tc_T.bf16 (gemm_fp8_tc's product).
 
 #include "host.h"
+#include "files.h"
 #include "../common.cuh"
 #include "mma.h"
 #include "../quant.cu"
-
-static std::string dir;
-
-template <class T>
-static std::vector<T> read(const char* name) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) return {};
-    std::vector<T> v;
-    T x;
-    while (std::fread(&x, sizeof(T), 1, f) == 1) v.push_back(x);
-    std::fclose(f);
-    return v;
-}
-
-template <class T>
-static void write(const std::string& name, const std::vector<T>& v) {
-    std::string path = dir + "/" + name;
-    FILE* f = std::fopen(path.c_str(), "wb");
-    if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
-        std::fprintf(stderr, "cannot write %s\n", path.c_str());
-        std::exit(2);
-    }
-    std::fclose(f);
-}
 
 // The format's decoder, its three entry points with the weight's own arguments bound.
 template <class D, class Gemv, class Gemm, class Embed>
@@ -123,7 +99,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: quant_check DIR FORMAT ROWS COLS TOKENS...\n");
         return 2;
     }
-    dir = argv[1];
+    files::dir = argv[1];
     std::string format = argv[2];
     u32 rows = (u32)std::atoi(argv[3]), cols = (u32)std::atoi(argv[4]);
     std::vector<u32> tokens;
