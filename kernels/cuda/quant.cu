@@ -260,6 +260,27 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #define TILE_THREADS 128
 #define TILE_STRIDE 40
 
+// A warp's 32 × 32 quarter of a tile (2 × 4 m16n8 accumulators, rows from r0, tokens
+// from t0) into out, times each token's scale where there are scales.
+__device__ __forceinline__ void store_tile(bf16* out, const float (&acc)[2][4][4], u32 r0, u32 t0, u32 rows,
+                                           u32 tokens, u32 out_stride, const float* token_scales) {
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const u32 r = r0 + 16 * mi + g + 8 * (e >> 1), tok = t0 + 8 * ni + 2 * t + (e & 1);
+                if (r < rows && tok < tokens) {
+                    const float v = token_scales ? acc[mi][ni][e] * token_scales[tok] : acc[mi][ni][e];
+                    out[(unsigned long long)tok * out_stride + r] = f2bf(v);
+                }
+            }
+        }
+    }
+}
+
 template <class D>
 __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
                                      u32 out_stride) {
@@ -316,17 +337,7 @@ __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 r
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++) {
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const u32 r = r0 + wm + 16 * mi + g + 8 * (e >> 1), tok = t0 + wn + 8 * ni + 2 * t + (e & 1);
-                if (r < rows && tok < tokens) out[(unsigned long long)tok * out_stride + r] = f2bf(acc[mi][ni][e]);
-            }
-        }
-    }
+    store_tile(out, acc, r0 + wm, t0 + wn, rows, tokens, out_stride, nullptr);
 }
 
 // out[t] = table[ids[t]], decoded; one block per token. ids were checked on the host.
@@ -400,7 +411,8 @@ __device__ __forceinline__ u32 to_e4m3(float f) {
 }
 
 // Each token's activations as E4M3 bytes times a scale per token: x ≈ e4m3(q) · scales[t],
-// the largest magnitude at ±448. One block per token.
+// the largest magnitude at ±448. One block per token. Activations are finite (an
+// infinite one would make its token's products NaN, as in bf16 they would be too).
 extern "C" __global__ void quantise_e4m3(u8* q, float* scales, const bf16* x, u32 cols) {
     const bf16* row = x + (unsigned long long)blockIdx.x * cols;
     float m = 0.0f;
@@ -488,16 +500,5 @@ extern "C" __global__ void __launch_bounds__(TILE_THREADS)
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++) {
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const u32 r = r0 + wm + 16 * mi + g + 8 * (e >> 1), tok = t0 + wn + 8 * ni + 2 * t + (e & 1);
-                if (r < rows && tok < tokens)
-                    out[(unsigned long long)tok * out_stride + r] = f2bf(acc[mi][ni][e] * x_scales[tok]);
-            }
-        }
-    }
+    store_tile(out, acc, r0 + wm, t0 + wn, rows, tokens, out_stride, x_scales);
 }

@@ -354,7 +354,8 @@ template <class T> __device__ void pick_best(const T* logits, u32 vocab, u64* st
     const Chunk ch = chunk_of(vocab, splits);
     u64 best = 0;
     for (u32 c = ch.begin + threadIdx.x; c < ch.end; c += blockDim.x) {
-        const float l = logit_at(row, c);
+        // -0 as +0: equal logits, the lower index (the CPU's argmax compares floats).
+        const float l = logit_at(row, c) + 0.0f;
         const u64 b = l != l ? 0ull : ((u64)order_key(l) << 32) | (u64)(~c);
         if (b > best) best = b;
     }
@@ -395,15 +396,30 @@ __device__ void pick_radix(const T* logits, u32 vocab, const u32* params, u64* s
     }
 }
 
-// The key a finished select names and which of its tied tokens (from 0, in index order)
-// the cut ends at: as many as the rest of the target needs.
+// A cut whose radix passes are done, in every thread of the block: the row, its state,
+// the key the select names, and which of that key's tied tokens (from 0, in index order)
+// the cut ends at, as many as the rest of the target needs. False where the row skips
+// the cut.
+template <class T> struct CutPoint {
+    DrawRow<T> row;
+    u64* st;
+    u32 key, nth;
+};
+
 template <class T>
-__device__ __forceinline__ void cut_point(const DrawRow<T>& r, u32 cut, const Progress& g, u32* key, u32* nth) {
-    *key = whole_key<T>(g.prefix);
+__device__ bool cut_point(const T* logits, u32 vocab, const u32* params, u64* state, u32 cut, CutPoint<T>* out) {
+    const PickParams p = params_of(params, blockIdx.x);
+    if (!cut_active(p, cut, vocab)) return false;
+    out->st = state + (u64)blockIdx.x * PICK_STATE_WORDS;
+    out->row = draw_row(logits, vocab, p, out->st, cut);
+    Progress g;
+    if (!resume(p, out->st, cut, KeyBits<T>::passes, &g)) return false;
+    out->key = whole_key<T>(g.prefix);
     const u64 rest = g.target > g.above ? g.target - g.above : 1;
-    const u64 each = cut != 0 ? weight_of(r, key_logit(*key)) : 1ull;
+    const u64 each = cut != 0 ? weight_of(out->row, key_logit(out->key)) : 1ull;
     const u64 n = each > 0 ? (rest - 1) / each : 0;
-    *nth = n > 0xffffffffull ? 0xffffffffu : (u32)n;
+    out->nth = n > 0xffffffffull ? 0xffffffffu : (u32)n;
+    return true;
 }
 
 template <class T> __device__ __forceinline__ bool tied(const DrawRow<T>& r, u32 key, u32 c, const Chunk& ch) {
@@ -413,14 +429,11 @@ template <class T> __device__ __forceinline__ bool tied(const DrawRow<T>& r, u32
 // How many of this chunk's tokens have the chosen key (within the cut so far).
 template <class T>
 __device__ void pick_count(const T* logits, u32 vocab, const u32* params, u64* state, u32 splits, u32 cut) {
-    const PickParams p = params_of(params, blockIdx.x);
-    if (!cut_active(p, cut, vocab)) return;
-    u64* st = state + (u64)blockIdx.x * PICK_STATE_WORDS;
-    const DrawRow<T> r = draw_row(logits, vocab, p, st, cut);
-    Progress g;
-    if (!resume(p, st, cut, KeyBits<T>::passes, &g)) return;
-    u32 key, nth;
-    cut_point(r, cut, g, &key, &nth);
+    CutPoint<T> at;
+    if (!cut_point(logits, vocab, params, state, cut, &at)) return;
+    const DrawRow<T>& r = at.row;
+    u64* st = at.st;
+    const u32 key = at.key;
     __shared__ u32 count;
     if (threadIdx.x == 0) count = 0;
     __syncthreads();
@@ -436,14 +449,11 @@ __device__ void pick_count(const T* logits, u32 vocab, const u32* params, u64* s
 // cut is the drawn token). Should the wanted one run past them all, the last is taken.
 template <class T>
 __device__ void pick_find(const T* logits, u32 vocab, const u32* params, u64* state, u32 splits, u32 cut) {
-    const PickParams p = params_of(params, blockIdx.x);
-    if (!cut_active(p, cut, vocab)) return;
-    u64* st = state + (u64)blockIdx.x * PICK_STATE_WORDS;
-    const DrawRow<T> r = draw_row(logits, vocab, p, st, cut);
-    Progress g;
-    if (!resume(p, st, cut, KeyBits<T>::passes, &g)) return;
-    u32 key, nth;
-    cut_point(r, cut, g, &key, &nth);
+    CutPoint<T> at;
+    if (!cut_point(logits, vocab, params, state, cut, &at)) return;
+    const DrawRow<T>& r = at.row;
+    u64* st = at.st;
+    const u32 key = at.key, nth = at.nth;
     const u32* counts = (const u32*)(st + PW_COUNTS) + cut * PICK_SPLITS_MAX;
     u32 before = 0, total = 0, last = 0;
     for (u32 s = 0; s < splits; s++) {

@@ -293,15 +293,20 @@ fn order_key(l: f32) -> u32 {
 }
 
 /// The pick the kernels make, the plain way: the greedy token is the first of the
-/// highest key (NaN never; token 0 for a row of NaNs). A draw sorts the row by key, then
+/// largest logits (NaN never; token 0 for a row of NaNs). A draw sorts the row by key, then
 /// index; keeps the top k; weighs each token exp((l - max) / T) in 2^-40 fixed point;
 /// keeps the prefix whose weights first reach top_p of the kept total; zeroes tokens under
 /// min_p of the top; and walks to where the weights first reach uniform of what is left
 /// (nothing left: the greedy token).
 fn reference_pick(row: &[f32], p: Params) -> u32 {
-    let key = |i: usize| if row[i].is_nan() { 0 } else { order_key(row[i]) };
-    let greedy = (0..row.len()).filter(|&i| !row[i].is_nan()).max_by_key(|&i| (key(i), std::cmp::Reverse(i)));
-    let greedy = greedy.map_or(0, |i| i as u32);
+    // The first of the largest (by float comparison: -0 equals +0), NaN never.
+    let greedy = (0..row.len())
+        .filter(|&i| !row[i].is_nan())
+        .fold(None, |best: Option<usize>, i| match best {
+            Some(j) if row[j] >= row[i] => Some(j),
+            _ => Some(i),
+        })
+        .map_or(0, |i| i as u32);
     if p.temperature.is_nan() || p.temperature <= 0.0 {
         return greedy;
     }
@@ -381,7 +386,11 @@ fn pick_kernels_match_a_sort_and_walk_on_the_host_emulation() {
                 // Every logit -inf: nothing to draw, the greedy token (the first) stands.
                 15 => row.fill(f32::NEG_INFINITY),
                 // NaNs are never the greedy pick; a row of them picks token 0.
-                16 => row[11] = f32::NAN,
+                16 => {
+                    // All below zero but -0 (first) and +0: the greedy pick is the -0.
+                    row.iter_mut().for_each(|l| *l = -l.abs() - 1.0);
+                    (row[3], row[7], row[11]) = (-0.0, 0.0, f32::NAN);
+                }
                 17 => row.fill(f32::NAN),
                 _ => {}
             }
@@ -423,7 +432,7 @@ fn pick_kernels_match_a_sort_and_walk_on_the_host_emulation() {
             .count();
         assert!(drawn_elsewhere >= 5, "{logit_type}: only {drawn_elsewhere} draws leave the greedy token");
         assert_eq!((want[15], want[16], want[17]), (0, want[16], 0));
-        assert_ne!(want[16], 11, "a NaN is never the greedy pick");
+        assert_eq!(want[16], 3, "a NaN is never the greedy pick, and -0 equals +0");
         for s in splits {
             let got: Vec<u32> = std::fs::read(dir.join(format!("tokens_{s}.u32")))
                 .unwrap()

@@ -54,10 +54,15 @@ constexpr size_t FIBER_STACK = 256 * 1024;
 
 inline void yield() { swapcontext(&fibers[current].context, &scheduler); }
 
+// Arrivals at barriers and finished fibers: a sweep over the fibers that adds none
+// is a deadlock (a barrier some threads never reach), reported rather than spun on.
+inline unsigned long long progress = 0;
+
 struct Barrier {
     unsigned n, arrived = 0, generation = 0;
     void arrive_and_wait() {
         const unsigned gen = generation;
+        progress++;
         if (++arrived == n) {
             arrived = 0;
             generation++;
@@ -68,6 +73,9 @@ struct Barrier {
 };
 
 inline Barrier block_barrier{0};
+// The end of a block: its own barrier, so that threads returning early cannot stand in
+// for the others at a __syncthreads they skipped.
+inline Barrier block_end{0};
 inline std::vector<Barrier> warp_barriers;
 // Each warp's lanes' values in flight: 32 lanes × 6 words (an mma's a and b).
 inline std::vector<unsigned> slots;
@@ -77,6 +85,7 @@ inline unsigned* slot(unsigned lane) { return &slots[((thread.x / 32) * 32 + lan
 
 inline void fiber_entry() {
     body();
+    progress++;
     fibers[current].done = true;  // returning resumes the scheduler (uc_link)
 }
 
@@ -89,13 +98,14 @@ void launch(dim3 grid, unsigned threads, F kernel) {
     block_dim = {threads, 1, 1};
     slots.assign(threads * 6, 0);
     block_barrier = Barrier{threads};
+    block_end = Barrier{threads};
     warp_barriers.assign(threads / 32, Barrier{32});
     body = [&] {
         for (unsigned by = 0; by < grid.y; by++) {
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 block = fibers[current].block = {bx, by, 0};
                 kernel();
-                block_barrier.arrive_and_wait();
+                block_end.arrive_and_wait();
             }
         }
     };
@@ -109,6 +119,7 @@ void launch(dim3 grid, unsigned threads, F kernel) {
         makecontext(&f.context, fiber_entry, 0);
     }
     for (unsigned left = threads; left > 0;) {
+        const unsigned long long before = progress;
         for (unsigned t = 0; t < threads; t++) {
             if (fibers[t].done) continue;
             current = t;
@@ -116,6 +127,11 @@ void launch(dim3 grid, unsigned threads, F kernel) {
             block = fibers[t].block;
             swapcontext(&scheduler, &fibers[t].context);
             if (fibers[t].done) left--;
+        }
+        if (left > 0 && progress == before) {
+            std::fprintf(stderr, "emulation: every thread waits at a barrier the others never reach "
+                                 "(a divergent __syncthreads or warp-wide call)\n");
+            std::exit(3);
         }
     }
     fibers.clear();

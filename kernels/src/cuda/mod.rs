@@ -1058,7 +1058,7 @@ impl Backend for CudaBackend {
         let tiled_from = if tiled.is_some() { PREFILL_TILE_MIN_ROWS as u32 } else { u32::MAX };
         let short = |r: &&crate::paged::Row| q_len(r.seq) < tiled_from as usize;
         let max_keys = rows.iter().filter(short).map(|r| r.keys).max().unwrap_or(0);
-        let any_short = rows.iter().any(|r| short(&r));
+        let short_rows = rows.iter().filter(short).count();
         let rows = rows.len();
         if shape.head_dim > MAX_HEAD_DIM {
             return Err(KernelError::shape(OP, format!("head_dim {} above {MAX_HEAD_DIM}", shape.head_dim)));
@@ -1068,8 +1068,9 @@ impl Backend for CudaBackend {
             return Ok(CudaBuffer(Data::Bf16(out)));
         }
         let (qs, kc, vc) = (self.act(OP, q)?, self.act(OP, k_cache)?, self.act(OP, v_cache)?);
-        if any_short {
-            self.row_attention(&mut out, (&qs, &kc, &vc), batch, shape, (rows, max_keys), tiled_from)?;
+        if short_rows > 0 {
+            let counts = (rows, short_rows, max_keys);
+            self.row_attention(&mut out, (&qs, &kc, &vc), batch, shape, counts, tiled_from)?;
         }
         if let Some(kernel) = tiled {
             // After the row kernels: it overwrites what they merged for its rows.
@@ -1105,23 +1106,25 @@ impl Backend for CudaBackend {
 impl CudaBackend {
     /// The row kernels of paged attention: the grouped, split fast path where there is
     /// one for the head size and group, else one block per row and head. Rows of
-    /// sequences with `tiled_from` query rows or more are left to the tiled kernel
-    /// (the fast path skips them; the general one computes them anyway).
+    /// sequences with `tiled_from` query rows or more (all but `short_rows` of `rows`)
+    /// are left to the tiled kernel (the fast path skips them; the general one computes
+    /// them anyway). `max_keys`: the most keys a short row sees.
     fn row_attention(
         &self,
         out: &mut CudaSlice<bf16>,
         (qs, kc, vc): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
         batch: &PagedBatch<'_, Self>,
         shape: &AttentionShape,
-        (rows, max_keys): (usize, usize),
+        (rows, short_rows, max_keys): (usize, usize, usize),
         tiled_from: u32,
     ) -> Result<()> {
         const OP: &str = "paged_attention";
         let group = shape.num_heads / shape.num_kv_heads;
         let fast = self.k.paged_attention_fast.iter().find(|(key, _, _)| *key == (shape.head_dim, group));
         if let Some((_, kernel, resident)) = fast {
+            // Blocks of skipped rows return at once: the split is sized to the others.
             let splits = attention_splits(
-                rows * shape.num_kv_heads,
+                short_rows * shape.num_kv_heads,
                 self.sm_count,
                 self.sm_count * resident,
                 max_keys.div_ceil(MIN_SPLIT_KEYS),

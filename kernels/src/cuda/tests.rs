@@ -83,13 +83,24 @@ fn gpu_bf16_gemv_matches_cpu() {
     let mut rng = rng();
     for tokens in [1, 5, 8] {
         let (rows, cols) = (rng.random_range(1..700), 8 * rng.random_range(1..300));
-        let w = randn(&mut rng, rows * cols);
-        let x = randn(&mut rng, tokens * cols);
-        let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
-        let want = CpuBackend::exact().linear(&x, tokens, &CpuBackend::exact().upload_weight(hw()).unwrap(), None);
-        let got = g.linear(&g.upload(&x).unwrap(), tokens, &g.upload_weight(hw()).unwrap(), None).unwrap();
-        check(&format!("gemv_bf16 {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want.unwrap());
+        bf16_product_matches_cpu(&g, &mut rng, "gemv_bf16", tokens, (rows, cols));
     }
+}
+
+/// One bf16 product of random data on the GPU against the CPU's exact one.
+fn bf16_product_matches_cpu(
+    g: &CudaBackend,
+    rng: &mut StdRng,
+    what: &str,
+    tokens: usize,
+    (rows, cols): (usize, usize),
+) {
+    let w = randn(rng, rows * cols);
+    let x = randn(rng, tokens * cols);
+    let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
+    let want = CpuBackend::exact().linear(&x, tokens, &CpuBackend::exact().upload_weight(hw()).unwrap(), None);
+    let got = g.linear(&g.upload(&x).unwrap(), tokens, &g.upload_weight(hw()).unwrap(), None).unwrap();
+    check(&format!("{what} {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want.unwrap());
 }
 
 /// bf16 products of many tokens through cuBLASLt instead of cublasGemmEx (the bench's
@@ -102,12 +113,7 @@ fn gpu_cublaslt_products_match_cpu() {
     let mut rng = rng();
     for (tokens, align) in [(9, 8), (64, 8), (300, 8), (70, 1)] {
         let (rows, cols) = (align * rng.random_range(1..700 / align), align * rng.random_range(1..700 / align));
-        let w = randn(&mut rng, rows * cols);
-        let x = randn(&mut rng, tokens * cols);
-        let hw = || HostWeight { rows, cols, data: WeightData::F32(w.clone()) };
-        let want = CpuBackend::exact().linear(&x, tokens, &CpuBackend::exact().upload_weight(hw()).unwrap(), None);
-        let got = g.linear(&g.upload(&x).unwrap(), tokens, &g.upload_weight(hw()).unwrap(), None).unwrap();
-        check(&format!("cuBLASLt {tokens}x[{rows}x{cols}]"), &g.download(&got).unwrap(), &want.unwrap());
+        bf16_product_matches_cpu(&g, &mut rng, "cuBLASLt", tokens, (rows, cols));
     }
 }
 
