@@ -42,9 +42,10 @@ impl Etcd {
             .spawn()
             .expect("starting etcd");
         self.child = Some(child);
-        // Ready when its client port accepts connections.
+        // Ready when it answers its health check: its port accepts connections a moment
+        // before it serves them, and a request in that moment is reset.
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", self.client_port)).is_err() {
+        while !healthy(self.client_port) {
             assert!(
                 Instant::now() < deadline,
                 "etcd did not start: see {}",
@@ -67,6 +68,19 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Whether the etcd on `port` reports itself healthy (`GET /health`: `"health":"true"`).
+fn healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    if stream.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut reply = String::new();
+    let _ = stream.read_to_string(&mut reply);
+    reply.contains("\"health\":\"true\"")
 }
 
 fn which(name: &str) -> Option<std::path::PathBuf> {
