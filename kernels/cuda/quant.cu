@@ -182,72 +182,98 @@ struct Int4Rows {
 // `out_stride` apart (a part of a stacked weight writes its rows among the others'). One warp per
 // weight row, its lanes over the row's units in turn, so the warp reads the row's bytes
 // once, front to back, for every token.
+//
+// With GLU the weight is an MLP's fused [gate; up] projection and `rows` the width of
+// each half: the warp takes row r of both halves and writes silu(gate) · up, so the
+// 2 · width products never reach memory and no silu_mul follows (one launch and a round
+// trip a layer, which at batch 1 are a real part of a decode step).
 #define GEMV_MAX_T 8
 #define GEMV_WARPS 4
 
-template <class D>
-__device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
-                                     u32 out_stride) {
-    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (r >= rows) return;  // the whole warp: the shuffles below need every lane
-    float acc[GEMV_MAX_T];
-#pragma unroll
-    for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.0f;
-    for (u32 u = lane; u < cols / 32; u += 32) {
-        float wv[32], xv[32];
-        w.unit(r, u, wv);
-#pragma unroll
-        for (int t = 0; t < GEMV_MAX_T; t++) {
-            if ((u32)t < tokens) {
-                load_x32(x + (unsigned long long)t * cols + 32 * u, xv);
-                float s = 0.0f;
-#pragma unroll
-                for (int l = 0; l < 32; l++) s = fmaf(wv[l], xv[l], s);
-                acc[t] += s;
-            }
-        }
-    }
+// silu(g) · u, as elementwise.cu's silu_mul takes it.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + __expf(-g)) * u; }
+
+// Each token's warp-wide sums into out (silu(gate) · up with GLU), by lane 0.
+template <bool GLU>
+__device__ __forceinline__ void gemv_store(bf16* out, const float (&acc)[GLU ? 2 : 1][GEMV_MAX_T], u32 r,
+                                           u32 tokens, u32 out_stride) {
+    const u32 lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_T; t++) {
         if ((u32)t < tokens) {
-            float s = warp_sum(acc[t]);
+            float s = warp_sum(acc[0][t]);
+            if constexpr (GLU) s = silu_times(s, warp_sum(acc[1][t]));
             if (lane == 0) out[(unsigned long long)t * out_stride + r] = f2bf(s);
         }
     }
 }
 
+template <bool GLU, class D>
+__device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
+                                     u32 out_stride) {
+    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= rows) return;  // the whole warp: the shuffles below need every lane
+    constexpr int HALVES = GLU ? 2 : 1;
+    float acc[HALVES][GEMV_MAX_T] = {};
+    for (u32 u = lane; u < cols / 32; u += 32) {
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) {
+            float wv[32], xv[32];
+            w.unit(r + h * rows, u, wv);
+#pragma unroll
+            for (int t = 0; t < GEMV_MAX_T; t++) {
+                if ((u32)t < tokens) {
+                    load_x32(x + (unsigned long long)t * cols + 32 * u, xv);
+                    float s = 0.0f;
+#pragma unroll
+                    for (int l = 0; l < 32; l++) s = fmaf(wv[l], xv[l], s);
+                    acc[h][t] += s;
+                }
+            }
+        }
+    }
+    gemv_store<GLU>(out, acc, r, tokens, out_stride);
+}
 
 // bf16 weights, 1..GEMV_MAX_T tokens (the backend's alternative to cuBLAS for decode):
 // one warp per row, each lane 8 consecutive weights of every 256, so that each of the
 // warp's loads is 512 contiguous bytes; rows 16-byte aligned (cols a multiple of 8).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_bf16(bf16* out, const bf16* w, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {
+template <bool GLU>
+__device__ __forceinline__ void gemv_bf16_rows(bf16* out, const bf16* w, const bf16* x, u32 rows, u32 cols,
+                                               u32 tokens, u32 out_stride) {
     const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;  // the whole warp
-    const bf16* row = w + (unsigned long long)r * cols;
-    float acc[GEMV_MAX_T];
+    constexpr int HALVES = GLU ? 2 : 1;
+    float acc[HALVES][GEMV_MAX_T] = {};
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.0f;
+    for (int h = 0; h < HALVES; h++) {
+        const bf16* row = w + (unsigned long long)(r + h * rows) * cols;
 #pragma unroll 4
-    for (u32 c = 8 * lane; c < cols; c += 256) {
-        float wv[8], xv[8];
-        unpack8(*(const uint4*)(row + c), wv);
+        for (u32 c = 8 * lane; c < cols; c += 256) {
+            float wv[8], xv[8];
+            unpack8(*(const uint4*)(row + c), wv);
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_T; t++) {
-            if ((u32)t < tokens) {
-                unpack8(*(const uint4*)(x + (unsigned long long)t * cols + c), xv);
+            for (int t = 0; t < GEMV_MAX_T; t++) {
+                if ((u32)t < tokens) {
+                    unpack8(*(const uint4*)(x + (unsigned long long)t * cols + c), xv);
 #pragma unroll
-                for (int e = 0; e < 8; e++) acc[t] = fmaf(wv[e], xv[e], acc[t]);
+                    for (int e = 0; e < 8; e++) acc[h][t] = fmaf(wv[e], xv[e], acc[h][t]);
+                }
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < GEMV_MAX_T; t++) {
-        if ((u32)t < tokens) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) out[(unsigned long long)t * out_stride + r] = f2bf(s);
-        }
-    }
+    gemv_store<GLU>(out, acc, r, tokens, out_stride);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_bf16(bf16* out, const bf16* w, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {
+    gemv_bf16_rows<false>(out, w, x, rows, cols, tokens, out_stride);
+}
+
+// out[t, r] = silu(x[t] · w[r]) · (x[t] · w[r + width]), out `width` wide.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_bf16_glu(bf16* out, const bf16* w, const bf16* x, u32 width, u32 cols, u32 tokens) {
+    gemv_bf16_rows<true>(out, w, x, width, cols, tokens, width);
 }
 
 // Products of more tokens (prefill, large decode batches) on the tensor cores: each
@@ -353,12 +379,17 @@ __device__ __forceinline__ void embedding_rows(bf16* out, const u32* ids, const 
     }
 }
 
-// Each format's three kernels: decode products, tiled products, embedding lookups.
-// PARAMS are the weight's own arguments, DECODER builds the decoder from them.
+// Each format's four kernels: decode products (plain, and an MLP's gate and up halves
+// to silu(gate) · up), tiled products, embedding lookups. PARAMS are the weight's own
+// arguments, DECODER builds the decoder from them.
 #define WEIGHT_KERNELS(NAME, PARAMS, DECODER)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                   \
         gemv_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {             \
-        gemv(out, DECODER, x, rows, cols, tokens, out_stride);                                                      \
+        gemv<false>(out, DECODER, x, rows, cols, tokens, out_stride);                                               \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                   \
+        gemv_glu_##NAME(bf16* out, PARAMS, const bf16* x, u32 width, u32 cols, u32 tokens) {                        \
+        gemv<true>(out, DECODER, x, width, cols, tokens, width);                                                    \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                                      \
         gemm_##NAME(bf16* out, PARAMS, const bf16* x, u32 rows, u32 cols, u32 tokens, u32 out_stride) {             \

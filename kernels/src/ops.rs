@@ -239,6 +239,20 @@ pub trait Backend: Send + Sync {
     /// gate first in each row.
     fn silu_mul(&self, gate_up: &Self::Buffer, width: usize) -> Result<Self::Buffer>;
 
+    /// An MLP's activation from its fused `[gate; up]` projection: `silu_mul(linear(x, w),
+    /// width)` with `w` `2 · width` rows. The default composes the two; a GPU takes a
+    /// decode batch's in one pass over the weight, the products never written.
+    fn linear_silu_mul(
+        &self,
+        x: &Self::Buffer,
+        tokens: usize,
+        gate_up: &Self::Weight,
+        width: usize,
+    ) -> Result<Self::Buffer> {
+        let product = self.linear(x, tokens, gate_up, None)?;
+        self.silu_mul(&product, width)
+    }
+
     /// In-place softmax of each row of `[rows, cols]`.
     fn softmax(&self, x: &mut Self::Buffer, cols: usize) -> Result<()>;
 

@@ -11,7 +11,9 @@
 // decoded.f32 (every row's units through the format's decoder), out_T.bf16 for each
 // token count T (through the entry points the backend launches), wide_T.bf16 (the same
 // written 2 rows into an output 5 rows wider, as a part of a stacked weight writes),
-// emb.bf16 (the ids' rows through the embedding kernel). FP8 weights also take the W8A8
+// emb.bf16 (the ids' rows through the embedding kernel), and for decode counts with an
+// even ROWS glu_T.bf16 (the weight as an MLP's [gate; up] through gemv_glu: silu(gate) · up,
+// ROWS / 2 wide; bf16 weights through gemv_bf16_glu). FP8 weights also take the W8A8
 // path for each count above the decode kernel's: xq_T.u8 and xs_T.f32 (quantise_e4m3's
 // bytes and scales) and tc_T.bf16 (gemm_fp8_tc's product).
 
@@ -21,9 +23,23 @@
 #include "mma.h"
 #include "../quant.cu"
 
-// The format's decoder, its three entry points with the weight's own arguments bound.
-template <class D, class Gemv, class Gemm, class Embed>
-static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u32 cols,
+// glu_T.bf16 through `glu` (out, x, width, cols, tokens) for each decode count T.
+template <class Glu>
+static void glu_products(Glu glu, const std::vector<bf16>& x, u32 rows, u32 cols, const std::vector<u32>& token_counts) {
+    if (rows % 2 != 0) return;
+    const u32 width = rows / 2;
+    for (u32 tokens : token_counts) {
+        if (tokens > GEMV_MAX_T) continue;
+        std::vector<bf16> out((size_t)tokens * width, 0x7fc0);
+        emu::launch({(width + GEMV_WARPS - 1) / GEMV_WARPS, 1, 1}, GEMV_WARPS * 32,
+                    [&] { glu(out.data(), x.data(), width, cols, tokens); });
+        write("glu_" + std::to_string(tokens) + ".bf16", out);
+    }
+}
+
+// The format's decoder, its four entry points with the weight's own arguments bound.
+template <class D, class Gemv, class Glu, class Gemm, class Embed>
+static void run(const D& decoder, Gemv gemv, Glu glu, Gemm gemm, Embed embed, u32 rows, u32 cols,
                 const std::vector<u32>& token_counts) {
     std::vector<float> decoded((size_t)rows * cols);
     for (u32 r = 0; r < rows; r++)
@@ -56,6 +72,7 @@ static void run(const D& decoder, Gemv gemv, Gemm gemm, Embed embed, u32 rows, u
         }
         write("wide_" + std::to_string(tokens) + ".bf16", wide);
     }
+    glu_products(glu, x, rows, cols, token_counts);
     std::vector<u32> ids = read<u32>("ids.u32");
     std::vector<bf16> emb(ids.size() * cols, 0x7fc0);
     emu::launch({(unsigned)ids.size(), 1, 1}, 32, [&] { embed(emb.data(), ids.data(), cols); });
@@ -89,6 +106,7 @@ static void fp8_tensor_cores(const std::vector<u8>& w, const std::vector<float>&
         run(                                                                                              \
             BlockRows<TY>{w.data(), rb},                                                                  \
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_##NAME(o, w.data(), rb, xs, r, c, t, s); }, \
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_glu_##NAME(o, w.data(), rb, xs, r, c, t); }, \
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_##NAME(o, w.data(), rb, xs, r, c, t, s); }, \
             [&](bf16* o, const u32* i, u32 c) { embedding_##NAME(o, i, w.data(), rb, c); }, rows, cols, tokens); \
         return 0;                                                                                         \
@@ -114,6 +132,8 @@ int main(int argc, char** argv) {
                         [&] { gemv_bf16(out.data(), (const bf16*)w.data(), x.data(), rows, cols, t, rows); });
             write("out_" + std::to_string(t) + ".bf16", out);
         }
+        glu_products([&](bf16* o, const bf16* xs, u32 width, u32 c, u32 t) { gemv_bf16_glu(o, (const bf16*)w.data(), xs, width, c, t); },
+                     x, rows, cols, tokens);
         return 0;
     }
     std::vector<float> scales = read<float>("scales.f32");
@@ -130,6 +150,7 @@ int main(int argc, char** argv) {
         run(
             Fp8Rows{w.data(), scales.data(), cols, a, b},
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t, s); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_glu_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t); },
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_fp8(o, w.data(), scales.data(), a, b, xs, r, c, t, s); },
             [&](bf16* o, const u32* i, u32 c) { embedding_fp8(o, i, w.data(), scales.data(), a, b, c); }, rows, cols,
             tokens);
@@ -141,6 +162,7 @@ int main(int argc, char** argv) {
         run(
             Int4Rows{q, scales.data(), zeros.data(), cols, a},
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemv_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t, s); },
+            [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t) { gemv_glu_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t); },
             [&](bf16* o, const bf16* xs, u32 r, u32 c, u32 t, u32 s) { gemm_int4(o, q, scales.data(), zeros.data(), a, xs, r, c, t, s); },
             [&](bf16* o, const u32* i, u32 c) { embedding_int4(o, i, q, scales.data(), zeros.data(), a, c); }, rows, cols,
             tokens);

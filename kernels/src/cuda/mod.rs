@@ -159,6 +159,7 @@ struct Kernels {
     apply_penalties: CudaFunction,
     add_at: CudaFunction,
     gemv_bf16: CudaFunction,
+    gemv_bf16_glu: CudaFunction,
     /// Greedy and drawn picks, per logit type.
     pick: sampling::PickSet,
     gather_f32: CudaFunction,
@@ -347,6 +348,7 @@ impl CudaBackend {
             apply_penalties: find("apply_penalties")?,
             add_at: find("add_at")?,
             gemv_bf16: find("gemv_bf16")?,
+            gemv_bf16_glu: find("gemv_bf16_glu")?,
             pick: sampling::PickSet::load(&find)?,
             gather_f32: find("gather_f32")?,
             packed: packed::load(&find)?,
@@ -813,6 +815,39 @@ impl Backend for CudaBackend {
             l.arg(&mut out).arg(&*g).arg(&r).arg(&w);
             launch(&mut l, flat(rows * width), OP)?;
         }
+        Ok(CudaBuffer(Data::Bf16(out)))
+    }
+
+    fn linear_silu_mul(&self, x: &CudaBuffer, tokens: usize, w: &CudaWeight, width: usize) -> Result<CudaBuffer> {
+        const OP: &str = "linear_silu_mul";
+        let decode = (1..=GEMV_MAX_TOKENS).contains(&tokens) && w.rows == 2 * width;
+        let fused = match &w.data {
+            WeightStore::Bf16(_) => (self.bf16_gemv && w.cols.is_multiple_of(8)).then_some(&self.k.gemv_bf16_glu),
+            WeightStore::Packed(p) => p.glu_kernel(&self.k.packed),
+        };
+        let Some(func) = fused.filter(|_| decode) else {
+            let product = self.linear(x, tokens, w, None)?;
+            return self.silu_mul(&product, width);
+        };
+        expect_len(OP, "input", x.len(), tokens * w.cols)?;
+        let mut out = self.alloc(OP, tokens * width)?;
+        let xs = self.act(OP, x)?;
+        let (wd, c, t) = (u32_of(OP, width)?, u32_of(OP, w.cols)?, tokens as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (wd.div_ceil(GEMV_WARPS), 1, 1),
+            block_dim: (GEMV_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream.launch_builder(func);
+        l.arg(&mut out);
+        match &w.data {
+            WeightStore::Bf16(data) => {
+                l.arg(data);
+            }
+            WeightStore::Packed(p) => p.push(&mut l),
+        }
+        l.arg(&*xs).arg(&wd).arg(&c).arg(&t);
+        launch(&mut l, cfg, OP)?;
         Ok(CudaBuffer(Data::Bf16(out)))
     }
 

@@ -45,6 +45,8 @@ const FORMATS: [(Format, &str); 9] = [
 pub(super) struct FormatKernels {
     format: Format,
     gemv: CudaFunction,
+    /// gemv over an MLP's [gate; up] halves to silu(gate) · up.
+    gemv_glu: CudaFunction,
     gemm: CudaFunction,
     embedding: CudaFunction,
 }
@@ -75,6 +77,7 @@ pub(super) fn load(find: &dyn Fn(&str) -> Result<CudaFunction>) -> Result<Vec<Fo
             Ok(FormatKernels {
                 format,
                 gemv: find(&format!("gemv_{name}"))?,
+                gemv_glu: find(&format!("gemv_glu_{name}"))?,
                 gemm: find(&format!("gemm_{name}"))?,
                 embedding: find(&format!("embedding_{name}"))?,
             })
@@ -125,8 +128,15 @@ impl Packed {
         }
     }
 
+    /// The decode kernel that takes this weight as an MLP's [gate; up] to silu(gate) · up:
+    /// None for a stack, whose halves may differ in format.
+    pub(super) fn glu_kernel<'k>(&self, kernels: &'k [FormatKernels]) -> Option<&'k CudaFunction> {
+        let format = self.format()?;
+        kernels.iter().find(|k| k.format == format).map(|k| &k.gemv_glu)
+    }
+
     /// The weight's own kernel arguments, after the output (and the ids of a lookup).
-    fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
+    pub(super) fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
         match self {
             Packed::Blocks { bytes, row_bytes, .. } => l.arg(bytes).arg(row_bytes),
             Packed::Fp8 { bytes, scales, block_rows, block_cols } => {

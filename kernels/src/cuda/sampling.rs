@@ -163,17 +163,17 @@ impl CudaBackend {
         let splits = self.pick_splits(n, vocab);
         let (n32, splits32) = (n as u32, splits as u32);
         let grid = LaunchConfig { grid_dim: (n32, splits32, 1), block_dim: (PICK_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let (mut part_max, mut part_sum) = (self.zeros_f32(op, n * splits)?, self.zeros_f32(op, n * splits)?);
+        let (mut part_max, mut part_sum) = (self.uninit::<f32>(op, n * splits)?, self.uninit::<f32>(op, n * splits)?);
         let mut l = self.stream.launch_builder(&self.k.pick.lse_parts);
         l.arg(raw).arg(&vocab).arg(&splits32).arg(&mut part_max).arg(&mut part_sum);
         launch(&mut l, grid, op)?;
-        let (mut maxes, mut lses) = (self.zeros_f32(op, n)?, self.zeros_f32(op, n)?);
+        let (mut maxes, mut lses) = (self.uninit::<f32>(op, n)?, self.uninit::<f32>(op, n)?);
         let mut l = self.stream.launch_builder(&self.k.pick.lse_merge);
         l.arg(&part_max).arg(&part_sum).arg(&n32).arg(&splits32).arg(&mut maxes).arg(&mut lses);
         launch(&mut l, flat(n), op)?;
-        let mut top = self.stream.alloc_zeros::<u32>((n * k as usize).max(1)).map_err(device_err(op))?;
+        let mut top = self.uninit::<u32>(op, n * k as usize)?;
         if k > 0 {
-            let mut cand = self.stream.alloc_zeros::<u32>(n * splits * k as usize).map_err(device_err(op))?;
+            let mut cand = self.uninit::<u32>(op, n * splits * k as usize)?;
             let mut l = self.stream.launch_builder(&self.k.pick.topk_parts);
             l.arg(raw).arg(&vocab).arg(&k).arg(&splits32).arg(&mut cand);
             launch(&mut l, grid, op)?;
@@ -235,15 +235,18 @@ impl CudaBackend {
                 }
             }
         }
-        let mut tokens = self.stream.alloc_zeros::<u32>(n).map_err(device_err(op))?;
+        let mut tokens = self.uninit::<u32>(op, n)?;
         let mut l = self.stream.launch_builder(&self.k.pick.tokens);
         l.arg(&state).arg(&n32).arg(&vocab).arg(&mut tokens);
         launch(&mut l, flat(n), op)?;
         Ok(tokens)
     }
 
-    fn zeros_f32(&self, op: &'static str, n: usize) -> Result<CudaSlice<f32>> {
-        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(device_err(op))
+    /// A buffer of `n` (at least one) elements for a kernel to fill: every caller's
+    /// kernel writes each element before anything reads it, so no memset is spent on it.
+    fn uninit<T: DeviceRepr>(&self, op: &'static str, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: as above; the contents are never read before they are written.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(device_err(op))
     }
 
     /// A new f32 copy of `b`.
@@ -304,7 +307,7 @@ impl CudaBackend {
             return Ok(Vec::new());
         }
         let idx = self.htod(op, at)?;
-        let mut out = self.stream.alloc_zeros::<f32>(at.len()).map_err(device_err(op))?;
+        let mut out = self.uninit::<f32>(op, at.len())?;
         let n = at.len() as u64;
         let mut l = self.stream.launch_builder(&self.k.gather_f32);
         l.arg(&mut out).arg(src).arg(&idx).arg(&n);

@@ -68,12 +68,6 @@ fn gpu_linear_matches_cpu_with_and_without_bias() {
     }
 }
 
-/// Weights in ggml block formats stay in them on the device and are decoded by the
-/// kernels that read them: every format against the CPU's exact product (f32 weights
-/// decoded from the same blocks), through the decode kernel (≤ 8 tokens) and the tiled
-/// one, as an embedding table, and as a stack of parts in different formats. Bound:
-/// 1e-2 (bf16 activations and outputs; the tiled kernel rounds the decoded weights to
-/// bf16 for the tensor cores).
 /// bf16 weights' decode products through gemv_bf16 instead of cuBLAS (the bench's
 /// alternative): 1 to 8 tokens against the CPU, bound 1e-2 as above.
 #[test]
@@ -117,6 +111,12 @@ fn gpu_cublaslt_products_match_cpu() {
     }
 }
 
+/// Weights in ggml block formats stay in them on the device and are decoded by the
+/// kernels that read them: every format against the CPU's exact product (f32 weights
+/// decoded from the same blocks), through the decode kernel (≤ 8 tokens) and the tiled
+/// one, as an embedding table, and as a stack of parts in different formats. Bound:
+/// 1e-2 (bf16 activations and outputs; the tiled kernel rounds the decoded weights to
+/// bf16 for the tensor cores).
 #[test]
 fn gpu_block_weights_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -165,6 +165,74 @@ fn gpu_block_weights_match_cpu() {
         let want = cpu.linear(&x, tokens, &cw, None).unwrap();
         let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
         check(&format!("stacked Q4_K/Q6_K linear {tokens}"), &g.download(&got).unwrap(), &want);
+    }
+}
+
+/// An MLP's activation from its [gate; up] weight (`linear_silu_mul`): in one decode
+/// kernel for bf16 weights (gemv_bf16_glu), ggml blocks, FP8 and 4-bit weights, and
+/// composed for a stack of two formats and for 9 tokens; against the CPU's product then
+/// silu_mul, bound 1e-2 as above.
+#[test]
+fn gpu_linear_silu_mul_matches_cpu() {
+    let Some(mut g) = gpu() else { return };
+    g.set_bf16_gemv(true);
+    let mut rng = rng();
+    let cpu = CpuBackend::exact();
+    let (width, cols) = (rng.random_range(1..300), 256 * rng.random_range(1..4));
+    let blocks = |rng: &mut StdRng, ty, rows| HostWeight {
+        rows,
+        cols,
+        data: WeightData::Blocks { ty, bytes: crate::cpu::quant_rows_test_blocks(rng, ty, rows * cols) },
+    };
+    let weights = [
+        HostWeight { rows: 2 * width, cols, data: WeightData::F32(randn(&mut rng, 2 * width * cols)) },
+        blocks(&mut rng, GgmlType::Q4K, 2 * width),
+        blocks(&mut rng, GgmlType::Q8_0, 2 * width),
+        HostWeight {
+            rows: 2 * width,
+            cols,
+            data: WeightData::Fp8(Fp8Weight {
+                bytes: (0..2 * width * cols)
+                    .map(|_| rng.random_range(0..0x7eu8) | (rng.random::<u8>() & 0x80))
+                    .collect(),
+                scales: (0..2 * width).map(|_| rng.random_range(0.001..0.01)).collect(),
+                block: [1, cols],
+            }),
+        },
+        HostWeight {
+            rows: 2 * width,
+            cols,
+            data: WeightData::Int4(Int4Weight {
+                nibbles: (0..width * cols).map(|_| rng.random()).collect(),
+                scales: (0..2 * width * cols / 128).map(|_| rng.random_range(0.001..0.1)).collect(),
+                zeros: (0..2 * width * cols / 128).map(|_| rng.random_range(0..=16)).collect(),
+                group: 128,
+            }),
+        },
+        HostWeight {
+            rows: 2 * width,
+            cols,
+            data: WeightData::Stacked(vec![
+                blocks(&mut rng, GgmlType::Q4K, width),
+                blocks(&mut rng, GgmlType::Q6K, width),
+            ]),
+        },
+    ];
+    for hw in weights {
+        let what = match &hw.data {
+            WeightData::Blocks { ty, .. } => format!("{ty:?}"),
+            WeightData::Stacked(_) => "Q4K over Q6K".to_string(),
+            WeightData::F32(_) => "bf16".to_string(),
+            WeightData::Fp8(_) => "fp8".to_string(),
+            WeightData::Int4(_) => "int4".to_string(),
+        };
+        let (cw, gw) = (cpu.upload_weight(hw.clone()).unwrap(), g.upload_weight(hw).unwrap());
+        for tokens in [1, 8, 9] {
+            let x = randn(&mut rng, tokens * cols);
+            let want = cpu.silu_mul(&cpu.linear(&x, tokens, &cw, None).unwrap(), width).unwrap();
+            let got = g.linear_silu_mul(&g.upload(&x).unwrap(), tokens, &gw, width).unwrap();
+            check(&format!("{what} silu(gate) · up, {tokens}x[2·{width}x{cols}]"), &g.download(&got).unwrap(), &want);
+        }
     }
 }
 

@@ -279,8 +279,7 @@ impl<B: Backend> Model<B> {
             self.all_reduce(&mut attn_out)?;
             let x_ffn = b.add_rms_norm(&mut h, &attn_out, &layer.ffn_norm, c.rms_norm_eps)?;
 
-            let gate_up = b.linear(&x_ffn, tokens, &layer.gate_up, None)?;
-            let act = b.silu_mul(&gate_up, c.intermediate_size)?;
+            let act = b.linear_silu_mul(&x_ffn, tokens, &layer.gate_up, c.intermediate_size)?;
             let mut mlp_out = b.linear(&act, tokens, &layer.down, None)?;
             self.all_reduce(&mut mlp_out)?;
             match w.layers.get(i + 1) {
