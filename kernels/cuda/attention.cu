@@ -23,10 +23,11 @@ extern "C" __global__ void write_kv(bf16* k_cache, bf16* v_cache, const bf16* k,
 // `row` of sequence s sits at position context_lens[s] - q_len + i and sees keys
 // 0..=that position, so prefill chunks and decodes share one launch. Grouped-query heads
 // read the KV head head / (num_heads / num_kv_heads). Tables were checked on the host.
+// Rows of sequences with `tiled_from` query rows or more are left to prefill.cu's kernel.
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache, const u32* query_start,
                 const u32* context_lens, const u32* block_tables, u32 num_seqs, u32 max_blocks, u32 num_heads,
-                u32 num_kv_heads, u32 head_dim, u32 block_size, float scale) {
+                u32 num_kv_heads, u32 head_dim, u32 block_size, float scale, u32 tiled_from) {
     const u32 row = blockIdx.x, head = blockIdx.y;
     // The sequence of this row: the last s with query_start[s] <= row.
     u32 lo = 0, hi = num_seqs;
@@ -36,6 +37,7 @@ paged_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
     }
     const u32 s = lo;
     const u32 q_len = query_start[s + 1] - query_start[s];
+    if (q_len >= tiled_from) return;  // prefill.cu's tiled kernel writes this row
     const u32 keys = context_lens[s] - q_len + (row - query_start[s]) + 1;
     const u32 kv_head = head / (num_heads / num_kv_heads);
     const u32 kv_width = num_kv_heads * head_dim;

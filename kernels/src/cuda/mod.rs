@@ -1142,8 +1142,8 @@ impl CudaBackend {
     /// The row kernels of paged attention: the grouped, split fast path where there is
     /// one for the head size and group, else one block per row and head. Rows of
     /// sequences with `tiled_from` query rows or more (all but `short_rows` of `rows`)
-    /// are left to the tiled kernel (the fast path skips them; the general one computes
-    /// them anyway). `max_keys`: the most keys a short row sees.
+    /// are left to the tiled kernel, which both skip. `max_keys`: the most keys a short
+    /// row sees.
     fn row_attention(
         &self,
         out: &mut CudaSlice<bf16>,
@@ -1221,7 +1221,7 @@ impl CudaBackend {
         for a in &args {
             l.arg(a);
         }
-        l.arg(&shape.scale);
+        l.arg(&shape.scale).arg(&tiled_from);
         launch(&mut l, cfg, OP)
     }
 }
