@@ -10,7 +10,8 @@
 // quant/scaled.rs), so the GPU's products differ from the CPU's only in bf16
 // activations, the order of f32 sums and, in the tiled kernel, the decoded weights'
 // rounding to bf16 for the tensor cores. The kernels take a decoder, a small struct
-// whose `unit(r, u, w)` decodes unit u of row r. ggml types are their ids: 2 Q4_0,
+// whose `part(r, u, q, w)` decodes a quarter of unit u of row r (`decode_unit`: all
+// four). ggml types are their ids: 2 Q4_0,
 // 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K. Rows are whole units (the host
 // checks), and every ggml block starts 2-byte aligned (block sizes are even), so the
 // f16 fields are read as halves.
@@ -29,14 +30,54 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 
 __device__ __forceinline__ float f16_at(const u8* p) { return h2f(*(const unsigned short*)p); }
 
-// Sub-block j's 6-bit scale and min of a Q4_K/Q5_K super-block (12 packed bytes).
-__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* m) {
+// The weights' bytes are read in words, never a byte at a time: a warp's load
+// instruction costs the L1 a pass per cache line it touches whatever its width, and byte
+// loads made the decode kernels wait on the L1 rather than on memory. Each decoder gives
+// a unit as four parts of 8 weights (`part(r, u, q, w)`: weights 8q..8q+7 of unit u of
+// row r), so that four lanes share a unit and a warp's loads of the activations that
+// go with it are 512 contiguous bytes.
+
+// N bytes at p, 2-byte aligned (every ggml block is), as N / 4 little-endian words:
+// aligned 4-byte loads, joined across a half-word where p is not 4-byte aligned. The
+// extra word then read is the one holding the bytes' last two, never past an allocation.
+template <int N> __device__ __forceinline__ void load_words(const u8* p, u32 (&out)[N / 4]) {
+    // Offset from p, not an address made from an integer: the compiler then keeps
+    // the global loads (LDG) rather than generic ones.
+    const u32 misaligned = (u32)(unsigned long long)p & 2u;
+    const u32* w = (const u32*)(p - misaligned);
+    const u32 shift = misaligned * 8u;
+    u32 v[N / 4 + 1];
+#pragma unroll
+    for (int i = 0; i < N / 4; i++) v[i] = w[i];
+    v[N / 4] = shift ? w[N / 4] : 0u;
+#pragma unroll
+    for (int i = 0; i < N / 4; i++) out[i] = __funnelshift_r(v[i], v[i + 1], shift);
+}
+
+// 8 bytes at an 8-byte aligned p as two words.
+__device__ __forceinline__ void load8_aligned(const u8* p, u32 (&out)[2]) {
+    const uint2 v = *(const uint2*)p;
+    out[0] = v.x;
+    out[1] = v.y;
+}
+
+// Byte k of little-endian words (k a constant once unrolled).
+template <int N> __device__ __forceinline__ u32 byte_of(const u32 (&w)[N], int k) {
+    return (w[k >> 2] >> (8 * (k & 3))) & 0xffu;
+}
+
+// Sub-block j's 6-bit scale and min of a Q4_K/Q5_K super-block, from the words of its
+// first 16 bytes (d, dmin, 12 bytes of packed scales and mins: words 1..3). j is not a
+// constant, so it picks bytes by shifting, never by indexing the words.
+__device__ __forceinline__ void scale_min_k4(u32 j, const uint4& head, float* sc, float* m) {
+    const u32 s = 8 * (j & 3);
+    const u32 a = (head.y >> s) & 0xffu, b = (head.z >> s) & 0xffu, c = (head.w >> s) & 0xffu;
     if (j < 4) {
-        *sc = (float)(q[j] & 63);
-        *m = (float)(q[j + 4] & 63);
+        *sc = (float)(a & 63);
+        *m = (float)(b & 63);
     } else {
-        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+        *sc = (float)((c & 0xF) | ((a >> 6) << 4));
+        *m = (float)((c >> 4) | ((b >> 6) << 4));
     }
 }
 
@@ -49,83 +90,90 @@ template <> struct Format<12> { static constexpr int bytes = 144, units = 8; };
 template <> struct Format<13> { static constexpr int bytes = 176, units = 8; };
 template <> struct Format<14> { static constexpr int bytes = 210, units = 8; };
 
-// Unit u of a ggml row (row: the row's first byte) as 32 floats.
-template <int TY> __device__ __forceinline__ void block_unit(const u8* row, unsigned u, float* w) {
+// Weights 8q..8q+7 of unit u of a ggml row (row: the row's first byte) as floats.
+template <int TY> __device__ __forceinline__ void block_part(const u8* row, u32 u, u32 q, float* w) {
     const u8* b = row + (unsigned long long)(u / Format<TY>::units) * Format<TY>::bytes;
-    const int j = u % Format<TY>::units;
-    if constexpr (TY == 2) {  // Q4_0: d, 16 bytes of nibbles; low nibbles are elements 0..16
-        float d = f16_at(b);
-#pragma unroll
-        for (int l = 0; l < 16; l++) {
-            w[l] = (float)((int)(b[2 + l] & 0xF) - 8) * d;
-            w[l + 16] = (float)((int)(b[2 + l] >> 4) - 8) * d;
+    const u32 j = u % Format<TY>::units;
+    if constexpr (TY == 2 || TY == 3 || TY == 6) {
+        // Q4_0: d, 16 bytes of nibbles: x = (q − 8)·d. Q4_1: d, m, nibbles: x = q·d + m.
+        // Q5_0: d, 32 fifth bits, nibbles: x = (q + 16·bit − 16)·d. Elements 0..16 are
+        // the bytes' low nibbles, 16..32 their high ones; element e's fifth bit is bit e.
+        const u32 at = TY == 2 ? 2 : 4, nib = TY == 6 ? 6 : at;
+        float d = f16_at(b), m = TY == 3 ? f16_at(b + 2) : 0.0f;
+        u32 qs[2];
+        load_words<8>(b + nib + 8 * (q & 1), qs);
+        const u32 shift = (q >> 1) * 4;
+        u32 qh = 0;
+        if constexpr (TY == 6) {
+            u32 h[1];
+            load_words<4>(b + 2, h);
+            qh = h[0] >> (8 * q);
         }
-    } else if constexpr (TY == 3) {  // Q4_1: d, m, 16 bytes of nibbles: x = q·d + m
-        float d = f16_at(b), m = f16_at(b + 2);
 #pragma unroll
-        for (int l = 0; l < 16; l++) {
-            w[l] = __fadd_rn(__fmul_rn((float)(b[4 + l] & 0xF), d), m);
-            w[l + 16] = __fadd_rn(__fmul_rn((float)(b[4 + l] >> 4), d), m);
-        }
-    } else if constexpr (TY == 6) {  // Q5_0: d, 32 fifth bits, nibbles as Q4_0: x = (q − 16)·d
-        float d = f16_at(b);
-        unsigned qh = (unsigned)b[2] | ((unsigned)b[3] << 8) | ((unsigned)b[4] << 16) | ((unsigned)b[5] << 24);
-#pragma unroll
-        for (int l = 0; l < 16; l++) {
-            int lo = b[6 + l] & 0xF, hi = b[6 + l] >> 4;
-            w[l] = (float)((lo | (int)(((qh >> l) & 1) << 4)) - 16) * d;
-            w[l + 16] = (float)((hi | (int)(((qh >> (l + 16)) & 1) << 4)) - 16) * d;
+        for (int l = 0; l < 8; l++) {
+            const int v = (byte_of(qs, l) >> shift) & 0xF;
+            if constexpr (TY == 2) w[l] = (float)(v - 8) * d;
+            if constexpr (TY == 3) w[l] = __fadd_rn(__fmul_rn((float)v, d), m);
+            if constexpr (TY == 6) w[l] = (float)((v | (int)(((qh >> l) & 1) << 4)) - 16) * d;
         }
     } else if constexpr (TY == 8) {  // Q8_0: d, 32 signed bytes
         float d = f16_at(b);
+        u32 qs[2];
+        load_words<8>(b + 2 + 8 * q, qs);
 #pragma unroll
-        for (int l = 0; l < 32; l++) w[l] = (float)(signed char)b[2 + l] * d;
+        for (int l = 0; l < 8; l++) w[l] = (float)(signed char)byte_of(qs, l) * d;
     } else if constexpr (TY == 12 || TY == 13) {
         // Q4_K: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles (each 32
         // bytes hold two sub-blocks: low nibbles, then high). Q5_K adds 32 bytes of
-        // fifth bits (bit j of byte l for sub-block j) before the nibbles.
+        // fifth bits (bit j of byte l for sub-block j) before the nibbles. Blocks of
+        // 144 and 176 bytes keep every row's blocks 16-byte aligned.
+        const uint4 head = *(const uint4*)b;
         float sc, mn;
-        scale_min_k4(j, b + 4, &sc, &mn);
-        float scale = f16_at(b) * sc, min = f16_at(b + 2) * mn;
+        scale_min_k4(j, head, &sc, &mn);
+        float scale = h2f((unsigned short)(head.x & 0xffffu)) * sc, min = h2f((unsigned short)(head.x >> 16)) * mn;
         const int first = TY == 12 ? 16 : 48;
-        const u8* qs = b + first + 32 * (j >> 1);
-        const int shift = (j & 1) * 4;
+        u32 qs[2], qh[2];
+        load8_aligned(b + first + 32 * (j >> 1) + 8 * q, qs);
+        if constexpr (TY == 13) load8_aligned(b + 16 + 8 * q, qh);
+        const u32 shift = (j & 1) * 4;
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int q = (qs[l] >> shift) & 0xF;
-            if constexpr (TY == 13) q += ((b[16 + l] >> j) & 1) << 4;
-            w[l] = __fsub_rn(__fmul_rn((float)q, scale), min);
+        for (int l = 0; l < 8; l++) {
+            int v = (byte_of(qs, l) >> shift) & 0xF;
+            if constexpr (TY == 13) v += ((byte_of(qh, l) >> j) & 1) << 4;
+            w[l] = __fsub_rn(__fmul_rn((float)v, scale), min);
         }
     } else if constexpr (TY == 14) {
         // Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed scales (one per
         // 16 weights), d. Sub-block j = 4·half + k takes byte l (+32 when k is odd) of
         // its half's low bits (high nibble when k ≥ 2) and bits 2k of qh[l].
-        const int half = j >> 2, k = j & 3;
-        const u8* ql = b + 64 * half + 32 * (k & 1);
-        const u8* qh = b + 128 + 32 * half;
-        float d = f16_at(b + 208);
-        float s0 = d * (float)(signed char)b[192 + 2 * j], s1 = d * (float)(signed char)b[193 + 2 * j];
+        const u32 half = j >> 2, k = j & 3;
+        u32 ql[2], qh[2];
+        load_words<8>(b + 64 * half + 32 * (k & 1) + 8 * q, ql);
+        load_words<8>(b + 128 + 32 * half + 8 * q, qh);
+        const float d = f16_at(b + 208);
+        const float s = d * (float)(signed char)b[192 + 2 * j + (q >> 1)];
+        const u32 lo_shift = 4 * (k >> 1), hi_shift = 2 * k;
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int lo = k >= 2 ? ql[l] >> 4 : ql[l] & 0xF;
-            int q = (lo | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
-            w[l] = (l < 16 ? s0 : s1) * (float)q;
+        for (int l = 0; l < 8; l++) {
+            const int lo = (byte_of(ql, l) >> lo_shift) & 0xF;
+            w[l] = s * (float)((lo | (int)(((byte_of(qh, l) >> hi_shift) & 3) << 4)) - 32);
         }
     }
 }
 
-// 32 activations from p (16-byte aligned: units start at multiples of 32 elements of
-// rows whose width is a multiple of 32) as floats.
-__device__ __forceinline__ void load_x32(const bf16* p, float* x) {
+// A decoder's whole unit u of row r: its four parts.
+template <class D> __device__ __forceinline__ void decode_unit(const D& w, u32 r, u32 u, float* out) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) unpack8(((const uint4*)p)[i], x + 8 * i);
+    for (u32 q = 0; q < 4; q++) w.part(r, u, q, out + 8 * q);
 }
 
 // ggml blocks, `row_bytes` a row.
 template <int TY> struct BlockRows {
     const u8* w;
     unsigned long long row_bytes;
-    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const { block_unit<TY>(w + r * row_bytes, u, out); }
+    __device__ __forceinline__ void part(u32 r, u32 u, u32 q, float* out) const {
+        block_part<TY>(w + r * row_bytes, u, q, out);
+    }
 };
 
 // One E4M3 ("fn") byte: its exponent and mantissa bits put where an f32's are, then the
@@ -147,16 +195,12 @@ struct Fp8Rows {
         const u32 scale_cols = (cols + block_cols - 1) / block_cols;
         return scales[(unsigned long long)(r / block_rows) * scale_cols + 32 * u / block_cols];
     }
-    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const {
-        const uint4* p = (const uint4*)(w + (unsigned long long)r * cols + 32 * u);
+    __device__ __forceinline__ void part(u32 r, u32 u, u32 q, float* out) const {
+        u32 words[2];
+        load8_aligned(w + (unsigned long long)r * cols + 32 * u + 8 * q, words);
         const float s = scale(r, u);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            uint4 q = p[h];
-            u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int k = 0; k < 16; k++) out[16 * h + k] = e4m3((words[k / 4] >> (8 * (k % 4))) & 0xffu) * s;
-        }
+        for (int k = 0; k < 8; k++) out[k] = e4m3(byte_of(words, k)) * s;
     }
 };
 
@@ -167,14 +211,13 @@ struct Int4Rows {
     const float* scales;
     const u8* zeros;
     u32 cols, group;
-    __device__ __forceinline__ void unit(u32 r, u32 u, float* out) const {
-        uint4 v = *(const uint4*)(q + (unsigned long long)r * (cols / 2) + 16 * u);
+    __device__ __forceinline__ void part(u32 r, u32 u, u32 p, float* out) const {
+        const u32 v = *(const u32*)(q + (unsigned long long)r * (cols / 2) + 16 * u + 4 * p);
         const unsigned long long g = (unsigned long long)r * ((cols + group - 1) / group) + 32 * u / group;
         const float s = scales[g];
         const int z = zeros[g];
-        u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int k = 0; k < 32; k++) out[k] = (float)((int)((words[k / 8] >> (4 * (k % 8))) & 0xFu) - z) * s;
+        for (int k = 0; k < 8; k++) out[k] = (float)((int)((v >> (4 * k)) & 0xFu) - z) * s;
     }
 };
 
@@ -211,23 +254,23 @@ __device__ __forceinline__ void gemv_store(bf16* out, const float (&acc)[GLU ? 2
 template <bool GLU, class D>
 __device__ __forceinline__ void gemv(bf16* out, const D& w, const bf16* x, u32 rows, u32 cols, u32 tokens,
                                      u32 out_stride) {
-    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31, q = lane & 3;
     if (r >= rows) return;  // the whole warp: the shuffles below need every lane
     constexpr int HALVES = GLU ? 2 : 1;
     float acc[HALVES][GEMV_MAX_T] = {};
-    for (u32 u = lane; u < cols / 32; u += 32) {
+    // Four lanes a unit, eight units a step: each activation load of the warp is 512
+    // contiguous bytes.
+    for (u32 u = lane >> 2; u < cols / 32; u += 8) {
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
-            float wv[32], xv[32];
-            w.unit(r + h * rows, u, wv);
+            float wv[8], xv[8];
+            w.part(r + h * rows, u, q, wv);
 #pragma unroll
             for (int t = 0; t < GEMV_MAX_T; t++) {
                 if ((u32)t < tokens) {
-                    load_x32(x + (unsigned long long)t * cols + 32 * u, xv);
-                    float s = 0.0f;
+                    unpack8(*(const uint4*)(x + (unsigned long long)t * cols + 32 * u + 8 * q), xv);
 #pragma unroll
-                    for (int l = 0; l < 32; l++) s = fmaf(wv[l], xv[l], s);
-                    acc[h][t] += s;
+                    for (int e = 0; e < 8; e++) acc[h][t] = fmaf(wv[e], xv[e], acc[h][t]);
                 }
             }
         }
@@ -320,7 +363,7 @@ __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 r
         if (tid < TILE) {
             float wv[32];
             if (r0 + tid < rows) {
-                w.unit(r0 + tid, u, wv);
+                decode_unit(w, r0 + tid, u, wv);
             } else {
 #pragma unroll
                 for (int l = 0; l < 32; l++) wv[l] = 0.0f;
@@ -373,7 +416,7 @@ __device__ __forceinline__ void embedding_rows(bf16* out, const u32* ids, const 
     bf16* o = out + (unsigned long long)blockIdx.x * cols;
     for (u32 u = threadIdx.x; u < cols / 32; u += blockDim.x) {
         float wv[32];
-        table.unit(r, u, wv);
+        decode_unit(table, r, u, wv);
 #pragma unroll
         for (int l = 0; l < 32; l++) o[32 * u + l] = f2bf(wv[l]);
     }

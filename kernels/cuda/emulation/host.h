@@ -29,6 +29,9 @@
 struct uint4 {
     unsigned x, y, z, w;
 };
+struct uint2 {
+    unsigned x, y;
+};
 struct dim3 {
     unsigned x, y, z;
 };
@@ -165,6 +168,9 @@ inline float __int_as_float(int i) {
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
+}
 
 namespace emu {
 // Every lane of the warp posts a word; each gets back what `read` makes of the 32.
