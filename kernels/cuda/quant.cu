@@ -320,8 +320,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 }
 
 // Products of more tokens (prefill, large decode batches) on the tensor cores: each
-// block computes a 64-row × 64-token tile of out, 32 columns at a time. Its first 64
-// threads decode one row's unit each into shared memory as bf16, all 128 stage the
+// block computes a 64-row × 64-token tile of out, 32 columns at a time. Its 128
+// threads decode half a row's unit each into shared memory as bf16, then stage the
 // tokens' 32 activations, then each of the 4 warps multiplies a 32 × 32 quarter: 2 × 4
 // m16n8 tiles, two k16 steps. Rows of the staged tiles are 40 bf16 apart, so a warp's
 // fragment loads fall in 32 different banks.
@@ -360,17 +360,20 @@ __device__ __forceinline__ void gemm(bf16* out, const D& w, const bf16* x, u32 r
     const u32 wm = (warp >> 1) * 32, wn = (warp & 1) * 32, g = lane >> 2, t = lane & 3;
     float acc[2][4][4] = {};
     for (u32 u = 0; u < cols / 32; u++) {
-        if (tid < TILE) {
-            float wv[32];
-            if (r0 + tid < rows) {
-                decode_unit(w, r0 + tid, u, wv);
+        {
+            // Two threads a row, two parts (16 weights) each.
+            const u32 row = tid >> 1, half = tid & 1;
+            float wv[16];
+            if (r0 + row < rows) {
+                w.part(r0 + row, u, 2 * half, wv);
+                w.part(r0 + row, u, 2 * half + 1, wv + 8);
             } else {
 #pragma unroll
-                for (int l = 0; l < 32; l++) wv[l] = 0.0f;
+                for (int l = 0; l < 16; l++) wv[l] = 0.0f;
             }
-            u32* row = (u32*)(ws + tid * TILE_STRIDE);
+            u32* dst = (u32*)(ws + row * TILE_STRIDE + 16 * half);
 #pragma unroll
-            for (int l = 0; l < 16; l++) row[l] = (u32)f2bf(wv[2 * l]) | ((u32)f2bf(wv[2 * l + 1]) << 16);
+            for (int l = 0; l < 8; l++) dst[l] = (u32)f2bf(wv[2 * l]) | ((u32)f2bf(wv[2 * l + 1]) << 16);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
