@@ -30,7 +30,7 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 
 __device__ __forceinline__ float f16_at(const u8* p) { return h2f(*(const unsigned short*)p); }
 
-// The weights' bytes are read in words, never a byte at a time: a warp's load
+// The weights' bytes are read in words, not a byte at a time: a warp's load
 // instruction costs the L1 a pass per cache line it touches whatever its width, and byte
 // loads made the decode kernels wait on the L1 rather than on memory. Each decoder gives
 // a unit as four parts of 8 weights (`part(r, u, q, w)`: weights 8q..8q+7 of unit u of
@@ -39,7 +39,8 @@ __device__ __forceinline__ float f16_at(const u8* p) { return h2f(*(const unsign
 
 // N bytes at p, 2-byte aligned (every ggml block is), as N / 4 little-endian words:
 // aligned 4-byte loads, joined across a half-word where p is not 4-byte aligned. The
-// extra word then read is the one holding the bytes' last two, never past an allocation.
+// extra word then read holds the bytes' last two and two after them: past the weight's
+// last block only into the padding `upload_packed` leaves after ggml blocks.
 template <int N> __device__ __forceinline__ void load_words(const u8* p, u32 (&out)[N / 4]) {
     // Offset from p, not an address made from an integer: the compiler then keeps
     // the global loads (LDG) rather than generic ones.

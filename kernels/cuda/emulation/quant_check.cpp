@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
     std::vector<u32> tokens;
     for (int i = 5; i < argc; i++) tokens.push_back((u32)std::atoi(argv[i]));
     std::vector<u8> w = read<u8>("w.bin");
-    // load_words may read the 4-byte word that holds a block's last two bytes: on the
-    // device always within the allocation, here past the vector's end unless padded.
+    // load_words may read 2 bytes past the last block: padded as upload_packed pads
+    // ggml blocks on the device (BLOCK_PADDING).
     w.resize(w.size() + 4, 0);
     if (format == "bf16") {  // gemv_bf16 only: bf16 weights' decode products
         std::vector<bf16> x = read<bf16>("x.bf16");

@@ -820,7 +820,7 @@ impl Backend for CudaBackend {
 
     fn linear_silu_mul(&self, x: &CudaBuffer, tokens: usize, w: &CudaWeight, width: usize) -> Result<CudaBuffer> {
         const OP: &str = "linear_silu_mul";
-        let decode = (1..=GEMV_MAX_TOKENS).contains(&tokens) && w.rows == 2 * width;
+        let decode = (1..=GEMV_MAX_TOKENS).contains(&tokens) && width > 0 && w.rows == 2 * width;
         let fused = match &w.data {
             WeightStore::Bf16(_) => (self.bf16_gemv && w.cols.is_multiple_of(8)).then_some(&self.k.gemv_bf16_glu),
             WeightStore::Packed(p) => p.glu_kernel(&self.k.packed),

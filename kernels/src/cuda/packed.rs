@@ -19,6 +19,10 @@ const TILE: usize = 64;
 const TILE_THREADS: u32 = 128;
 /// Weights a kernel decodes at a time: scale blocks and groups must be multiples.
 const UNIT: usize = 32;
+/// Zero bytes after a weight's ggml blocks: quant.cu's `load_words` reads whole aligned
+/// words, and the last block of a weight of 18-, 22- or 34-byte blocks can end 2 bytes
+/// into one.
+const BLOCK_PADDING: usize = 4;
 
 /// A weight's format as the kernels know it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +125,7 @@ impl Packed {
     /// Bytes the weight takes on the device.
     pub(super) fn device_bytes(&self) -> usize {
         match self {
-            Packed::Blocks { bytes, .. } => bytes.len(),
+            Packed::Blocks { bytes, .. } => bytes.len() - BLOCK_PADDING,
             Packed::Fp8 { bytes, scales, .. } => bytes.len() + 4 * scales.len(),
             Packed::Int4 { nibbles, scales, zeros, .. } => nibbles.len() + 4 * scales.len() + zeros.len(),
             Packed::Stacked(parts) => parts.iter().map(|(_, p)| p.device_bytes()).sum(),
@@ -174,7 +178,7 @@ impl CudaBackend {
             WeightData::Blocks { ty, bytes } if FORMATS.iter().any(|f| f.0 == Format::Blocks(*ty)) => {
                 // Checked by the caller: rows of whole blocks.
                 let row_bytes = ty.bytes_for(cols).unwrap_or(0) as u64;
-                Some(Packed::Blocks { ty: *ty, row_bytes, bytes: self.htod(OP, bytes)? })
+                Some(Packed::Blocks { ty: *ty, row_bytes, bytes: self.htod_padded(OP, bytes)? })
             }
             WeightData::Fp8(f) if whole_units(f.block[1]) || f.block[1] >= cols => Some(Packed::Fp8 {
                 bytes: self.htod(OP, &f.bytes)?,
@@ -191,6 +195,15 @@ impl CudaBackend {
             }),
             _ => None,
         })
+    }
+
+    /// `bytes` on the device, followed by BLOCK_PADDING zero bytes.
+    fn htod_padded(&self, op: &'static str, bytes: &[u8]) -> Result<CudaSlice<u8>> {
+        let mut dev = self.stream.alloc_zeros::<u8>(bytes.len() + BLOCK_PADDING).map_err(super::device_err(op))?;
+        if !bytes.is_empty() {
+            self.stream.memcpy_htod(bytes, &mut dev.slice_mut(..bytes.len())).map_err(super::device_err(op))?;
+        }
+        Ok(dev)
     }
 
     fn format_kernels(&self, op: &'static str, w: &Packed) -> Result<&FormatKernels> {
