@@ -146,9 +146,10 @@ fn check(format: &str, rows: usize, cols: usize, data: WeightData, rng: &mut Std
             assert!(same && around, "{format}: {tokens} tokens into a wider output, token {t}");
         }
     }
-    check_glu(&dir, format, (rows, cols), &x, &cw, &cpu);
+    let written = Written { dir: &dir, format, rows, cols, x: &x, cw: &cw, cpu: &cpu };
+    check_glu(written);
     if let WeightData::Fp8(_) = &weight.data {
-        check_fp8_tensor_cores(&dir, format, (rows, cols), &x, &cw, &cpu);
+        check_fp8_tensor_cores(written);
     }
     let rows_of: Vec<f32> = ids
         .iter()
@@ -158,18 +159,25 @@ fn check(format: &str, rows: usize, cols: usize, data: WeightData, rng: &mut Std
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A driver run's directory and what its outputs are judged against: the weight's
+/// shape, the activations it took, the weight on the CPU and the CPU.
+#[derive(Clone, Copy)]
+struct Written<'a> {
+    dir: &'a Path,
+    format: &'a str,
+    rows: usize,
+    cols: usize,
+    x: &'a [f32],
+    cw: &'a <CpuBackend as Backend>::Weight,
+    cpu: &'a CpuBackend,
+}
+
 /// The decode kernels' fused MLP activation (`gemv_glu_*`, `gemv_bf16_glu`): the weight's
 /// rows as [gate; up], silu(gate) · up for 1, 3 and 8 tokens within 1e-2 of the CPU's
 /// exact product through its silu_mul (the same bound as the plain product: one bf16
 /// rounding of the output, f32 sums).
-fn check_glu(
-    dir: &Path,
-    format: &str,
-    (rows, cols): (usize, usize),
-    x: &[f32],
-    cw: &<CpuBackend as Backend>::Weight,
-    cpu: &CpuBackend,
-) {
+fn check_glu(written: Written) {
+    let Written { dir, format, rows, cols, x, cw, cpu } = written;
     assert!(rows.is_multiple_of(2), "{format}: a [gate; up] weight has an even number of rows");
     for tokens in TOKENS.into_iter().filter(|&t| t <= 8) {
         let got = read_bf16(&dir.join(format!("glu_{tokens}.bf16")));
@@ -185,14 +193,8 @@ fn check_glu(
 /// within 4e-2 of the CPU's exact one. The bound is the activations' rounding: E4M3 keeps
 /// 3 mantissa bits (relative steps of 1/8 to 1/16: 2.5 % RMS on these uniform activations, which does not
 /// shrink in a sum of many terms of random sign); the weights are exact as stored.
-fn check_fp8_tensor_cores(
-    dir: &Path,
-    format: &str,
-    (rows, cols): (usize, usize),
-    x: &[f32],
-    cw: &<CpuBackend as Backend>::Weight,
-    cpu: &CpuBackend,
-) {
+fn check_fp8_tensor_cores(written: Written) {
+    let Written { dir, format, rows, cols, x, cw, cpu } = written;
     let e4m3: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
     for tokens in TOKENS.into_iter().filter(|&t| t > 8) {
         let xq = std::fs::read(dir.join(format!("xq_{tokens}.u8"))).unwrap();
@@ -660,6 +662,6 @@ fn bf16_gemv_matches_the_cpu_on_the_host_emulation() {
         let err = rel_err(&got, &want);
         assert!(err < 1e-2, "{tokens} tokens: relative error {err}");
     }
-    check_glu(&dir, "bf16", (rows, cols), &x, &cw, &cpu);
+    check_glu(Written { dir: &dir, format: "bf16", rows, cols, x: &x, cw: &cw, cpu: &cpu });
     let _ = std::fs::remove_dir_all(dir);
 }
