@@ -1,14 +1,16 @@
-//! CUDA kernels run on the host under g++ (`kernels/cuda/emulation`: each CUDA thread an
-//! OS thread, warps exchanging values between barriers) and judged against the CPU, so
+//! CUDA kernels run on the host under g++ (`kernels/cuda/emulation`: each CUDA thread a
+//! fiber, warps exchanging values between barriers) and judged against the CPU, so
 //! that where no GPU is (CI) their decoding, indexing, warp-wide steps and tensor-core
-//! fragment layouts are still checked on every build. The emulation is a test double for
+//! fragment layouts are still checked on every build, and, under g++'s alignment
+//! sanitizer, that no vector load is misaligned (x86 would load it; a GPU faults). The emulation is a test double for
 //! the GPU; `kernels/src/cuda/tests.rs` and `worker/tests/gpu.rs` check the same kernels
 //! on a device.
 //!
 //! `quant.cu`'s kernels for packed weights, every format: each row's units decoded bit for bit as the host decodes them, products
 //! of 1, 3 and 8 tokens (the decode kernel) and 9 and 70 (the tiled tensor-core one, over
 //! partial tiles) within 1e-2 of the CPU's exact product (bf16 activations and outputs,
-//! as `cuda/tests.rs` bounds them), the same products written among a wider output's
+//! as `cuda/tests.rs` bounds them), the decode kernel over a [gate; up] weight to
+//! silu(gate) · up likewise, the same products written among a wider output's
 //! rows (a part of a stacked weight), and embedding rows equal to the decoded ones
 //! rounded to bf16.
 //!
@@ -51,7 +53,19 @@ fn driver(name: &'static str) -> &'static Path {
     cell.get_or_init(|| {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("cuda/emulation/{name}.cpp"));
         let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-        let flags = ["-std=c++20", "-O1", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"];
+        // x86 loads misaligned words as gladly as aligned ones; the GPU faults on them,
+        // so the sanitizer stops a driver at the first.
+        let flags = [
+            "-std=c++20",
+            "-O1",
+            "-ffp-contract=off",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unknown-pragmas",
+            "-fsanitize=alignment",
+            "-fno-sanitize-recover=alignment",
+        ];
         let status =
             Command::new("g++").args(flags).arg("-pthread").arg("-o").arg(&out).arg(&source).status().unwrap_or_else(
                 |e| panic!("g++ is needed to emulate the CUDA kernels (scripts/test installs it): {e}"),

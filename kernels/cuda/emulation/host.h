@@ -26,10 +26,12 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(n)
 
-struct uint4 {
+// Aligned as the device's vector types, so that the drivers' alignment sanitizer
+// (-fsanitize=alignment) fails a load the device would fault on.
+struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-struct uint2 {
+struct alignas(8) uint2 {
     unsigned x, y;
 };
 struct dim3 {
