@@ -142,11 +142,6 @@ extern "C" __global__ void gather_rows(bf16* out, const bf16* x, const u32* rows
     }
 }
 
-// Fills x with one bf16 bit pattern (tests poison fresh buffers with NaN this way).
-extern "C" __global__ void fill_bf16(bf16* x, bf16 value, unsigned long long n) {
-    FOR_EACH(i, n) x[i] = value;
-}
-
 // Uniform values in [-scale, scale) from a counter-based hash of (seed, index), for
 // benchmark weights made on the device: an 8B-parameter model never crosses PCIe.
 extern "C" __global__ void fill_random_bf16(bf16* x, unsigned long long n, unsigned long long seed, float scale) {

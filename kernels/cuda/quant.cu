@@ -185,16 +185,26 @@ __device__ __forceinline__ float e4m3(u32 b) {
     return (b & 0x80u) ? -mag : mag;
 }
 
+// n / d for the n the decoders divide (a row's units: under 2^16) as a multiply and a
+// shift, exact for d < 2^16 (the error n/2^32 stays under 1/d): a u32 division is about
+// 20 instructions, and a decoder's scale index needs one every 8 weights.
+struct Divider {
+    unsigned long long m;
+    __device__ __forceinline__ u32 of(u32 n) const { return (u32)(((unsigned long long)n * m) >> 32); }
+};
+__device__ __forceinline__ Divider divider(u32 d) { return Divider{((1ull << 32) + d - 1) / d}; }
+
 // E4M3 bytes, row-major, times a scale per block of block_rows × block_cols (a multiple
 // of 32 columns, so a unit has one scale).
 struct Fp8Rows {
     const u8* w;
     const float* scales;
     u32 cols, block_rows, block_cols;
+    Divider units_per_block = divider(block_cols / 32);
     // Row r's scale for unit u.
     __device__ __forceinline__ float scale(u32 r, u32 u) const {
         const u32 scale_cols = (cols + block_cols - 1) / block_cols;
-        return scales[(unsigned long long)(r / block_rows) * scale_cols + 32 * u / block_cols];
+        return scales[(unsigned long long)(r / block_rows) * scale_cols + units_per_block.of(u)];
     }
     __device__ __forceinline__ void part(u32 r, u32 u, u32 q, float* out) const {
         u32 words[2];
@@ -212,9 +222,10 @@ struct Int4Rows {
     const float* scales;
     const u8* zeros;
     u32 cols, group;
+    Divider units_per_group = divider(group / 32);
     __device__ __forceinline__ void part(u32 r, u32 u, u32 p, float* out) const {
         const u32 v = *(const u32*)(q + (unsigned long long)r * (cols / 2) + 16 * u + 4 * p);
-        const unsigned long long g = (unsigned long long)r * ((cols + group - 1) / group) + 32 * u / group;
+        const unsigned long long g = (unsigned long long)r * ((cols + group - 1) / group) + units_per_group.of(u);
         const float s = scales[g];
         const int z = zeros[g];
 #pragma unroll

@@ -22,7 +22,9 @@ use crate::paged::HostBatch;
 use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, Result, RopeStyle};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::ops::Deref;
@@ -131,7 +133,6 @@ impl<T> Deref for Slice<'_, T> {
 struct Kernels {
     f32_to_bf16: CudaFunction,
     bf16_to_f32: CudaFunction,
-    fill_bf16: CudaFunction,
     fill_random_bf16: CudaFunction,
     embedding: CudaFunction,
     rms_norm: CudaFunction,
@@ -180,6 +181,15 @@ const DENSE_ATTENTION_SHARED_BYTES: usize = 48 * 1024;
 /// GEMV_MAX_T and GEMV_WARPS in quant.cu: tokens of a decode product, rows a block.
 const GEMV_MAX_TOKENS: usize = 8;
 const GEMV_WARPS: u32 = 4;
+
+/// The launch of a decode product kernel (quant.cu's gemv*): a warp per output row.
+fn gemv_config(rows: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(GEMV_WARPS), 1, 1),
+        block_dim: (GEMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 /// Fewest keys a split of the fast attention path takes.
 const MIN_SPLIT_KEYS: usize = 128;
 /// Query rows of a sequence from which the tiled prefill kernel takes it (it reads
@@ -312,7 +322,6 @@ impl CudaBackend {
         let k = Kernels {
             f32_to_bf16: find("f32_to_bf16")?,
             bf16_to_f32: find("bf16_to_f32")?,
-            fill_bf16: find("fill_bf16")?,
             fill_random_bf16: find("fill_random_bf16")?,
             embedding: find("embedding")?,
             rms_norm: find("rms_norm")?,
@@ -447,14 +456,22 @@ impl CudaBackend {
         if len == 0 {
             return self.stream.null().map_err(device_err(op));
         }
-        // SAFETY: every caller's kernel writes all `len` elements before any read.
-        let mut s = unsafe { self.stream.alloc::<bf16>(len) }.map_err(device_err(op))?;
+        self.uninit(op, len)
+    }
+
+    /// A buffer of `n` (at least one) elements for a kernel to fill: every caller's
+    /// kernel writes each element before anything reads it, so no memset is spent on it,
+    /// except in a poisoned backend (the GPU tests), which fills it with all-ones bytes
+    /// (NaN as bf16 or f32, token 4294967295 as u32) so that an element left unwritten shows.
+    fn uninit<T: DeviceRepr>(&self, op: &'static str, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: as above; the contents are never read before they are written.
+        let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(device_err(op))?;
         if self.poison {
-            let nan = bf16::NAN;
-            let n = len as u64;
-            let mut b = self.stream.launch_builder(&self.k.fill_bf16);
-            b.arg(&mut s).arg(&nan).arg(&n);
-            launch(&mut b, flat(len), op)?;
+            let bytes = s.num_bytes();
+            let (ptr, _record) = s.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` is this live allocation of `bytes` bytes, on this stream.
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, self.stream.cu_stream()) }
+                .map_err(device_err(op))?;
         }
         Ok(s)
     }
@@ -536,11 +553,7 @@ impl CudaBackend {
         const OP: &str = "linear";
         if self.bf16_gemv && tokens <= GEMV_MAX_TOKENS && cols.is_multiple_of(8) {
             let (r, c, t) = (u32_of(OP, rows)?, u32_of(OP, cols)?, tokens as u32);
-            let cfg = LaunchConfig {
-                grid_dim: (r.div_ceil(GEMV_WARPS), 1, 1),
-                block_dim: (GEMV_WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = gemv_config(r);
             let mut l = self.stream.launch_builder(&self.k.gemv_bf16);
             l.arg(out).arg(w).arg(x).arg(&r).arg(&c).arg(&t).arg(&r);
             return launch(&mut l, cfg, OP);
@@ -833,11 +846,7 @@ impl Backend for CudaBackend {
         let mut out = self.alloc(OP, tokens * width)?;
         let xs = self.act(OP, x)?;
         let (wd, c, t) = (u32_of(OP, width)?, u32_of(OP, w.cols)?, tokens as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (wd.div_ceil(GEMV_WARPS), 1, 1),
-            block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = gemv_config(wd);
         let mut l = self.stream.launch_builder(func);
         l.arg(&mut out);
         match &w.data {

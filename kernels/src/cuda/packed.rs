@@ -8,7 +8,7 @@
 //! and multiplies on the tensor cores; FP8 weights there, on GPUs that have them, on the
 //! FP8 tensor cores as they are, with the activations scaled to E4M3 per token (W8A8).
 
-use super::{CudaBackend, CudaIndex, GEMV_MAX_TOKENS, GEMV_WARPS, launch, u32_of};
+use super::{CudaBackend, CudaIndex, GEMV_MAX_TOKENS, gemv_config, launch, u32_of};
 use crate::quant::GgmlType;
 use crate::{HostWeight, KernelError, Result, WeightData};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -197,12 +197,13 @@ impl CudaBackend {
         })
     }
 
-    /// `bytes` on the device, followed by BLOCK_PADDING zero bytes.
+    /// `bytes` on the device, followed by BLOCK_PADDING zero bytes (only those zeroed).
     fn htod_padded(&self, op: &'static str, bytes: &[u8]) -> Result<CudaSlice<u8>> {
-        let mut dev = self.stream.alloc_zeros::<u8>(bytes.len() + BLOCK_PADDING).map_err(super::device_err(op))?;
+        let mut dev = self.uninit::<u8>(op, bytes.len() + BLOCK_PADDING)?;
         if !bytes.is_empty() {
             self.stream.memcpy_htod(bytes, &mut dev.slice_mut(..bytes.len())).map_err(super::device_err(op))?;
         }
+        self.stream.memset_zeros(&mut dev.slice_mut(bytes.len()..)).map_err(super::device_err(op))?;
         Ok(dev)
     }
 
@@ -277,8 +278,7 @@ impl CudaBackend {
         let k = self.format_kernels(op, w)?;
         let (r, c, t) = (u32_of(op, rows)?, u32_of(op, cols)?, u32_of(op, tokens)?);
         let (func, cfg) = if tokens <= GEMV_MAX_TOKENS {
-            let grid = (r.div_ceil(GEMV_WARPS), 1, 1);
-            (&k.gemv, LaunchConfig { grid_dim: grid, block_dim: (GEMV_WARPS * 32, 1, 1), shared_mem_bytes: 0 })
+            (&k.gemv, gemv_config(r))
         } else {
             let grid = (u32_of(op, rows.div_ceil(TILE))?, u32_of(op, tokens.div_ceil(TILE))?, 1);
             if grid.1 > 65_535 {

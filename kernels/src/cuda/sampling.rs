@@ -7,7 +7,7 @@ use super::{CudaBackend, CudaBuffer, Data, device_err, flat, launch, per_row};
 use crate::error::expect_len;
 use crate::pick::{Draw, MAX_TOP_LOGPROBS, PickRow, Picked};
 use crate::{KernelError, Result};
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
 /// Threads of a pick's blocks, and the fewest tokens of a row one takes.
 const PICK_THREADS: u32 = 256;
@@ -240,23 +240,6 @@ impl CudaBackend {
         l.arg(&state).arg(&n32).arg(&vocab).arg(&mut tokens);
         launch(&mut l, flat(n), op)?;
         Ok(tokens)
-    }
-
-    /// A buffer of `n` (at least one) elements for a kernel to fill: every caller's
-    /// kernel writes each element before anything reads it, so no memset is spent on it,
-    /// except in a poisoned backend (the GPU tests), which fills it with all-ones bytes
-    /// (NaN as f32, token 4294967295 as u32) so that an element left unwritten shows.
-    fn uninit<T: DeviceRepr>(&self, op: &'static str, n: usize) -> Result<CudaSlice<T>> {
-        // SAFETY: as above; the contents are never read before they are written.
-        let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(device_err(op))?;
-        if self.poison {
-            let bytes = s.num_bytes();
-            let (ptr, _record) = s.device_ptr_mut(&self.stream);
-            // SAFETY: `ptr` is this live allocation of `bytes` bytes, on this stream.
-            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, self.stream.cu_stream()) }
-                .map_err(device_err(op))?;
-        }
-        Ok(s)
     }
 
     /// A new f32 copy of `b`.
