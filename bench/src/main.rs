@@ -14,6 +14,7 @@ mod kernels;
 mod metrics_cost;
 mod peer;
 mod serve;
+mod spec;
 mod vision;
 
 use anyhow::Result;
@@ -48,6 +49,9 @@ enum Command {
     /// long system prompts of their own, cache-aware routing against round-robin; or,
     /// with `--peer llama-server`, one replica against llama.cpp's server on the same load.
     Serve(serve::Args),
+    /// Speculative decoding on against off, and against llama-server's speculation, on
+    /// code edits, fresh code and chat.
+    Spec(spec::Args),
     /// Requests per second through `tessera serve` with metrics on against off.
     Metrics(metrics_cost::Args),
     /// The vision encoder: images encoded per second and a one-image request's time to
@@ -80,6 +84,7 @@ fn main() -> Result<()> {
         Command::Gateway(args) => gateway::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Metrics(args) => metrics_cost::run(args),
+        Command::Spec(args) => spec::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),
         Command::Vision(args) => vision::run(args),

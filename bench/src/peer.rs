@@ -72,7 +72,7 @@ pub fn run(args: PeerArgs<'_>) -> Result<()> {
         });
         if let (Some(llama), Some(gguf)) = (&llama, &gguf) {
             let theirs = {
-                let peer = LlamaServer::start(llama, gguf, args.threads)?;
+                let peer = LlamaServer::start(llama, gguf, args.threads, &[])?;
                 let target = Target { port: peer.port, key: String::new(), model: "smollm2".into() };
                 runtime.block_on(level(&target, c, n, args.max_tokens))?
             };
@@ -200,7 +200,7 @@ pub(crate) fn question(c: usize, i: usize) -> String {
 }
 
 /// The llama-server binary: as given, from the environment, or where a script built it.
-fn llama_server(given: Option<PathBuf>) -> Result<PathBuf> {
+pub(crate) fn llama_server(given: Option<PathBuf>) -> Result<PathBuf> {
     let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
     let tessera_home = std::env::var_os("TESSERA_HOME").map(PathBuf::from).unwrap_or(home.join(".cache/tessera"));
     let candidates = given.into_iter().chain(std::env::var_os("LLAMA_SERVER").map(PathBuf::from)).chain([
@@ -218,18 +218,26 @@ fn llama_server(given: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 /// Seconds of the last minute's load average, from /proc.
-fn load_average() -> Option<f64> {
+pub(crate) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
 }
 
+/// Whether this CPU has AMX tiles: llama.cpp's AMX matrix products crash on these
+/// machines unless it is started with `--no-repack`.
+pub(crate) fn has_amx() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains(" amx_tile"))
+}
+
 /// A running llama-server on a free loopback port, killed when dropped.
-struct LlamaServer {
+pub(crate) struct LlamaServer {
     child: Child,
-    port: u16,
+    pub port: u16,
 }
 
 impl LlamaServer {
-    fn start(binary: &Path, gguf: &Path, threads: usize) -> Result<Self> {
+    /// `llama-server -m GGUF` with 16 slots on `threads` threads, `--no-repack` where
+    /// the CPU has AMX (see `has_amx`), and `extra` arguments.
+    pub(crate) fn start(binary: &Path, gguf: &Path, threads: usize, extra: &[String]) -> Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let threads = threads.to_string();
         let child = Command::new(binary)
@@ -237,6 +245,8 @@ impl LlamaServer {
             .arg(gguf)
             .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-c", "8192", "-np", "16"])
             .args(["-t", &threads, "-tb", &threads, "--no-webui"])
+            .args(has_amx().then_some("--no-repack"))
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

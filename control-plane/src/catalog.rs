@@ -5,6 +5,7 @@ use crate::chat::output::{Markers, ToolFormat};
 use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::path::Path;
+use tessera_proto::speculative::SpecConfig;
 
 /// The catalog shipped with the binary, used when no `--catalog` is given.
 pub const DEFAULT: &str = include_str!("../../deploy/catalog.toml");
@@ -46,6 +47,10 @@ pub struct CatalogModel {
     /// How the family's template asks for tool calls, and so how they are read back.
     #[serde(default)]
     pub tool_format: ToolFormat,
+    /// Speculative decoding for the model's weights: `{ method = "ngram", max_tokens
+    /// = 8 }`; off without it.
+    #[serde(default)]
+    pub speculative: Option<SpecConfig>,
     /// `chat_template`'s text, read when the catalog is loaded.
     #[serde(skip)]
     pub chat_template_source: Option<String>,
@@ -155,12 +160,29 @@ impl Catalog {
             if !["on", "off", "adaptive"].contains(&m.reasoning.default.as_str()) {
                 return Err(invalid(format!("{}: reasoning.default must be on, off or adaptive", m.id)));
             }
+            if let Some(spec) = &m.speculative {
+                spec.check().map_err(|e| invalid(format!("{}: {e}", m.id)))?;
+            }
+            // One worker serves each weights: the models on them must speculate alike.
+            if let Some(other) =
+                catalog.models.iter().find(|o| o.weights == m.weights && o.speculative != m.speculative)
+            {
+                return Err(invalid(format!(
+                    "{} and {} share weights {} but not their speculative settings",
+                    m.id, other.id, m.weights
+                )));
+            }
         }
         Ok(catalog)
     }
 
     pub fn get(&self, id: &str) -> Option<&CatalogModel> {
         self.models.iter().find(|m| m.id == id)
+    }
+
+    /// Speculative decoding for the worker serving `weights` (all its models agree).
+    pub fn speculative(&self, weights: &str) -> Option<SpecConfig> {
+        self.models.iter().find(|m| m.weights == weights).and_then(|m| m.speculative)
     }
 
     /// The distinct weights the catalog needs, each served by one worker.
@@ -173,6 +195,7 @@ impl Catalog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_proto::speculative::SpecMethod;
 
     #[test]
     fn the_shipped_catalog_lists_the_four_models_of_the_spec() {
@@ -207,5 +230,29 @@ mod tests {
         assert!(err.contains("twice"), "{err}");
         let err = Catalog::parse(&one("v/m").replace("prices", "price"), "t").unwrap_err().to_string();
         assert!(err.contains("price"), "{err}");
+    }
+
+    #[test]
+    fn speculative_settings_are_read_checked_and_agree_per_weights() {
+        let one = |id: &str, spec: &str| {
+            format!(
+                "[[models]]\nid = \"{id}\"\nname = \"X\"\ncontext_length = 10\nquantization = \"Q\"\nweights = \"w\"\n\
+                 prices = {{ input = 1, output = 2 }}\n\
+                 capabilities = {{ image_input = false, video_input = false, tool_calling = true, structured_output = true }}\n\
+                 reasoning = {{ default = \"off\", control = \"none\" }}\n{spec}"
+            )
+        };
+        let spec = "speculative = { method = \"ngram\", max_tokens = 4 }\n";
+        let c = Catalog::parse(&format!("{}{}", one("v/a", spec), one("v/b", spec)), "t").unwrap();
+        assert_eq!(c.speculative("w"), Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+        assert_eq!(Catalog::parse(&one("v/a", ""), "t").unwrap().speculative("w"), None);
+        let err = Catalog::parse(&format!("{}{}", one("v/a", spec), one("v/b", "")), "t").unwrap_err().to_string();
+        assert!(err.contains("share weights w"), "{err}");
+        let err = Catalog::parse(&one("v/a", "speculative = { method = \"ngram\", max_tokens = 99 }\n"), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("1 to 16"), "{err}");
+        let err = Catalog::parse(&one("v/a", "speculative = { method = \"medusa\" }\n"), "t").unwrap_err().to_string();
+        assert!(err.contains("medusa"), "{err}");
     }
 }

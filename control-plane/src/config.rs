@@ -5,6 +5,7 @@ use crate::billing::plans::Plan;
 use crate::router::choice::Routing;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+use tessera_proto::speculative::{DEFAULT_SPEC_TOKENS, SpecConfig, SpecMethod};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Tessera: an OpenAI-compatible LLM serving cluster")]
@@ -122,6 +123,40 @@ pub struct ServeConfig {
     /// Credit granted to the bootstrap organization on first start, in US dollars.
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,
+    /// Speculative decoding: `catalog` (each model as its catalog entry says), `off`
+    /// for every model, or a method (`ngram`) for every model. Outputs are the same
+    /// either way; only speed changes.
+    #[arg(long, default_value = "catalog", value_parser = Speculative::parse)]
+    pub speculative: Speculative,
+}
+
+/// `tessera serve --speculative`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speculative {
+    Catalog,
+    Off,
+    Every(SpecMethod),
+}
+
+impl Speculative {
+    fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "catalog" => Ok(Speculative::Catalog),
+            "off" => Ok(Speculative::Off),
+            method => method.parse().map(Speculative::Every).map_err(|e| format!("{e}; or catalog, or off")),
+        }
+    }
+
+    /// The settings a worker runs with, given its catalog entry's.
+    pub fn apply(self, catalog: Option<SpecConfig>) -> Option<SpecConfig> {
+        match self {
+            Speculative::Catalog => catalog,
+            Speculative::Off => None,
+            Speculative::Every(method) => {
+                Some(SpecConfig { method, max_tokens: catalog.map_or(DEFAULT_SPEC_TOKENS, |c| c.max_tokens) })
+            }
+        }
+    }
 }
 
 /// `tessera control-plane`: several may run against one etcd and one database.
@@ -561,4 +596,21 @@ pub enum ReplicasCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_speculative_overrides_the_catalog_or_follows_it() {
+        let ngram4 = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
+        assert_eq!(Speculative::parse("catalog").unwrap().apply(ngram4), ngram4);
+        assert_eq!(Speculative::parse("off").unwrap().apply(ngram4), None);
+        let every = Speculative::parse("ngram").unwrap();
+        assert_eq!(every.apply(ngram4), ngram4);
+        assert_eq!(every.apply(None), Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: DEFAULT_SPEC_TOKENS }));
+        let err = Speculative::parse("eagle").unwrap_err();
+        assert!(err.contains("unknown speculative method") && err.contains("off"), "{err}");
+    }
 }

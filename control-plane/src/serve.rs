@@ -37,8 +37,10 @@ pub async fn run(config: ServeConfig) -> Result<()> {
         for n in 0..config.replicas {
             eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
             let replica = format!("{weights}-{n}");
+            let speculative = config.speculative.apply(catalog.speculative(&weights));
+            let metrics = !config.api.no_metrics;
             let worker =
-                workers::start(&worker, &weights, &replica, config.kv_cache_bytes, !config.api.no_metrics).await?;
+                workers::start(&worker, &weights, &replica, config.kv_cache_bytes, metrics, speculative).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
             let (_, pool) = pool
                 .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));

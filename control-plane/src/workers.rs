@@ -4,6 +4,7 @@
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use tessera_proto::speculative::SpecConfig;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -53,6 +54,7 @@ pub async fn start(
     replica: &str,
     kv_cache_bytes: Option<u64>,
     metrics: bool,
+    speculative: Option<SpecConfig>,
 ) -> Result<LocalWorker> {
     let mut cmd = Command::new(&worker.program);
     cmd.args(&worker.prefix).args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
@@ -61,6 +63,9 @@ pub async fn start(
     }
     if let Some(bytes) = kv_cache_bytes {
         cmd.args(["--kv-cache-bytes", &bytes.to_string()]);
+    }
+    if let Some(spec) = speculative {
+        cmd.args(["--speculative", spec.method.as_str(), "--speculative-tokens", &spec.max_tokens.to_string()]);
     }
     // A worker ends with this process however it ends (even SIGKILL): an orphan would
     // hold its port, memory and GPU until someone found it. (The signal follows the

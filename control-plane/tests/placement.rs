@@ -11,7 +11,8 @@ use etcd_client::{Client, GetOptions, PutOptions, WatchOptions};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 use tessera_control_plane::cluster::leader::{self, LeaderConfig};
-use tessera_proto::cluster::{self, Assignment, Deployment, Device, DeviceKind, NodeRecord, NodeState};
+use tessera_proto::cluster::{self, Assignment, Deployment, Device, DeviceKind, NodeRecord, NodeState, Serving};
+use tessera_proto::speculative::{SpecConfig, SpecMethod};
 use tokio::sync::watch;
 
 async fn register(client: &mut Client, id: &str, devices: u32) -> i64 {
@@ -84,9 +85,10 @@ fn leader_config(id: &str) -> LeaderConfig {
 async fn placement_fits_moves_and_fails_over() {
     let server = etcd::Etcd::start();
     let mut c = Client::connect([&server.endpoint], None).await.unwrap();
-    let weights: BTreeMap<String, String> = [("vendor-a/model-a", "w-a"), ("vendor-c/model-c", "w-c")]
+    let ngram = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
+    let weights: BTreeMap<String, Serving> = [("vendor-a/model-a", "w-a", ngram), ("vendor-c/model-c", "w-c", None)]
         .iter()
-        .map(|(m, w)| (m.to_string(), w.to_string()))
+        .map(|(m, w, speculative)| (m.to_string(), Serving { weights: w.to_string(), speculative: *speculative }))
         .collect();
     let leases: Vec<i64> =
         vec![register(&mut c, "n1", 2).await, register(&mut c, "n2", 2).await, register(&mut c, "n3", 2).await];
@@ -103,6 +105,8 @@ async fn placement_fits_moves_and_fails_over() {
     assert!(
         placed.iter().filter(|a| a.model == "vendor-a/model-a").all(|a| a.devices.len() == 2 && a.weights == "w-a")
     );
+    // Each assignment carries its model's speculation from the catalog.
+    assert!(placed.iter().all(|a| a.speculative == if a.model == "vendor-a/model-a" { ngram } else { None }));
     assert_eq!(placed.iter().map(|a| a.devices.len()).sum::<usize>(), 6);
 
     // A node's lease ends (it died): its replicas move to the room a new node brings.

@@ -15,6 +15,7 @@
 //! Model ids contain a slash (`vendor-a/model-a`); they are used verbatim as the last
 //! part of a key, which etcd treats as an opaque byte string.
 
+use crate::speculative::SpecConfig;
 use etcd_client::ConnectOptions;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -176,6 +177,17 @@ pub struct Assignment {
     /// The placement leader's election revision when it wrote this: a newer leader's
     /// assignments supersede an older one's.
     pub leader_revision: i64,
+    /// Speculative decoding as the catalog sets it for the model (absent: off, as in
+    /// records written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpecConfig>,
+}
+
+/// How the catalog has a model served: the weights to load, and its speculation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Serving {
+    pub weights: String,
+    pub speculative: Option<SpecConfig>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,6 +7,7 @@ pub mod block_hash;
 pub mod chat_template;
 pub mod cluster;
 pub mod image;
+pub mod speculative;
 pub mod text;
 pub mod vision;
 

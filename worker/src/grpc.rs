@@ -29,7 +29,9 @@ impl From<EngineError> for Status {
             EngineError::ContextLength(m) => Status::out_of_range(m),
             EngineError::DuplicateId(_) => Status::already_exists(e.to_string()),
             EngineError::Stopped => Status::unavailable(e.to_string()),
-            EngineError::Model(_) | EngineError::Detokenize(_) => Status::internal(e.to_string()),
+            EngineError::Model(_) | EngineError::Detokenize(_) | EngineError::Config(_) => {
+                Status::internal(e.to_string())
+            }
         }
     }
 }
@@ -172,6 +174,7 @@ fn to_engine(
         }),
         prompt_logprobs: r.prompt_logprobs,
         images,
+        tenant: r.tenant,
     })
 }
 

@@ -29,6 +29,12 @@ pub const PREFILL: &str = "vllm:request_prefill_time_seconds";
 pub const DECODE: &str = "vllm:request_decode_time_seconds";
 /// Tokens computed per engine step.
 pub const ITERATION_TOKENS: &str = "vllm:iteration_tokens_total";
+/// Speculative decoding: sequences verified with proposals, the tokens proposed, those
+/// accepted, and those accepted by their position in the proposal (`position`, from 0).
+pub const SPEC_DRAFTS: &str = "vllm:spec_decode_num_drafts_total";
+pub const SPEC_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
+pub const SPEC_ACCEPTED_TOKENS: &str = "vllm:spec_decode_num_accepted_tokens_total";
+pub const SPEC_ACCEPTED_PER_POS: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
 
 /// Latency buckets, seconds: 1 ms to 2 minutes.
 const SECONDS: [f64; 16] =
@@ -69,6 +75,10 @@ pub fn describe() {
     describe_histogram!(PREFILL, Unit::Seconds, "From the first step that computed it to its first token.");
     describe_histogram!(DECODE, Unit::Seconds, "From the first token to the last.");
     describe_histogram!(ITERATION_TOKENS, "Tokens computed per engine step.");
+    describe_counter!(SPEC_DRAFTS, "Sequences verified with proposed tokens (speculative decoding).");
+    describe_counter!(SPEC_DRAFT_TOKENS, Unit::Count, "Tokens proposed and verified.");
+    describe_counter!(SPEC_ACCEPTED_TOKENS, Unit::Count, "Proposed tokens the model accepted.");
+    describe_counter!(SPEC_ACCEPTED_PER_POS, Unit::Count, "Proposed tokens accepted, by position in the proposal.");
 }
 
 /// When each request reached the milestones its histograms measure. The handles are

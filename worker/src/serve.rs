@@ -3,6 +3,7 @@
 use crate::device;
 use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore};
 use crate::engine::runner::EngineHandle;
+use crate::engine::speculate::{DEFAULT_SPEC_TOKENS, MAX_SPEC_TOKENS, SpecConfig, SpecMethod};
 use crate::grpc::{WorkerServer, WorkerService};
 use crate::load;
 use crate::loader::TensorSource;
@@ -74,6 +75,23 @@ pub struct ServeConfig {
     /// requests in flight with the same one) is encoded once; a vision model's only.
     #[arg(long, default_value_t = 256)]
     pub encoder_cache_mb: usize,
+    /// Speculative decoding, where proposed tokens come from (`ngram`: the sequence's
+    /// own prompt and output); off when not given. Verified by the model, so outputs
+    /// are the same either way; only speed changes.
+    #[arg(long, value_parser = |s: &str| s.parse::<SpecMethod>())]
+    pub speculative: Option<SpecMethod>,
+    /// Most tokens proposed for a sequence in one step (the engine verifies fewer when
+    /// its measured costs say more would not pay).
+    #[arg(long, default_value_t = DEFAULT_SPEC_TOKENS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_SPEC_TOKENS as u64))]
+    pub speculative_tokens: usize,
+}
+
+impl ServeConfig {
+    /// Speculative decoding as configured, if on.
+    pub fn spec_config(&self) -> Option<SpecConfig> {
+        self.speculative.map(|method| SpecConfig { method, max_tokens: self.speculative_tokens })
+    }
 }
 
 /// Loads the model on the chosen device and starts the engine; returns the service
@@ -195,6 +213,7 @@ fn build<B: Backend + 'static>(
         num_blocks,
         graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
         prompt_step_percent: config.prompt_step_percent,
+        speculative: config.spec_config(),
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;

@@ -12,6 +12,7 @@ use etcd_client::{Client, GetOptions, KeyValue, WatchOptions};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 use tessera_proto::cluster::{self, Assignment, DeviceKind, NodeRecord, NodeState, ReplicaRecord, ReplicaState};
+use tessera_proto::speculative::{SpecConfig, SpecMethod};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
 
@@ -90,6 +91,8 @@ async fn assign(client: &mut Client, node: &str, replica: &str) {
         node: node.into(),
         devices: vec![0],
         leader_revision: 1,
+        // Replicas speculate as their assignment says (outputs do not change).
+        speculative: Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }),
     };
     client.put(cluster::assignment_key(node, replica), cluster::encode(&a), None).await.unwrap();
 }
@@ -226,6 +229,7 @@ async fn a_gpu_node_offers_its_gpus_and_serves_on_the_one_assigned() {
         node: "g1".into(),
         devices: vec![gpu],
         leader_revision: 1,
+        speculative: None,
     };
     etcd.put(cluster::assignment_key("g1", "g1-r1"), cluster::encode(&a), None).await.unwrap();
     let started = until(&mut etcd, cluster::REPLICAS, |kvs| {

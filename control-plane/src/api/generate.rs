@@ -96,6 +96,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         include_stop_str_in_output: g.extensions.include_stop_str_in_output,
         keep_special_tokens: !g.extensions.skip_special_tokens,
         images: g.images,
+        tenant: meter.org_id(),
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);

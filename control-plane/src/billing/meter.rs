@@ -230,6 +230,13 @@ impl Billing {
 #[derive(Clone)]
 pub struct Meter(Arc<Inner>);
 
+impl Meter {
+    /// The organization the request is billed to.
+    pub fn org_id(&self) -> String {
+        self.0.pending.lock().unwrap_or_else(|e| e.into_inner()).record.org_id.clone()
+    }
+}
+
 struct Inner {
     billing: Billing,
     prices: Prices,

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_proto::block_hash::BLOCK_TOKENS;
-use tessera_proto::cluster::{ReplicaState, etcd_options};
+use tessera_proto::cluster::{ReplicaState, Serving, etcd_options};
 use tokio::sync::watch;
 
 pub async fn run(config: ClusterConfig) -> Result<()> {
@@ -31,7 +31,11 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
         .await
         .with_context(|| format!("connecting to etcd at {}", config.etcd))?;
 
-    let weights = catalog.models.iter().map(|m| (m.id.clone(), m.weights.clone())).collect();
+    let weights = catalog
+        .models
+        .iter()
+        .map(|m| (m.id.clone(), Serving { weights: m.weights.clone(), speculative: m.speculative }))
+        .collect();
     let leader = LeaderConfig {
         id: crate::api::new_id("cp-"),
         lease_ttl_secs: config.lease_ttl_secs,

@@ -10,7 +10,7 @@ use super::state;
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp, WatchOptions};
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tessera_proto::cluster;
+use tessera_proto::cluster::{self, Serving};
 use tokio::sync::watch;
 
 /// How the leader campaigns and how often it reconciles when nothing changes.
@@ -29,7 +29,7 @@ pub struct LeaderConfig {
 pub async fn run(
     client: Client,
     config: LeaderConfig,
-    weights: BTreeMap<String, String>,
+    weights: BTreeMap<String, Serving>,
     leading: watch::Sender<bool>,
 ) {
     let mut lost = LostNodes::default();
@@ -82,7 +82,7 @@ impl LostNodes {
 async fn lead(
     mut client: Client,
     config: &LeaderConfig,
-    weights: &BTreeMap<String, String>,
+    weights: &BTreeMap<String, Serving>,
     lease: i64,
     lost: &mut LostNodes,
     leading: &watch::Sender<bool>,
@@ -150,11 +150,14 @@ async fn lead(
 async fn reconcile(
     client: &mut Client,
     state: &ClusterState,
-    weights: &BTreeMap<String, String>,
+    weights: &BTreeMap<String, Serving>,
     key: &[u8],
     revision: i64,
 ) -> Result<bool, etcd_client::Error> {
-    let plan = placement::plan(state, |m| weights.get(m).cloned(), new_replica_id, revision);
+    let mut plan = placement::plan(state, |m| weights.get(m).map(|s| s.weights.clone()), new_replica_id, revision);
+    for a in &mut plan.add {
+        a.speculative = weights.get(&a.model).and_then(|s| s.speculative);
+    }
     for (model, n) in &plan.unplaced {
         tracing::warn!("placement: {n} replica(s) of {model} fit on no node");
     }

@@ -168,6 +168,8 @@ pub fn plan(
                         node,
                         devices,
                         leader_revision,
+                        // The leader stamps the catalog's setting.
+                        speculative: None,
                     });
                 }
                 None => {

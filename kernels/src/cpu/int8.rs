@@ -7,8 +7,8 @@
 //! 16 rows' sums, so nothing is ever added across lanes.
 //!
 //! Each output, row `r` · input row `t`, is this chain and no other, whatever is
-//! computed beside it (batch invariance) and on every build (the AVX-512 path and the
-//! portable one agree bit for bit): for each block `b`, the exact integer sum `S` of
+//! computed beside it (batch invariance) and on every build (the AVX-512, AVX2 and
+//! portable paths agree bit for bit): for each block `b`, the exact integer sum `S` of
 //! its 32 products (two, `S₀` and `S₁`, for `BytesHalves`' half-blocks), then, into two
 //! accumulators (two independent chains where a block has two terms; `Bytes` has one),
 //!
@@ -112,6 +112,12 @@ pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: Stri
         // SAFETY: the CPU has the features the AVX-512 path is compiled for; the
         // lengths are as asserted above.
         unsafe { avx512::dot_group(g, x, out, stride) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA; the lengths are as asserted above.
+        unsafe { avx2::dot_group(g, x, out, stride) };
         return;
     }
     portable_group(g, x, out, stride);
@@ -377,6 +383,156 @@ mod avx512 {
                     } else {
                         *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw0, dx), *a0);
                         *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, dx), *a1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 build: each half of the group (8 rows, one 256-bit register of 32-bit
+/// lanes) against up to `INPUTS` inputs at a time, sharing every chunk loaded. AVX2 has
+/// no `vpdpbusd`: `vpmaddubsw` multiplies unsigned bytes by signed ones and adds
+/// neighbours into 16 bits (saturating), and `vpmaddwd` by ones adds those into 32: the
+/// same sums of 4 products. Nothing saturates: nibbles (0..15) times inputs (−127..127)
+/// stay within 2·15·127; for bytes, the stored `w + 128` becomes `w` again, and its
+/// magnitude (0..128) multiplies the input given `w`'s sign, within 2·128·127 < 2¹⁵.
+/// Those sums are `w·q` directly, which the other builds reach through `(w + 128)·q`
+/// and the −128·Σq offsets: the same integers, so the same bits after them.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BLOCK, CHUNK, GROUP_ROWS, Group, Layout, Q8Rows, Strides};
+    use std::arch::x86_64::*;
+
+    const INPUTS: usize = 2;
+    const HALF: usize = GROUP_ROWS / 2;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot_group(g: &Group<'_>, x: &Q8Rows, out: &mut [f32], stride: Strides) {
+        let tokens = x.rows();
+        for h in 0..2 {
+            let mut t = 0;
+            while t < tokens {
+                let tt = (tokens - t).min(INPUTS);
+                match (tt, g.layout) {
+                    (2, Layout::Nibbles) => blocks::<2, NIBBLES>(g, x, h, t, out, stride),
+                    (2, Layout::Bytes) => blocks::<2, BYTES>(g, x, h, t, out, stride),
+                    (2, Layout::BytesHalves) => blocks::<2, BYTES_HALVES>(g, x, h, t, out, stride),
+                    (_, Layout::Nibbles) => blocks::<1, NIBBLES>(g, x, h, t, out, stride),
+                    (_, Layout::Bytes) => blocks::<1, BYTES>(g, x, h, t, out, stride),
+                    (_, Layout::BytesHalves) => blocks::<1, BYTES_HALVES>(g, x, h, t, out, stride),
+                }
+                t += tt;
+            }
+        }
+    }
+
+    const NIBBLES: u8 = 0;
+    const BYTES: u8 = 1;
+    const BYTES_HALVES: u8 = 2;
+
+    /// Rows `8h..8h + 8` against inputs `t0..t0 + T`, block after block.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn blocks<const T: usize, const L: u8>(
+        g: &Group<'_>,
+        x: &Q8Rows,
+        h: usize,
+        t0: usize,
+        out: &mut [f32],
+        stride: Strides,
+    ) {
+        assert!(x.rows() >= t0 + T && stride.fits(GROUP_ROWS, t0 + T, out.len()));
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        for b in 0..g.blocks_per_row {
+            // SAFETY: b < blocks_per_row, h < 2, and `x` holds rows t0..t0 + T.
+            unsafe { block::<T, L>(g, x, h, t0, b, &mut acc) };
+        }
+        for (t, [a0, a1]) in acc.into_iter().enumerate() {
+            let mut rows = [0.0f32; HALF];
+            // SAFETY: `rows` holds 8 floats.
+            unsafe { _mm256_storeu_ps(rows.as_mut_ptr(), _mm256_add_ps(a0, a1)) };
+            for (i, v) in rows.into_iter().enumerate() {
+                out[stride.at(HALF * h + i, t0 + t)] = v;
+            }
+        }
+    }
+
+    /// Sums of 4 products per 32-bit lane: unsigned bytes `u` by signed bytes `s`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn dot4(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    }
+
+    /// Block `b` of rows `8h..8h + 8` against inputs `t0..t0 + T`, into `acc`.
+    ///
+    /// # Safety
+    /// `b` is below the group's blocks a row, `h` < 2, and `x` holds rows `t0..t0 + T`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn block<const T: usize, const L: u8>(
+        g: &Group<'_>,
+        x: &Q8Rows,
+        h: usize,
+        t0: usize,
+        b: usize,
+        acc: &mut [[__m256; 2]; T],
+    ) {
+        let q_len = if L == NIBBLES { 16 } else { 32 };
+        let scales = if L == BYTES_HALVES { 2 } else { 1 };
+        // SAFETY (all loads below): block b < bpr of the group's chunks (32 bytes at
+        // 32h within each 64-byte chunk), scales and mins, and of input rows
+        // t0 + t < x.rows(); 4-byte input reads at 4c < 32 within a block.
+        unsafe {
+            let chunks = g.qs.as_ptr().add(b * GROUP_ROWS * q_len + HALF * 4 * h);
+            let load = |c: usize| _mm256_loadu_si256(chunks.add(c * CHUNK) as *const _);
+            let flip = _mm256_set1_epi8(-128);
+            // Weights as multiplied: nibbles as they are; bytes as |w| (unsigned) and
+            // w itself, whose sign the inputs take.
+            let mut w = [_mm256_setzero_si256(); 8];
+            if L == NIBBLES {
+                let nibble = _mm256_set1_epi8(0x0F);
+                for c in 0..4 {
+                    let v = load(c);
+                    w[c] = _mm256_and_si256(v, nibble);
+                    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                }
+            } else {
+                for (c, w) in w.iter_mut().enumerate() {
+                    *w = _mm256_xor_si256(load(c), flip);
+                }
+            }
+            let ds = g.d.as_ptr().add(b * GROUP_ROWS * scales + HALF * h);
+            let dw0 = _mm256_loadu_ps(ds);
+            let dw1 = if L == BYTES_HALVES { _mm256_loadu_ps(ds.add(GROUP_ROWS)) } else { dw0 };
+            let m = if L == NIBBLES { _mm256_loadu_ps(g.m.as_ptr().add(b * GROUP_ROWS + HALF * h)) } else { dw0 };
+            for (t, [a0, a1]) in acc.iter_mut().enumerate() {
+                let at = (t0 + t) * x.blocks_per_row + b;
+                let xq = x.qs.as_ptr().add(at * BLOCK) as *const i32;
+                let xb = |c: usize| _mm256_set1_epi32(xq.add(c).read_unaligned());
+                let dx = _mm256_set1_ps(*x.d.get_unchecked(at));
+                if L == NIBBLES {
+                    let mut s = dot4(w[0], xb(0));
+                    for c in 1..8 {
+                        s = _mm256_add_epi32(s, dot4(w[c], xb(c)));
+                    }
+                    let s = _mm256_cvtepi32_ps(s);
+                    *a0 = _mm256_fmadd_ps(s, _mm256_mul_ps(dw0, dx), *a0);
+                    *a1 = _mm256_fmadd_ps(m, _mm256_set1_ps(*x.sums.get_unchecked(at)), *a1);
+                } else {
+                    let signed = |c: usize| dot4(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(xb(c), w[c]));
+                    let (mut s0, mut s1) = (signed(0), signed(4));
+                    for c in 1..4 {
+                        s0 = _mm256_add_epi32(s0, signed(c));
+                        s1 = _mm256_add_epi32(s1, signed(c + 4));
+                    }
+                    if L == BYTES {
+                        let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        *a0 = _mm256_fmadd_ps(s, _mm256_mul_ps(dw0, dx), *a0);
+                    } else {
+                        *a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(dw0, dx), *a0);
+                        *a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(dw1, dx), *a1);
                     }
                 }
             }

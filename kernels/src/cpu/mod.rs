@@ -22,6 +22,7 @@ mod weight;
 pub use quant_rows::QuantRows;
 #[cfg(test)]
 pub(crate) use quant_rows::tests::{FORMATS as QUANT_ROWS_FORMATS, random_blocks as quant_rows_test_blocks};
+pub use simd::dispatched_path;
 pub use weight::CpuWeight;
 
 use crate::error::expect_len;

@@ -71,6 +71,24 @@ fn allowed(isa: Isa) -> bool {
     CAP.get() >= isa
 }
 
+/// The widest path this CPU's kernels dispatch to, as benchmarks report it (figures
+/// from different paths are not compared).
+pub fn dispatched_path() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512_vnni() {
+            return "avx512-vnni";
+        }
+        if has_avx512() {
+            return "avx512";
+        }
+        if has_avx2_fma() {
+            return "avx2";
+        }
+    }
+    "portable"
+}
+
 /// Whether the CPU runs the AVX2+FMA paths (which may also convert half floats: every
 /// CPU with AVX2 has F16C).
 #[cfg(target_arch = "x86_64")]

@@ -7,9 +7,10 @@ use super::detokenizer::Detokenizer;
 use super::executor::Executor;
 use super::grammar::Constraint;
 use super::pacing::Pacer;
-use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, sample_batch, score_rows};
+use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, StepRule, sample, sample_batch, score_rows};
 use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
+use super::speculate::{Proposal, SpecConfig, SpecStats, Speculator, StepCosts};
 use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Embeds, Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tessera_kernels::Backend;
 use tessera_kernels::pick::PickRow;
+use tessera_kernels::pick::Picked;
 use tessera_proto::block_hash::BlockHasher;
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's limit).
@@ -42,6 +44,8 @@ pub struct EngineConfig {
     /// While others decode, a step with prompt chunks takes at most this percentage of
     /// a decode step's time (measured; `pacing`); 0: only `max_num_batched_tokens`.
     pub prompt_step_percent: u32,
+    /// Speculative decoding (`speculate`); None: one token per sequence per step.
+    pub speculative: Option<SpecConfig>,
 }
 
 /// A step with prompt chunks takes at most two and a half decode steps' time: the gap
@@ -69,6 +73,7 @@ impl Default for EngineConfig {
             num_blocks: 2048,
             graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             prompt_step_percent: DEFAULT_PROMPT_STEP_PERCENT,
+            speculative: None,
         }
     }
 }
@@ -101,6 +106,9 @@ pub struct Request {
     pub prompt_logprobs: Option<u32>,
     /// The prompt's images, encoded and placed over their placeholder tokens.
     pub images: Option<Arc<PlacedImages>>,
+    /// Who the request is for: text seen in one tenant's requests speeds up only that
+    /// tenant's (`speculate::suffix`).
+    pub tenant: String,
 }
 
 impl Request {
@@ -121,6 +129,7 @@ impl Request {
             thinking: None,
             prompt_logprobs: None,
             images: None,
+            tenant: String::new(),
         }
     }
 }
@@ -182,6 +191,9 @@ pub enum EngineError {
     Detokenize(#[from] super::detokenizer::DetokenizeError),
     #[error("the engine has stopped")]
     Stopped,
+    /// The engine's own configuration cannot work.
+    #[error("{0}")]
+    Config(String),
 }
 
 /// One completion's state; the scheduler knows it by its own sequence id.
@@ -200,6 +212,44 @@ struct RequestState {
     prompt_logprobs: Option<u32>,
     /// Scores by prompt position (position 0 has none), filled chunk by chunk.
     prompt_scores: Vec<Option<PromptScore>>,
+    /// `Request::tenant`.
+    tenant: Arc<str>,
+}
+
+impl RequestState {
+    /// The rule for the sequence's next token: its thinking budget's; no end before
+    /// `min_tokens`; and near its limit, a grammar's output must finish in time. Asked
+    /// once per token (a thinking budget's forced close advances with it).
+    fn next_rule(&mut self, seq: &Sequence, context: usize) -> StepRule {
+        let mut rule = self.thinking.as_mut().map(Thinking::rule).unwrap_or_default();
+        rule.ends_banned |= seq.num_output() < self.min_tokens;
+        let answering = !self.thinking.as_ref().is_some_and(Thinking::inside);
+        let remaining = self.max_tokens.saturating_sub(seq.num_output()).min(context - seq.tokens.len());
+        if self.sampler.constraint.is_some() && answering && remaining <= FINISH_WATCH {
+            rule.finish_within = Some(remaining);
+        }
+        rule
+    }
+}
+
+/// Which rows a step's forward returns (`EngineCore::prepare`).
+struct Batch {
+    /// By scheduled sequence: every row (a prompt being scored, a verification), or
+    /// only the last of a sampled chunk.
+    all_rows: Vec<bool>,
+    /// The device's picks for the sampled rows, when it can make them all.
+    device_rows: Option<Vec<PickRow>>,
+}
+
+/// A step's results by sampled sequence (`EngineCore::split_rows`).
+enum Rows {
+    Picked(Vec<Picked>),
+    Logits {
+        /// The last row of each sampled sequence without proposals, in step order.
+        last: Vec<f32>,
+        /// Every row of each verification.
+        verify: HashMap<SeqId, Vec<f32>>,
+    },
 }
 
 /// Counters since start.
@@ -225,6 +275,9 @@ pub struct EngineCore<B: Backend> {
     last_step: StepSummary,
     /// How many prompt tokens a step may take while others decode.
     pacer: Pacer,
+    speculator: Option<Speculator>,
+    /// Costs speculation weighs instead of measured ones (`pin_spec_costs`).
+    pinned_costs: Option<StepCosts>,
 }
 
 /// What the last step computed, for the engine's metrics.
@@ -266,6 +319,9 @@ impl<B: Backend> EngineCore<B> {
         config: EngineConfig,
         model_name: &str,
     ) -> Result<Self, EngineError> {
+        if let Some(spec) = &config.speculative {
+            spec.check().map_err(EngineError::Config)?;
+        }
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
@@ -286,6 +342,8 @@ impl<B: Backend> EngineCore<B> {
             stats: EngineStats::default(),
             last_step: StepSummary::default(),
             pacer: Pacer::new(config.prompt_step_percent),
+            speculator: config.speculative.map(Speculator::new),
+            pinned_costs: None,
         })
     }
 
@@ -329,6 +387,18 @@ impl<B: Backend> EngineCore<B> {
         self.stats
     }
 
+    /// Has speculation weigh these costs instead of the step times it measures: what
+    /// it verifies then no longer depends on timing (tests compare runs; benchmarks
+    /// find crossovers). A row that costs nothing makes it verify every proposal.
+    pub fn pin_spec_costs(&mut self, costs: Option<StepCosts>) {
+        self.pinned_costs = costs;
+    }
+
+    /// Speculative decoding's counts, when it is on.
+    pub fn spec_stats(&self) -> Option<&SpecStats> {
+        self.speculator.as_ref().map(Speculator::stats)
+    }
+
     pub fn has_work(&self) -> bool {
         self.scheduler.has_work()
     }
@@ -346,6 +416,7 @@ impl<B: Backend> EngineCore<B> {
             return Err(EngineError::DuplicateId(req.id));
         }
         let mut members = Vec::with_capacity(req.n);
+        let tenant: Arc<str> = req.tenant.as_str().into();
         for index in 0..req.n {
             let seq_id = self.next_seq;
             self.next_seq += 1;
@@ -376,6 +447,7 @@ impl<B: Backend> EngineCore<B> {
                     // The first completion scores the prompt; the others find it cached.
                     prompt_logprobs: req.prompt_logprobs.filter(|_| index == 0),
                     prompt_scores: Vec::new(),
+                    tenant: tenant.clone(),
                 },
             );
             let after = members.first().copied();
@@ -465,6 +537,7 @@ impl<B: Backend> EngineCore<B> {
             .filter_map(|(i, seq_id)| {
                 let state = self.requests.remove(&seq_id)?;
                 let seq = self.scheduler.remove(seq_id)?;
+                self.forget(&seq, &state.tenant);
                 Some(Output {
                     id,
                     index: state.index,
@@ -480,9 +553,60 @@ impl<B: Backend> EngineCore<B> {
             .collect()
     }
 
-    /// Runs one forward over the scheduled batch and returns each sampled sequence's
-    /// output. Returns nothing when there is no work.
+    /// Runs one forward over the scheduled batch and returns what each sampled
+    /// sequence produced: one output per token, several for a sequence whose proposed
+    /// tokens the model accepted. Returns nothing when there is no work.
     pub fn step(&mut self) -> Result<Vec<Output>, EngineError> {
+        self.propose();
+        let step = self.schedule();
+        let mut outputs = self.end_exhausted(&step.exhausted);
+        if step.scheduled.is_empty() {
+            return Ok(outputs);
+        }
+        self.stats.steps += 1;
+        let batch = self.prepare(&step);
+        let forwarded = self.forward(&step, &batch)?;
+        for s in &step.scheduled {
+            let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
+            self.stats.prompt_tokens_computed += (s.start + s.len).min(seq.prompt_len).saturating_sub(s.start) as u64;
+        }
+        self.scheduler.complete(&step);
+        self.sample_and_emit(&step, forwarded, &mut outputs)?;
+        Ok(outputs)
+    }
+
+    /// Asks the speculator for tokens to follow each decoding sequence (none when
+    /// speculation is off, or not worth it this step).
+    fn propose(&mut self) {
+        let Some(spec) = &mut self.speculator else { return };
+        let seqs: Vec<Proposal<'_>> = self
+            .scheduler
+            .decoding_sequences()
+            .map(|s| {
+                let tenant = self.requests.get(&s.id).map_or("", |r| &r.tenant);
+                Proposal { id: s.id, tenant, tokens: &s.tokens, max: 0 }
+            })
+            .collect();
+        // A step whose decode cost is not known lately runs without proposals, and
+        // measures it.
+        let costs = self.pinned_costs.or_else(|| self.pacer.costs(seqs.len()));
+        let mut proposals: HashMap<SeqId, Vec<u32>> = match costs {
+            Some(costs) => spec.propose(&seqs, costs).into_iter().collect(),
+            None => HashMap::new(),
+        };
+        let ids: Vec<SeqId> = seqs.iter().map(|p| p.id).collect();
+        for id in ids {
+            let mut draft = proposals.remove(&id).unwrap_or_default();
+            // A grammar's output: proposals past the first token it forbids are wasted.
+            if let Some(c) = self.requests.get(&id).and_then(|r| r.sampler.constraint.as_ref()) {
+                draft.truncate(c.valid_prefix(&draft));
+            }
+            self.scheduler.propose(id, draft);
+        }
+    }
+
+    /// Plans the step and records what it computes.
+    fn schedule(&mut self) -> Step {
         let step = self.scheduler.schedule_paced(self.pacer.prompt_tokens(self.scheduler.decoding()));
         self.stats.preemptions += step.preempted.len() as u64;
         let mut requests: Vec<SeqId> =
@@ -490,46 +614,43 @@ impl<B: Backend> EngineCore<B> {
         requests.sort_unstable();
         requests.dedup();
         self.last_step = StepSummary { tokens: step.scheduled.iter().map(|s| s.len).sum(), requests };
-        let mut outputs = self.end_exhausted(&step.exhausted);
-        if step.scheduled.is_empty() {
-            return Ok(outputs);
-        }
-        self.stats.steps += 1;
-        // Each sampled sequence's rule for this step: its thinking budget's, and near
-        // its limit, a grammar's output must finish in time.
+        step
+    }
+
+    /// Each sampled sequence's rule for its first token this step, and which rows the
+    /// forward returns: every row of a prompt being scored or of a verification, the
+    /// last of any other sampled chunk — or only the picks, when the device can make
+    /// them all.
+    fn prepare(&mut self, step: &Step) -> Batch {
         let context = self.max_model_len();
         for s in step.scheduled.iter().filter(|s| s.sample) {
             let (Some(r), Some(seq)) = (self.requests.get_mut(&s.id), self.scheduler.get(s.id)) else { continue };
-            let mut rule = r.thinking.as_mut().map(Thinking::rule).unwrap_or_default();
-            rule.ends_banned |= seq.num_output() < r.min_tokens;
-            let answering = !r.thinking.as_ref().is_some_and(Thinking::inside);
-            let remaining = r.max_tokens.saturating_sub(seq.num_output()).min(context - seq.tokens.len());
-            if r.sampler.constraint.is_some() && answering && remaining <= FINISH_WATCH {
-                rule.finish_within = Some(remaining);
-            }
-            r.sampler.rule = rule;
+            r.sampler.rule = r.next_rule(seq, context);
         }
-        // Chunks of a prompt being scored return the logits of every row.
-        let scoring: Vec<bool> = step
+        let all_rows: Vec<bool> = step
             .scheduled
             .iter()
             .map(|s| {
                 let scores = self.requests.get(&s.id).is_some_and(|r| r.prompt_logprobs.is_some());
-                scores && self.scheduler.get(s.id).is_some_and(|q| s.start < q.prompt_len)
+                s.draft > 0 || (scores && self.scheduler.get(s.id).is_some_and(|q| s.start < q.prompt_len))
             })
             .collect();
-        let scoring_any = scoring.contains(&true);
         // When no sampled row follows a grammar (or is forced) the device may pick the
         // tokens itself.
-        let device_rows: Option<Vec<PickRow>> = if scoring_any {
-            None
-        } else {
-            step.scheduled
+        let device_rows = match all_rows.contains(&true) {
+            true => None,
+            false => step
+                .scheduled
                 .iter()
                 .filter(|s| s.sample)
                 .map(|s| self.requests.get_mut(&s.id).and_then(|r| r.sampler.device_row()))
-                .collect()
+                .collect(),
         };
+        Batch { all_rows, device_rows }
+    }
+
+    /// The forward itself, timed for pacing: its logits or picks, split by sequence.
+    fn forward(&mut self, step: &Step, batch: &Batch) -> Result<Rows, EngineError> {
         let started = Instant::now();
         let forwarded = {
             // Image rows for the chunks that cover placeholders (none past the prompt).
@@ -544,14 +665,27 @@ impl<B: Backend> EngineCore<B> {
                     }
                 })
                 .collect();
+            // A verification runs the sequence's last token and its proposals.
+            let verified: Vec<Vec<u32>> = step
+                .scheduled
+                .iter()
+                .map(|s| {
+                    let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
+                    match s.draft {
+                        0 => Vec::new(),
+                        _ => seq.tokens[s.start..].iter().chain(&seq.draft).copied().collect(),
+                    }
+                })
+                .collect();
             let inputs: Vec<SeqInput<'_>> = step
                 .scheduled
                 .iter()
                 .zip(&embeds)
-                .map(|(s, embeds)| {
+                .zip(&verified)
+                .map(|((s, embeds), verified)| {
                     let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
                     SeqInput {
-                        tokens: &seq.tokens[s.start..s.start + s.len],
+                        tokens: if s.draft > 0 { verified } else { &seq.tokens[s.start..s.start + s.len] },
                         cached: s.start,
                         block_table: &seq.block_table,
                         logits: s.sample,
@@ -559,85 +693,50 @@ impl<B: Backend> EngineCore<B> {
                     }
                 })
                 .collect();
-            match &device_rows {
+            match &batch.device_rows {
                 Some(rows) => self.exec.forward_picking(&inputs, rows)?,
-                None if scoring_any => Forwarded::Logits(self.exec.forward_scoring(&inputs, &scoring)?),
+                None if batch.all_rows.contains(&true) => {
+                    Forwarded::Logits(self.exec.forward_scoring(&inputs, &batch.all_rows)?)
+                }
                 None => Forwarded::Logits(self.exec.forward(&inputs)?),
             }
         };
         // A decode runs the one token sampled last; a prompt's last chunk may be one
-        // token too, and costs like a prompt token (it is timed with them).
-        let (mut decodes, mut prompt_tokens) = (0, 0);
+        // token too, and costs like a prompt token (it is timed with them), as do
+        // proposals.
+        let (mut decodes, mut proposed, mut prompt_tokens) = (0, 0, 0);
         for s in &step.scheduled {
-            match s.len == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len) {
-                true => decodes += 1,
+            match s.len - s.draft == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len) {
+                true => {
+                    decodes += 1;
+                    proposed += s.draft;
+                }
                 false => prompt_tokens += s.len,
             }
         }
-        self.pacer.observe(started.elapsed(), decodes, prompt_tokens);
-        let forwarded = match forwarded {
-            Forwarded::Logits(all) if scoring_any => Forwarded::Logits(self.score_prompts(&step, &scoring, all)),
-            other => other,
-        };
-        for s in &step.scheduled {
-            let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
-            self.stats.prompt_tokens_computed += (s.start + s.len).min(seq.prompt_len).saturating_sub(s.start) as u64;
+        match prompt_tokens {
+            0 => self.pacer.observe_verification(started.elapsed(), decodes, proposed),
+            _ => self.pacer.observe(started.elapsed(), decodes, prompt_tokens + proposed),
         }
-        self.scheduler.complete(&step);
-
-        let ids: Vec<SeqId> = step.scheduled.iter().filter(|s| s.sample).map(|s| s.id).collect();
-        let mut taken: Vec<(SeqId, RequestState)> =
-            ids.iter().map(|id| (*id, self.requests.remove(id).expect("scheduled requests exist"))).collect();
-        let sampled = match forwarded {
-            Forwarded::Picked(picks) => picks
-                .into_iter()
-                .zip(&mut taken)
-                .map(|(p, (_, r))| Sampled {
-                    // An end the step's rule turns into a close (no log-probability was
-                    // asked for: such rows are sampled on the host).
-                    token: r.sampler.redirect_end(p.token),
-                    logprob: p.logprob,
-                    top_logprobs: p.top_logprobs,
-                })
-                .collect(),
-            Forwarded::Logits(mut logits) => {
-                let mut states: Vec<&mut SamplerState> = taken.iter_mut().map(|(_, r)| &mut r.sampler).collect();
-                sample_batch(&mut logits, self.exec.config().vocab_size, &mut states)
-            }
-        };
-        outputs.reserve(taken.len());
-        let mut pending = taken.into_iter().zip(sampled);
-        while let Some(((seq_id, mut state), s)) = pending.next() {
-            let mut output = match self.advance(seq_id, &mut state, s) {
-                Ok(output) => output,
-                Err(e) => {
-                    // The sequences stay scheduled: their states go back with them, so
-                    // that a later step or abort finds them.
-                    self.requests.insert(seq_id, state);
-                    self.requests.extend(pending.map(|(taken, _)| taken));
-                    return Err(e);
-                }
-            };
-            if output.finish.is_none() {
-                self.requests.insert(seq_id, state);
-            } else {
-                self.scheduler.remove(seq_id);
-                output.last = self.leave_family(output.id, seq_id);
-            }
-            outputs.push(output);
-        }
-        Ok(outputs)
+        Ok(match forwarded {
+            Forwarded::Picked(picks) => Rows::Picked(picks),
+            Forwarded::Logits(all) => self.split_rows(step, &batch.all_rows, all),
+        })
     }
 
-    /// Scores the prompt tokens of the chunks `scoring` marks from their rows of `all`
-    /// (each chunk's row `j` predicts its token `j + 1`), keeping them by position, and
-    /// returns the sampled rows alone, as a forward without scoring would.
-    fn score_prompts(&mut self, step: &Step, scoring: &[bool], all: Vec<f32>) -> Vec<f32> {
+    /// The forward's logits by sampled sequence: the last row of each, or every row of
+    /// a verification. The rows of a prompt being scored are scored here and kept by
+    /// position (each chunk's row `j` predicts its token `j + 1`).
+    fn split_rows(&mut self, step: &Step, all_rows: &[bool], all: Vec<f32>) -> Rows {
         let vocab = self.exec.config().vocab_size;
-        let mut sampled = Vec::new();
+        if !all_rows.contains(&true) {
+            return Rows::Logits { last: all, verify: HashMap::new() };
+        }
+        let (mut last, mut verify) = (Vec::new(), HashMap::new());
         let mut row = 0;
-        for (s, &scored) in step.scheduled.iter().zip(scoring) {
-            let rows = if scored { s.len } else { usize::from(s.sample) };
+        for (s, &every) in step.scheduled.iter().zip(all_rows) {
+            let rows = if every { s.len } else { usize::from(s.sample) };
+            let scored = every && s.draft == 0;
             if scored && let (Some(r), Some(seq)) = (self.requests.get_mut(&s.id), self.scheduler.get(s.id)) {
                 // Rows whose next token is still in the prompt.
                 let m = s.len.min(seq.prompt_len.saturating_sub(s.start + 1));
@@ -649,13 +748,129 @@ impl<B: Backend> EngineCore<B> {
                     r.prompt_scores[s.start + 1 + j] = Some(score);
                 }
             }
-            if s.sample {
-                let last = row + rows - 1;
-                sampled.extend_from_slice(&all[last * vocab..(last + 1) * vocab]);
+            if s.draft > 0 {
+                verify.insert(s.id, all[row * vocab..(row + rows) * vocab].to_vec());
+            } else if s.sample {
+                let at = row + rows - 1;
+                last.extend_from_slice(&all[at * vocab..(at + 1) * vocab]);
             }
             row += rows;
         }
-        sampled
+        Rows::Logits { last, verify }
+    }
+
+    /// Samples each sampled sequence's token (verifying its proposals, if it had any)
+    /// and appends what it produced, in the order the step ran them.
+    fn sample_and_emit(&mut self, step: &Step, rows: Rows, outputs: &mut Vec<Output>) -> Result<(), EngineError> {
+        let ids: Vec<SeqId> = step.scheduled.iter().filter(|s| s.sample).map(|s| s.id).collect();
+        let mut taken: Vec<(SeqId, RequestState)> =
+            ids.iter().map(|id| (*id, self.requests.remove(id).expect("scheduled requests exist"))).collect();
+        let (plain, mut verify) = match rows {
+            Rows::Picked(picks) => {
+                let sampled = picks
+                    .into_iter()
+                    .zip(&mut taken)
+                    .map(|(p, (_, r))| Sampled {
+                        // An end the step's rule turns into a close (no log-probability
+                        // was asked for: such rows are sampled on the host).
+                        token: r.sampler.redirect_end(p.token),
+                        logprob: p.logprob,
+                        top_logprobs: p.top_logprobs,
+                    })
+                    .collect();
+                (sampled, HashMap::new())
+            }
+            Rows::Logits { mut last, verify } => {
+                let mut states: Vec<&mut SamplerState> =
+                    taken.iter_mut().filter(|(id, _)| !verify.contains_key(id)).map(|(_, r)| &mut r.sampler).collect();
+                (sample_batch(&mut last, self.exec.config().vocab_size, &mut states), verify)
+            }
+        };
+        let mut plain = plain.into_iter();
+        let mut pending = taken.into_iter();
+        while let Some((seq_id, mut state)) = pending.next() {
+            let emitted = match verify.remove(&seq_id) {
+                Some(mut rows) => self.verify(seq_id, &mut state, &mut rows, outputs),
+                None => {
+                    let s = plain.next().expect("a sampled row per sequence");
+                    self.advance(seq_id, &mut state, s).map(|out| {
+                        let finished = out.finish.is_some();
+                        outputs.push(out);
+                        finished
+                    })
+                }
+            };
+            match emitted {
+                Ok(false) => {
+                    self.requests.insert(seq_id, state);
+                }
+                Ok(true) => {
+                    if let Some(seq) = self.scheduler.remove(seq_id) {
+                        self.forget(&seq, &state.tenant);
+                    }
+                    let last = self.leave_family(state.request, seq_id);
+                    outputs.last_mut().expect("a finish is an output").last = last;
+                }
+                Err(e) => {
+                    // The sequences stay scheduled: their states go back with them, so
+                    // that a later step or abort finds them.
+                    self.requests.insert(seq_id, state);
+                    self.requests.extend(pending);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Samples a verification's rows in order, each as a step without proposals would
+    /// sample it (its own rule, the tokens accepted before it counted), emitting every
+    /// token, until one differs from the proposal (the model's own pick, emitted in its
+    /// place), the proposals are used up (the row after them gives one more), or the
+    /// sequence ends. True if it ended.
+    fn verify(
+        &mut self,
+        seq_id: SeqId,
+        state: &mut RequestState,
+        rows: &mut [f32],
+        outputs: &mut Vec<Output>,
+    ) -> Result<bool, EngineError> {
+        let vocab = self.exec.config().vocab_size;
+        let context = self.max_model_len();
+        let draft = self.scheduler.get(seq_id).expect("verified sequences exist").draft.clone();
+        let mut accepted = 0;
+        let mut finished = false;
+        for (i, row) in rows.chunks_mut(vocab).enumerate() {
+            if i > 0 {
+                let seq = self.scheduler.get(seq_id).expect("verified sequences exist");
+                state.sampler.rule = state.next_rule(seq, context);
+            }
+            let s = sample(row, &mut state.sampler);
+            let agreed = draft.get(i) == Some(&s.token);
+            let out = self.advance(seq_id, state, s)?;
+            finished = out.finish.is_some();
+            outputs.push(out);
+            accepted += usize::from(agreed);
+            if !agreed || finished {
+                break;
+            }
+        }
+        // Even when the sequence ends here: its accepted tokens' blocks join the prefix
+        // cache, as they would have one step at a time.
+        let kept = self.scheduler.settle(seq_id);
+        debug_assert!(finished || kept == accepted, "the cache keeps exactly the accepted proposals");
+        if let Some(spec) = &mut self.speculator {
+            spec.verified(seq_id, draft.len(), accepted);
+        }
+        Ok(finished)
+    }
+
+    /// Tells speculation a sequence has ended (what it kept for it goes; what it
+    /// learns from its text stays with its tenant).
+    fn forget(&mut self, seq: &Sequence, tenant: &str) {
+        if let Some(spec) = &mut self.speculator {
+            spec.finished(seq.id, tenant, &seq.tokens);
+        }
     }
 
     /// Takes an ended sequence out of its request's family; true if it was the last.
@@ -676,6 +891,7 @@ impl<B: Backend> EngineCore<B> {
             .filter_map(|&seq_id| {
                 let mut state = self.requests.remove(&seq_id)?;
                 let seq = self.scheduler.remove(seq_id)?;
+                self.forget(&seq, &state.tenant);
                 let last = self.leave_family(state.request, seq_id);
                 Some(Output {
                     id: state.request,

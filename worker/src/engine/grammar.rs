@@ -178,6 +178,16 @@ impl Constraint {
         }
     }
 
+    /// How many of `tokens`, in order, the grammar allows from here (the matcher does
+    /// not move).
+    pub fn valid_prefix(&self, tokens: &[u32]) -> usize {
+        let mut m = self.matcher.lock().expect("matcher");
+        if tokens.is_empty() || m.is_stopped() {
+            return 0;
+        }
+        m.validate_tokens(tokens).unwrap_or(0)
+    }
+
     /// Advances past a sampled token (one `mask` allowed). A matcher that refuses it
     /// keeps its error, and the next `mask` ends the output.
     pub fn accept(&self, token: u32) {

@@ -15,4 +15,5 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculate;
 pub mod thinking;

@@ -11,6 +11,7 @@
 //! freeze, and a prompt takes the whole step budget. Step times only steer the chunk
 //! sizes: which tokens run, and so every output, stay what they would be.
 
+use super::speculate::StepCosts;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -47,14 +48,22 @@ pub struct Pacer {
     /// Running averages of the seconds prompt chunks added to their steps and of their
     /// tokens: their ratio is a prompt token's cost, each step weighed by its tokens.
     prompt: Option<(f64, f64)>,
+    /// The same for proposed tokens verified beside decodes (speculative decoding),
+    /// from steps without prompt chunks: a few rows more of a decode step.
+    proposals: Option<(f64, f64)>,
 }
+
+/// A speculating engine leaves proposals out of a step when a decode step of its batch
+/// size has not been timed alone for this many steps, so that the cost proposals are
+/// weighed against stays measured.
+const REMEASURE_AFTER_STEPS: u64 = 64;
 
 impl Pacer {
     /// `percent`: the longest step with prompt chunks, in percent of a decode step's
     /// time (0: no limit).
     pub fn new(percent: u32) -> Self {
         let ratio = (percent > 0).then(|| f64::from(percent.max(100)) / 100.0);
-        Self { ratio, decode_secs: BTreeMap::new(), steps: 0, prompt: None }
+        Self { ratio, decode_secs: BTreeMap::new(), steps: 0, prompt: None, proposals: None }
     }
 
     /// What a step of `decodes` decodes alone takes: as measured, else between the
@@ -85,6 +94,33 @@ impl Pacer {
             // Nothing measured yet: modest chunks until something is.
             _ => UNMEASURED_PROMPT_TOKENS,
         }
+    }
+
+    /// What a speculating engine weighs its proposals against: a step of `decodes`
+    /// decodes alone, and what each proposed token adds to it (0 until timed). None
+    /// when that decode step has not been timed lately: the next step should run
+    /// without proposals, and be timed.
+    pub fn costs(&self, decodes: usize) -> Option<StepCosts> {
+        let &(decode_step, at) = self.decode_secs.get(&decodes)?;
+        if self.steps - at > REMEASURE_AFTER_STEPS {
+            return None;
+        }
+        let per_token = self.proposals.map_or(0.0, |(secs, tokens)| if tokens > 0.0 { secs / tokens } else { 0.0 });
+        Some(StepCosts { decode_step, per_token })
+    }
+
+    /// A step that ran `decodes` decodes and `proposed` tokens proposed to follow them
+    /// (and no prompt chunk) in `took`.
+    pub fn observe_verification(&mut self, took: Duration, decodes: usize, proposed: usize) {
+        if proposed == 0 || decodes == 0 {
+            return self.observe(took, decodes, 0);
+        }
+        self.steps += 1;
+        let Some(decode_part) = self.decode_step(decodes) else { return };
+        let extra = (took.as_secs_f64() - decode_part).max(0.0);
+        let average = |old: f64, new: f64| old + ALPHA * (new - old);
+        let tokens = proposed as f64;
+        self.proposals = Some(self.proposals.map_or((extra, tokens), |(s, t)| (average(s, extra), average(t, tokens))));
     }
 
     /// A step that ran `decodes` single-token decodes and `prompt_tokens` tokens of
@@ -121,6 +157,28 @@ mod tests {
     use super::*;
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn proposals_are_weighed_against_decode_steps_timed_alone_and_lately() {
+        let mut p = Pacer::new(250);
+        assert_eq!(p.costs(1), None, "nothing timed");
+        p.observe(MS(40), 1, 0);
+        assert_eq!(p.costs(1), Some(StepCosts { decode_step: 0.040, per_token: 0.0 }));
+        // Steps verifying 4 proposals take 52 ms: 3 ms a proposed token.
+        for _ in 0..30 {
+            p.observe_verification(MS(52), 1, 4);
+        }
+        let c = p.costs(1).unwrap();
+        assert!((c.per_token - 0.003).abs() < 1e-6, "{c:?}");
+        assert_eq!(p.costs(2), None, "a batch size not timed alone");
+        // Long without a decode step alone: time one again.
+        for _ in 0..REMEASURE_AFTER_STEPS {
+            p.observe_verification(MS(52), 1, 4);
+        }
+        assert_eq!(p.costs(1), None);
+        p.observe(MS(40), 1, 0);
+        assert!(p.costs(1).is_some());
+    }
 
     #[test]
     fn chunks_fill_the_step_time_the_ratio_allows() {

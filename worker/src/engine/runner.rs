@@ -296,6 +296,15 @@ impl<B: Backend> Loop<B> {
         metrics::counter!(m::PREFIX_QUERIES).absolute(stats.queried_blocks * block);
         metrics::counter!(m::PREFIX_HITS).absolute(stats.hit_blocks * block);
         metrics::counter!(m::PREEMPTIONS).absolute(self.core.stats().preemptions);
+        // Exported with speculation off too (as zeros), so that dashboards find them.
+        let spec = self.core.spec_stats().cloned().unwrap_or_default();
+        metrics::counter!(m::SPEC_DRAFTS).absolute(spec.drafts);
+        metrics::counter!(m::SPEC_DRAFT_TOKENS).absolute(spec.draft_tokens);
+        metrics::counter!(m::SPEC_ACCEPTED_TOKENS).absolute(spec.accepted_tokens);
+        let per_position = if spec.accepted_per_position.is_empty() { &[0][..] } else { &spec.accepted_per_position };
+        for (position, &n) in per_position.iter().enumerate() {
+            metrics::counter!(m::SPEC_ACCEPTED_PER_POS, "position" => position.to_string()).absolute(n);
+        }
     }
 }
 

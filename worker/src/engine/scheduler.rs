@@ -30,7 +30,8 @@ pub struct SchedulerConfig {
     pub num_blocks: usize,
 }
 
-/// One sequence's share of a step: tokens `start..start + len` run now.
+/// One sequence's share of a step: tokens `start..start + len` run now, the last
+/// `draft` of them the sequence's proposed tokens (`Sequence::draft`), to be verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Scheduled {
     pub id: SeqId,
@@ -38,6 +39,7 @@ pub struct Scheduled {
     pub len: usize,
     /// This chunk reaches the end of the sequence: sample a token from its logits.
     pub sample: bool,
+    pub draft: usize,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -125,6 +127,19 @@ impl Scheduler {
         self.running.iter().filter(|id| self.seqs[id].num_pending() == 1).count()
     }
 
+    /// The decoding sequences, in the order they run.
+    pub fn decoding_sequences(&self) -> impl Iterator<Item = &Sequence> {
+        self.running.iter().map(|id| &self.seqs[id]).filter(|s| s.num_pending() == 1)
+    }
+
+    /// Proposes tokens to follow a decoding sequence, for the next step to verify
+    /// (as many as its token budget leaves room for).
+    pub fn propose(&mut self, id: SeqId, draft: Vec<u32>) {
+        if let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.num_pending() == 1) {
+            seq.draft = draft;
+        }
+    }
+
     /// Plans the next forward with prompt chunks (sequences with more than one token to
     /// run) taking at most `prompt_tokens` of the budget between them; decodes are never
     /// held back by it (`pacing`).
@@ -135,9 +150,17 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let pending = self.seqs[&id].num_pending();
+            let seq = &self.seqs[&id];
+            let pending = seq.num_pending();
             let chunk = pending > 1;
-            let n = pending.min(budget).min(if chunk { prompt_left } else { usize::MAX });
+            // A decode's proposals run with it, as budget allows; they cost like a decode
+            // for pacing's sake (a step of verifications is a decode step, only longer).
+            let mut n = (pending + seq.draft.len()).min(budget).min(if chunk { prompt_left } else { usize::MAX });
+            // Proposals take only blocks that are free: they never preempt anyone.
+            if n > pending && !self.grow(id, n) {
+                self.seqs.get_mut(&id).expect("running sequences are known").draft.clear();
+                n = pending.min(n);
+            }
             if n == 0 {
                 // A prompt whose chunk waits for the next step.
                 i += 1;
@@ -164,6 +187,8 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
+            let seq = self.seqs.get_mut(&id).expect("running sequences are known");
+            seq.draft.truncate(n - pending.min(n));
             step.scheduled.push(self.plan(id, n));
             budget -= n;
             if chunk {
@@ -222,7 +247,8 @@ impl Scheduler {
 
     fn plan(&self, id: SeqId, len: usize) -> Scheduled {
         let seq = &self.seqs[&id];
-        Scheduled { id, start: seq.num_computed, len, sample: seq.num_computed + len == seq.tokens.len() }
+        let end = seq.num_computed + len;
+        Scheduled { id, start: seq.num_computed, len, sample: end >= seq.tokens.len(), draft: seq.draft.len() }
     }
 
     /// Gives `id` blocks for `n` more tokens; false if the pool is short.
@@ -252,22 +278,49 @@ impl Scheduler {
         self.pool.release(std::mem::take(&mut seq.block_table).into_iter().rev());
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
+        seq.draft.clear();
         self.waiting.push_front(id);
     }
 
     /// Records that the step ran: the scheduled tokens are in the cache now, and full
-    /// blocks join the prefix cache.
+    /// blocks join the prefix cache. Proposals are not the sequence's tokens yet:
+    /// `settle` counts those the model accepted once they are.
     pub fn complete(&mut self, step: &Step) {
         for s in &step.scheduled {
             let Some(seq) = self.seqs.get_mut(&s.id) else { continue };
-            seq.num_computed = s.start + s.len;
-            update_hashes(&self.hasher, seq);
-            let full = seq.num_computed / BLOCK_TOKENS;
-            for b in seq.num_cached_blocks..full {
-                self.pool.cache(seq.block_table[b], seq.block_hashes[b]);
-            }
-            seq.num_cached_blocks = seq.num_cached_blocks.max(full);
+            seq.num_computed = s.start + s.len - s.draft;
+            self.cache_full_blocks(s.id);
         }
+    }
+
+    /// After a verification: the proposed tokens the sequence went on with (those now
+    /// in `tokens` after its computed ones, in order, but not its last) have their keys
+    /// and values in the cache already and count as computed; the rest are forgotten,
+    /// and the blocks that held only them return to the pool. Returns how many counted.
+    pub fn settle(&mut self, id: SeqId) -> usize {
+        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
+        let draft = std::mem::take(&mut seq.draft);
+        let ahead = &seq.tokens[seq.num_computed..seq.tokens.len().saturating_sub(1).max(seq.num_computed)];
+        let kept = ahead.iter().zip(&draft).take_while(|(t, d)| t == d).count();
+        seq.num_computed += kept;
+        let keep_blocks = seq.tokens.len().max(seq.num_computed).div_ceil(BLOCK_TOKENS);
+        if seq.block_table.len() > keep_blocks {
+            let spare: Vec<BlockId> = seq.block_table.drain(keep_blocks..).collect();
+            self.pool.release(spare.into_iter().rev());
+        }
+        self.cache_full_blocks(id);
+        kept
+    }
+
+    /// Registers the sequence's newly full computed blocks in the prefix cache.
+    fn cache_full_blocks(&mut self, id: SeqId) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        update_hashes(&self.hasher, seq);
+        let full = seq.num_computed / BLOCK_TOKENS;
+        for b in seq.num_cached_blocks..full {
+            self.pool.cache(seq.block_table[b], seq.block_hashes[b]);
+        }
+        seq.num_cached_blocks = seq.num_cached_blocks.max(full);
     }
 
     /// Appends a sampled token to a running sequence.
@@ -367,8 +420,8 @@ mod tests {
         assert_eq!(
             step.scheduled,
             vec![
-                Scheduled { id: 1, start: 10, len: 1, sample: true },
-                Scheduled { id: 2, start: 0, len: 31, sample: false },
+                Scheduled { id: 1, start: 10, len: 1, sample: true, draft: 0 },
+                Scheduled { id: 2, start: 0, len: 31, sample: false, draft: 0 },
             ]
         );
     }
@@ -435,7 +488,7 @@ mod tests {
         // was preempted — from its first block, still cached (its second was reused).
         s.remove(1);
         let step = run(&mut s);
-        assert_eq!(step.scheduled, vec![Scheduled { id: 2, start: 16, len: 17, sample: true }]);
+        assert_eq!(step.scheduled, vec![Scheduled { id: 2, start: 16, len: 17, sample: true, draft: 0 }]);
     }
 
     #[test]
@@ -510,6 +563,7 @@ mod tests {
         // sequence that `fits` gets all its tokens; the pool ends whole.
         let mut preemptions = 0;
         let mut refused = 0;
+        let mut drafted = 0;
         for seed in 1..=300u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
             let num_blocks = rng.below(24) + 1;
@@ -549,18 +603,44 @@ mod tests {
                 }
                 steps += 1;
                 assert!(steps < 100_000, "seed {seed}: no end in sight");
+                // Every output token is 1; half the decodes propose a run of 1s and 2s
+                // (a 2 is rejected, and 1 sampled in its place).
+                let decoding: Vec<SeqId> = s.decoding_sequences().map(|q| q.id).collect();
+                for id in decoding {
+                    let draft = (0..rng.below(6)).map(|_| 1 + rng.below(2) as u32).collect();
+                    s.propose(id, if rng.below(2) == 0 { draft } else { Vec::new() });
+                }
                 let had_work = s.has_work();
                 let step = s.schedule();
                 assert!(step.exhausted.is_empty(), "seed {seed}: {:?} could not grow", step.exhausted);
                 assert_eq!(had_work, !step.scheduled.is_empty(), "seed {seed}: step {steps} advanced nothing");
                 preemptions += step.preempted.len();
+                drafted += step.scheduled.iter().map(|x| x.draft).sum::<usize>();
+                let drafts: HashMap<SeqId, Vec<u32>> =
+                    step.scheduled.iter().map(|x| (x.id, s.get(x.id).unwrap().draft.clone())).collect();
                 s.complete(&step);
                 for x in step.scheduled.iter().filter(|x| x.sample) {
-                    s.append(x.id, 1);
-                    let len = s.get(x.id).unwrap().tokens.len();
-                    if len == want[&x.id] {
-                        s.remove(x.id);
-                        got.insert(x.id, len);
+                    let accepted = drafts[&x.id].iter().take_while(|&&d| d == 1).count();
+                    let mut finished = false;
+                    for _ in 0..=accepted {
+                        s.append(x.id, 1);
+                        let len = s.get(x.id).unwrap().tokens.len();
+                        if len == want[&x.id] {
+                            s.remove(x.id);
+                            got.insert(x.id, len);
+                            finished = true;
+                            break;
+                        }
+                    }
+                    if !finished {
+                        let kept = s.settle(x.id);
+                        assert_eq!(kept, accepted, "seed {seed}: every accepted proposal counts as computed");
+                        let q = s.get(x.id).unwrap();
+                        assert_eq!(q.num_pending(), 1, "seed {seed}");
+                        // Blocks for the computed tokens, and none past the pending one's.
+                        let blocks = q.block_table.len();
+                        assert!(blocks >= q.num_computed.div_ceil(BLOCK_TOKENS), "seed {seed}");
+                        assert!(blocks <= q.tokens.len().div_ceil(BLOCK_TOKENS), "seed {seed}");
                     }
                 }
                 check_blocks(&s, seed);
@@ -571,6 +651,66 @@ mod tests {
         // The walk reached the cases it is about.
         assert!(preemptions > 100, "{preemptions} preemptions");
         assert!(refused > 100, "{refused} refused");
+        assert!(drafted > 1000, "{drafted} proposed tokens verified");
+    }
+
+    #[test]
+    fn proposals_run_with_their_decode_and_only_accepted_ones_are_kept_or_cached() {
+        let mut s = sched(1000, 8, 100);
+        // A 14-token prompt, then its first token: 15 tokens, the 15th pending.
+        s.add(Sequence::new(1, prompt(14, 0)));
+        run(&mut s);
+        s.propose(1, vec![5, 6, 7, 8, 9]);
+        let step = s.schedule();
+        assert_eq!(step.scheduled, vec![Scheduled { id: 1, start: 14, len: 6, sample: true, draft: 5 }]);
+        assert_eq!(s.block_table(1).len(), 2, "room for the proposals' keys and values");
+        s.complete(&step);
+        assert_eq!(s.get(1).unwrap().num_computed, 15, "proposals are not the sequence's yet");
+        // The model agrees with 5 and 6, then picks 4.
+        for t in [5, 6, 4] {
+            s.append(1, t);
+        }
+        assert_eq!(s.settle(1), 2);
+        let seq = s.get(1).unwrap();
+        assert_eq!((seq.num_computed, seq.tokens.len()), (17, 18));
+        assert!(seq.draft.is_empty());
+        // Block 0 (16 tokens: prompt, first token, 5) is cached; block 1 holds 6 and the
+        // pending 4 only, and is not.
+        assert_eq!(s.pool().cached_hashes().len(), 1);
+        assert_eq!(seq.block_hashes.len(), 1);
+        // Nothing accepted, and blocks that held only proposals go back.
+        s.propose(1, (100..116).collect());
+        let step = s.schedule();
+        assert_eq!((step.scheduled[0].len, step.scheduled[0].draft), (17, 16));
+        assert_eq!(s.block_table(1).len(), 3);
+        s.complete(&step);
+        s.append(1, 3);
+        assert_eq!(s.settle(1), 0);
+        assert_eq!(s.block_table(1).len(), 2);
+        assert_eq!(s.pool().num_free(), 98);
+        assert_eq!(s.pool().cached_hashes().len(), 1);
+        // A budget short of the whole proposal takes what fits.
+        let mut s = sched(4, 8, 100);
+        s.add(Sequence::new(1, prompt(3, 0)));
+        run(&mut s);
+        s.propose(1, vec![1, 2, 3, 4, 5]);
+        let step = s.schedule();
+        assert_eq!((step.scheduled[0].len, step.scheduled[0].draft), (4, 3));
+        assert_eq!(s.get(1).unwrap().draft, vec![1, 2, 3]);
+        // Proposals never preempt: without free blocks for them, the decode runs alone.
+        let mut s = sched(1000, 8, 2);
+        s.add(Sequence::new(1, prompt(14, 0)));
+        s.add(Sequence::new(2, prompt(14, 1)));
+        run(&mut s);
+        s.propose(1, vec![1, 2, 3, 4]);
+        let step = s.schedule();
+        assert!(step.preempted.is_empty());
+        assert_eq!((step.scheduled[0].len, step.scheduled[0].draft), (1, 0));
+        // A prompt still being computed takes no proposal.
+        let mut s = sched(1000, 8, 100);
+        s.add(Sequence::new(1, prompt(3, 0)));
+        s.propose(1, vec![1]);
+        assert!(s.get(1).unwrap().draft.is_empty());
     }
 
     #[test]

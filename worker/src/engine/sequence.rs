@@ -31,6 +31,10 @@ pub struct Sequence {
     /// The prompt's images: their rows go in at their placeholders, and their hashes
     /// into the hashes of the blocks holding them.
     pub images: Option<Arc<PlacedImages>>,
+    /// Tokens proposed to follow `tokens`, verified by the next step (speculative
+    /// decoding). They join `tokens` only as the model accepts them: no block hash, and
+    /// so no prefix-cache entry, is ever made of a proposal.
+    pub draft: Vec<u32>,
 }
 
 impl Sequence {
@@ -47,6 +51,7 @@ impl Sequence {
             after: None,
             score_prompt: false,
             images: None,
+            draft: Vec::new(),
         }
     }
 

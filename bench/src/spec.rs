@@ -1,0 +1,354 @@
+//! Speculative decoding, side by side: `tessera serve` with speculation off and on, and
+//! llama.cpp's `llama-server` plain and with its own speculation (`ngram-simple`, and
+//! `draft-simple` with a draft model where the model has one), each started afresh on
+//! the same GGUF file and the same requests, one after the other in one run.
+//!
+//! The workload mixes three kinds of greedy, streamed chat requests, each ending where
+//! the model ends it (or at `max_tokens`):
+//! - `edit`: a piece of code and an edit to make, answered with the whole code again —
+//!   an answer that repeats most of its prompt, where guessing from the prompt pays;
+//! - `fresh`: new code from a description;
+//! - `chat`: a question in prose.
+//!
+//! Per server and kind: decode speed, the output tokens after the first over the time
+//! from the first to the last (summed over requests), time to first token, and for
+//! Tessera the proposals' acceptance (from the worker's metrics) and for llama-server
+//! its own (`timings.draft_n_accepted` / `draft_n`). One JSON line per model and
+//! concurrency, with the ratios the targets are stated in.
+
+use crate::api::{self, Server};
+use crate::peer::{LlamaServer, has_amx, llama_server, load_average};
+use crate::round;
+use anyhow::{Context, Result};
+use serde_json::{Map, Value, json};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tessera_worker::model_cache;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The `tessera` binary (default: beside this one).
+    #[arg(long)]
+    tessera: Option<PathBuf>,
+    /// The models: `smollm2` (the default catalog's SmolLM2-135M), `qwen1.5b`
+    /// (Qwen2.5-Coder-1.5B, `deploy/catalog-qwen.toml`, drafted by the 0.5B for llama.cpp).
+    #[arg(long, value_delimiter = ',', default_values_t = [String::from("smollm2"), String::from("qwen1.5b")])]
+    models: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16])]
+    concurrency: Vec<usize>,
+    /// Requests per level (at least two per client), the kinds in turn.
+    #[arg(long, default_value_t = 9)]
+    requests: usize,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// llama-server at this path (else `$LLAMA_SERVER`, else where
+    /// `bench/peer/build-llama-server.sh` builds it); `--peer none` leaves it out.
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
+    #[arg(long, default_value = "llama-server")]
+    peer: String,
+    /// llama-server's threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Tessera's speculative method for the `on` side.
+    #[arg(long, default_value = "ngram")]
+    method: String,
+}
+
+/// A model as both servers are given it.
+struct Model {
+    label: &'static str,
+    /// `tessera serve` arguments naming its catalog.
+    catalog: Vec<String>,
+    id: &'static str,
+    weights: &'static str,
+    /// llama.cpp's draft model for `draft-simple`.
+    draft: Option<&'static str>,
+}
+
+fn model(label: &str) -> Result<Model> {
+    let qwen_catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/catalog-qwen.toml");
+    Ok(match label {
+        "smollm2" => Model {
+            label: "smollm2",
+            catalog: Vec::new(),
+            id: crate::peer::MODEL,
+            weights: model_cache::SMOLLM2_135M_INSTRUCT.name,
+            draft: None,
+        },
+        "qwen1.5b" => Model {
+            label: "qwen1.5b",
+            catalog: vec!["--catalog".into(), qwen_catalog.display().to_string()],
+            id: "qwen/qwen2.5-coder-1.5b-instruct",
+            weights: model_cache::QWEN25_CODER_15B_INSTRUCT.name,
+            draft: Some(model_cache::QWEN25_CODER_05B_INSTRUCT.name),
+        },
+        other => anyhow::bail!("unknown model {other:?} (smollm2, qwen1.5b)"),
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Edit,
+    Fresh,
+    Chat,
+}
+
+const KINDS: [Kind; 3] = [Kind::Edit, Kind::Fresh, Kind::Chat];
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Edit => "edit",
+            Kind::Fresh => "fresh",
+            Kind::Chat => "chat",
+        }
+    }
+}
+
+const CODE: [&str; 4] = [
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n    total = 0\n    for v in values:\n        total += (v - m) ** 2\n    return total / len(values)\n\n\ndef describe(values):\n    return {\"mean\": mean(values), \"variance\": variance(values), \"count\": len(values)}\n",
+    "class Inventory:\n    def __init__(self):\n        self.items = {}\n\n    def add(self, name, count):\n        self.items[name] = self.items.get(name, 0) + count\n\n    def remove(self, name, count):\n        if self.items.get(name, 0) < count:\n            raise ValueError(\"not enough \" + name)\n        self.items[name] -= count\n\n    def total(self):\n        return sum(self.items.values())\n",
+    "def parse_line(line):\n    parts = line.strip().split(\",\")\n    name = parts[0]\n    age = int(parts[1])\n    city = parts[2]\n    return {\"name\": name, \"age\": age, \"city\": city}\n\n\ndef parse_file(path):\n    rows = []\n    with open(path) as f:\n        for line in f:\n            if line.strip():\n                rows.append(parse_line(line))\n    return rows\n",
+    "fn largest(values: &[i64]) -> Option<i64> {\n    let mut best = None;\n    for &v in values {\n        match best {\n            None => best = Some(v),\n            Some(b) if v > b => best = Some(v),\n            _ => {}\n        }\n    }\n    best\n}\n\nfn smallest(values: &[i64]) -> Option<i64> {\n    let mut best = None;\n    for &v in values {\n        match best {\n            None => best = Some(v),\n            Some(b) if v < b => best = Some(v),\n            _ => {}\n        }\n    }\n    best\n}\n",
+];
+
+const EDITS: [&str; 4] = [
+    "Add a docstring to every function. Reply with the full code only.",
+    "Rename the variable `total` to `acc` (or, where there is none, the first parameter to `data`). Reply with the full code only.",
+    "Add type annotations everywhere they are missing. Reply with the full code only.",
+    "Add a short comment above every function. Reply with the full code only.",
+];
+
+const FRESH: [&str; 6] = [
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Write a Python class for a stack with push, pop, peek and is_empty.",
+    "Write a Rust function that counts the words in a string.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a JavaScript function that debounces another function.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+];
+
+const CHAT: [&str; 6] = [
+    "Why is the sky blue? Answer in a short paragraph.",
+    "What are the main differences between a process and a thread?",
+    "Give me three tips for writing clear commit messages.",
+    "Explain what a hash map is to a beginner.",
+    "What is the difference between TCP and UDP?",
+    "How does garbage collection work, briefly?",
+];
+
+/// Request `i` of the workload: its kind and user message.
+fn job(i: usize) -> (Kind, String) {
+    let kind = KINDS[i % 3];
+    let j = i / 3;
+    let text = match kind {
+        Kind::Edit => format!("{}\n\n```\n{}```", EDITS[j % EDITS.len()], CODE[(j / EDITS.len() + j) % CODE.len()]),
+        Kind::Fresh => FRESH[j % FRESH.len()].to_string(),
+        Kind::Chat => CHAT[j % CHAT.len()].to_string(),
+    };
+    (kind, text)
+}
+
+/// One request as the client saw it.
+struct Sample {
+    kind: Kind,
+    ttft: Duration,
+    /// From the first token's arrival to the last's.
+    decode: Duration,
+    tokens: u64,
+    /// llama-server's proposals and acceptances, when it reports them.
+    drafted: Option<(u64, u64)>,
+}
+
+async fn request(port: u16, key: &str, model: &str, kind: Kind, user: &str, max_tokens: u32) -> Result<Sample> {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "system", "content": "You are a helpful coding assistant."}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let events = api::stream(port, key, "/v1/chat/completions", &body).await?;
+    let content = |e: &&api::Event| e.data["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty());
+    let times: Vec<Duration> = events.iter().filter(content).map(|e| e.at).collect();
+    let first = *times.first().context("no token arrived")?;
+    let last = *times.last().unwrap_or(&first);
+    let usage = events.iter().rev().find_map(|e| e.data.get("usage").filter(|u| u.is_object()));
+    let tokens = usage.and_then(|u| u["completion_tokens"].as_u64()).unwrap_or(times.len() as u64);
+    let timings = events.iter().rev().find_map(|e| e.data.get("timings").filter(|t| t.is_object()));
+    let drafted = timings.and_then(|t| Some((t["draft_n"].as_u64()?, t["draft_n_accepted"].as_u64()?)));
+    Ok(Sample { kind, ttft: first, decode: last - first, tokens, drafted })
+}
+
+/// `c` clients in a closed loop over `n` requests of the workload.
+async fn level(port: u16, key: &str, model: &str, c: usize, n: usize, max_tokens: u32) -> Result<(Vec<Sample>, f64)> {
+    request(port, key, model, Kind::Chat, "Say hello.", 4).await?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let clients: Vec<_> = (0..c)
+        .map(|_| {
+            let (next, key, model) = (next.clone(), key.to_string(), model.to_string());
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    let (kind, user) = job(i);
+                    samples.push(request(port, &key, &model, kind, &user, max_tokens).await?);
+                }
+                anyhow::Ok(samples)
+            })
+        })
+        .collect();
+    let mut samples = Vec::new();
+    for client in clients {
+        samples.extend(client.await??);
+    }
+    Ok((samples, start.elapsed().as_secs_f64()))
+}
+
+/// Decode speed and time to first token by kind, and over the whole mix.
+fn figures(samples: &[Sample], wall_s: f64) -> Map<String, Value> {
+    let of = |filter: &dyn Fn(&Sample) -> bool| {
+        let chosen: Vec<&Sample> = samples.iter().filter(|s| filter(s)).collect();
+        let tokens: u64 = chosen.iter().map(|s| s.tokens.saturating_sub(1)).sum();
+        let secs: f64 = chosen.iter().map(|s| s.decode.as_secs_f64()).sum();
+        let ttft: Vec<f64> = chosen.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+        let mut m = json!({
+            "requests": chosen.len(),
+            "output_tokens": chosen.iter().map(|s| s.tokens).sum::<u64>(),
+            "decode_tokens_per_s": round(tokens as f64 / secs.max(1e-9)),
+            "ttft_p50_ms": round(crate::percentile(&ttft, 0.5)),
+        });
+        let drafted: Vec<(u64, u64)> = chosen.iter().filter_map(|s| s.drafted).collect();
+        if !drafted.is_empty() {
+            let (n, accepted) = drafted.iter().fold((0, 0), |(a, b), (n, k)| (a + n, b + k));
+            m["draft_tokens"] = json!(n);
+            m["acceptance"] = json!(round(accepted as f64 / n.max(1) as f64));
+        }
+        m
+    };
+    let mut out = Map::new();
+    for kind in KINDS {
+        out.insert(kind.as_str().into(), of(&|s: &Sample| s.kind == kind));
+    }
+    out.insert("mix".into(), of(&|_| true));
+    let output: u64 = samples.iter().map(|s| s.tokens).sum();
+    out.insert("output_tokens_per_s".into(), json!(round(output as f64 / wall_s)));
+    out
+}
+
+/// The worker's speculation counters: proposed tokens and accepted ones.
+fn spec_counters(server: &Server) -> Option<(f64, f64)> {
+    let addr = server.workers.first()?;
+    let text = ureq_get(&format!("{addr}"), "/metrics").ok()?;
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.starts_with(name)
+                    && (l.as_bytes().get(name.len()) == Some(&b'{') || l.as_bytes().get(name.len()) == Some(&b' '))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    Some((sum("vllm:spec_decode_num_draft_tokens_total"), sum("vllm:spec_decode_num_accepted_tokens_total")))
+}
+
+/// A plain HTTP/1.1 GET on the loopback: the body.
+fn ureq_get(addr: &str, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok(text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let tessera = api::tessera_binary(args.tessera.clone())?;
+    let llama = match args.peer.as_str() {
+        "none" => None,
+        _ => Some(llama_server(args.llama_server.clone())?),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    for label in &args.models {
+        let m = model(label)?;
+        for &c in &args.concurrency {
+            let n = args.requests.max(2 * c);
+            let load_before = load_average();
+            let mut line = json!({
+                "bench": "spec",
+                "model": m.label,
+                "concurrency": c,
+                "requests": n,
+                "max_tokens": args.max_tokens,
+                "cpu_path": tessera_kernels::cpu::dispatched_path(),
+                "load_average_before": load_before,
+            });
+            for (side, setting) in [("tessera_off", "off"), ("tessera_on", args.method.as_str())] {
+                let mut serve_args = m.catalog.clone();
+                serve_args.extend(["--speculative".into(), setting.into()]);
+                let server = Server::start(&tessera, &serve_args)?;
+                let before = spec_counters(&server);
+                let (samples, wall) = runtime.block_on(level(server.port, &server.key, m.id, c, n, args.max_tokens))?;
+                let mut f = figures(&samples, wall);
+                if let (Some((d0, a0)), Some((d1, a1))) = (before, spec_counters(&server)) {
+                    f.insert("draft_tokens".into(), json!(d1 - d0));
+                    f.insert("acceptance".into(), json!(round((a1 - a0) / (d1 - d0).max(1.0))));
+                }
+                line["device"] = json!(server.device);
+                line[side] = Value::Object(f);
+            }
+            if let Some(binary) = &llama {
+                let gguf = model_cache::resolve(m.weights)?;
+                let mut peers = vec![
+                    ("llama_plain", Vec::new()),
+                    ("llama_ngram", vec!["--spec-type".to_string(), "ngram-simple".into()]),
+                ];
+                if let Some(draft) = m.draft {
+                    let draft = model_cache::resolve(draft)?;
+                    peers.push((
+                        "llama_draft",
+                        vec!["--spec-type".into(), "draft-simple".into(), "-md".into(), draft.display().to_string()],
+                    ));
+                }
+                for (side, extra) in peers {
+                    let server = LlamaServer::start(binary, &gguf, args.threads, &extra)?;
+                    let (samples, wall) = runtime.block_on(level(server.port, "", m.label, c, n, args.max_tokens))?;
+                    line[side] = Value::Object(figures(&samples, wall));
+                }
+                line["llama_no_repack"] = json!(has_amx());
+                line["threads"] = json!(args.threads);
+            }
+            ratios(&mut line);
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
+
+/// The ratios the targets are stated in: speculation on over off (edits, the mix, and
+/// throughput), and over llama-server's best configuration on edits.
+fn ratios(line: &mut Value) {
+    let get = |side: &str, kind: &str, key: &str| line[side][kind][key].as_f64();
+    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).filter(|(_, b)| *b > 0.0).map(|(a, b)| round(a / b));
+    let edit_on = get("tessera_on", "edit", "decode_tokens_per_s");
+    let llama_best = ["llama_plain", "llama_ngram", "llama_draft"]
+        .iter()
+        .filter_map(|s| get(s, "edit", "decode_tokens_per_s"))
+        .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))));
+    let r = json!({
+        "edit_on_over_off": ratio(edit_on, get("tessera_off", "edit", "decode_tokens_per_s")),
+        "mix_on_over_off": ratio(get("tessera_on", "mix", "decode_tokens_per_s"), get("tessera_off", "mix", "decode_tokens_per_s")),
+        "throughput_on_over_off": ratio(line["tessera_on"]["output_tokens_per_s"].as_f64(), line["tessera_off"]["output_tokens_per_s"].as_f64()),
+        "edit_on_over_llama_best": ratio(edit_on, llama_best),
+    });
+    line["ratios"] = r;
+}

@@ -1,0 +1,246 @@
+//! Speculative decoding: a proposer guesses the tokens that follow a decoding sequence,
+//! the engine runs the guesses through the target model as one chunk of its ordinary
+//! batch (logits at every position) and keeps the longest run the model agrees with,
+//! plus the model's own next token. Each step then yields one to `k + 1` tokens of a
+//! sequence for about the price of one when the guesses are good.
+//!
+//! The engine verifies by sampling each position exactly as a step without speculation
+//! would — the same rule, penalties, grammar mask and random draw — and accepting a
+//! proposal while it equals the token sampled. For proposers that guess one token per
+//! position (not a distribution), this is rejection sampling (Leviathan et al., Chen et
+//! al.) with a point-mass draft: a proposal `d` is accepted with probability `p(d)`, and
+//! on rejection the token comes from `p` without `d`, renormalised. So the output is
+//! the target's, exactly, and more: a seeded request gives the same tokens with and
+//! without speculation.
+//!
+//! How many tokens to verify is decided per step from what the engine has measured:
+//! a proposal's `j`-th token is worth `α^j` expected tokens (`α`: the sequence's recent
+//! per-token acceptance), and costs one more row of the forward. Tokens are added,
+//! best first, while they raise the step's expected tokens per second — so large
+//! batches (whose steps are already compute-bound) and poor guessers verify nothing.
+
+pub mod ngram;
+pub mod rejection;
+pub mod suffix;
+
+use super::sequence::SeqId;
+use std::collections::HashMap;
+
+pub use tessera_proto::speculative::{DEFAULT_SPEC_TOKENS, MAX_SPEC_TOKENS, SpecConfig, SpecMethod};
+
+/// One sequence a proposer is asked about.
+#[derive(Debug, Clone, Copy)]
+pub struct Proposal<'a> {
+    pub id: SeqId,
+    /// Who the sequence's request is for (`Request::tenant`).
+    pub tenant: &'a str,
+    /// Prompt and output so far.
+    pub tokens: &'a [u32],
+    /// Most tokens wanted.
+    pub max: usize,
+}
+
+/// What guesses tokens. Asked for a batch at once, so that a draft model can run
+/// its sequences together.
+pub trait Proposer: Send {
+    /// Up to `max` tokens to follow each sequence, in order (fewer or none where it has
+    /// no guess).
+    fn propose(&mut self, seqs: &[Proposal<'_>]) -> Vec<Vec<u32>>;
+
+    /// A sequence has ended with these tokens (prompt and output); whatever the
+    /// proposer kept for it can go, and what it learns from it stays with `tenant`.
+    fn finished(&mut self, _id: SeqId, _tenant: &str, _tokens: &[u32]) {}
+}
+
+fn proposer(config: &SpecConfig) -> Box<dyn Proposer> {
+    match config.method {
+        SpecMethod::Ngram => Box::new(ngram::NgramProposer),
+        SpecMethod::Suffix => Box::new(suffix::SuffixProposer::default()),
+    }
+}
+
+/// What the engine has measured of its steps, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCosts {
+    /// A step of the batch's decodes alone.
+    pub decode_step: f64,
+    /// One more token through the model (a prompt or proposal row).
+    pub per_token: f64,
+}
+
+/// Counts since start, under vLLM's metric names (`metrics`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Sequences verified with at least one proposed token.
+    pub drafts: u64,
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
+    /// Accepted tokens by their position in the proposal.
+    pub accepted_per_position: Vec<u64>,
+}
+
+/// A proposal's `j`-th token is accepted with probability `α^j`: before any is
+/// verified, α is this.
+const PRIOR_ACCEPTANCE: f64 = 0.5;
+/// Weight of one verified position in a sequence's running acceptance.
+const LEARN: f64 = 0.2;
+/// A sequence that proposes nothing drifts back toward the prior at this rate per step,
+/// so one that guessed badly once is tried again later.
+const FORGET: f64 = 0.02;
+
+/// The engine's speculation: the proposer, each sequence's recent acceptance, counts.
+pub struct Speculator {
+    config: SpecConfig,
+    proposer: Box<dyn Proposer>,
+    acceptance: HashMap<SeqId, f64>,
+    stats: SpecStats,
+}
+
+impl Speculator {
+    pub fn new(config: SpecConfig) -> Self {
+        Self {
+            proposer: proposer(&config),
+            stats: SpecStats { accepted_per_position: vec![0; config.max_tokens], ..SpecStats::default() },
+            config,
+            acceptance: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SpecConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// The proposals worth verifying this step for `seqs` (the batch's decoding
+    /// sequences, all of them: their count sets the step's cost), by sequence.
+    pub fn propose(&mut self, seqs: &[Proposal<'_>], costs: StepCosts) -> Vec<(SeqId, Vec<u32>)> {
+        let asks: Vec<Proposal<'_>> = seqs.iter().map(|p| Proposal { max: self.config.max_tokens, ..*p }).collect();
+        let mut proposed = self.proposer.propose(&asks);
+        let alphas: Vec<f64> = seqs.iter().map(|p| *self.acceptance.entry(p.id).or_insert(PRIOR_ACCEPTANCE)).collect();
+        let lens: Vec<usize> = proposed.iter().map(|p| p.len().min(self.config.max_tokens)).collect();
+        let keep = choose(&alphas, &lens, seqs.len(), costs);
+        for (p, &k) in seqs.iter().zip(&keep) {
+            if k == 0 {
+                let a = self.acceptance.get_mut(&p.id).expect("inserted above");
+                *a += FORGET * (PRIOR_ACCEPTANCE - *a);
+            }
+        }
+        seqs.iter()
+            .zip(proposed.iter_mut())
+            .zip(keep)
+            .filter(|(_, k)| *k > 0)
+            .map(|((ask, p), k)| {
+                p.truncate(k);
+                (ask.id, std::mem::take(p))
+            })
+            .collect()
+    }
+
+    /// A verification's result: `accepted` of `proposed` tokens were kept.
+    pub fn verified(&mut self, id: SeqId, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.stats.drafts += 1;
+        self.stats.draft_tokens += proposed as u64;
+        self.stats.accepted_tokens += accepted as u64;
+        for n in &mut self.stats.accepted_per_position[..accepted] {
+            *n += 1;
+        }
+        let a = self.acceptance.entry(id).or_insert(PRIOR_ACCEPTANCE);
+        for _ in 0..accepted {
+            *a += LEARN * (1.0 - *a);
+        }
+        if accepted < proposed {
+            *a += LEARN * (0.0 - *a);
+        }
+    }
+
+    /// A sequence has ended with `tokens`, for `tenant`.
+    pub fn finished(&mut self, id: SeqId, tenant: &str, tokens: &[u32]) {
+        self.acceptance.remove(&id);
+        self.proposer.finished(id, tenant, tokens);
+    }
+}
+
+/// How many of each sequence's proposed tokens (`lens`) to verify: the next token of
+/// whichever sequence promises most is added while what it promises (`α^j` tokens)
+/// per second of its row beats the step's expected tokens per second so far. The step
+/// yields one token per decoding sequence (`decodes`) whatever is verified.
+fn choose(alphas: &[f64], lens: &[usize], decodes: usize, costs: StepCosts) -> Vec<usize> {
+    let mut keep = vec![0; lens.len()];
+    if costs.per_token <= 0.0 || costs.decode_step <= 0.0 {
+        // Nothing measured says a row costs anything: verify what was proposed.
+        return lens.to_vec();
+    }
+    let (mut tokens, mut secs) = (decodes as f64, costs.decode_step);
+    loop {
+        let best = (0..lens.len())
+            .filter(|&i| keep[i] < lens[i])
+            .map(|i| (i, alphas[i].powi(keep[i] as i32 + 1)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((i, gain)) = best else { break };
+        if gain * secs <= tokens * costs.per_token {
+            break;
+        }
+        keep[i] += 1;
+        tokens += gain;
+        secs += costs.per_token;
+    }
+    keep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHEAP: StepCosts = StepCosts { decode_step: 0.040, per_token: 0.004 };
+
+    #[test]
+    fn good_guessers_verify_more_than_poor_ones_and_cheap_rows_buy_more() {
+        // α 0.9 against 0.3 at a tenth of a step per row: 0.3 is worth one row (0.3 >
+        // 0.1), not two (0.09); 0.9 is worth many.
+        let keep = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.002 });
+        assert!(keep[0] >= 6 && keep[1] == 1, "{keep:?}");
+        // Dearer rows: fewer for both.
+        let dear = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.016 });
+        assert!(dear[0] < keep[0] && dear[1] == 0, "{dear:?}");
+        // Never more than proposed.
+        assert_eq!(choose(&[0.99], &[2], 1, CHEAP), vec![2]);
+    }
+
+    #[test]
+    fn a_large_batch_verifies_nothing_where_a_single_stream_would() {
+        // 64 decodes in a 60 ms step: each already yields a token for ~1 ms, so a 4 ms
+        // row at α 0.7 does not pay; one stream at 40 ms does.
+        assert_eq!(choose(&[0.7; 64], &[4; 64], 64, StepCosts { decode_step: 0.060, per_token: 0.004 }), vec![0; 64]);
+        assert!(choose(&[0.7], &[4], 1, CHEAP)[0] > 0);
+    }
+
+    #[test]
+    fn acceptance_is_learnt_and_counted_by_position() {
+        let mut s = Speculator::new(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
+        let tokens: Vec<u32> = [1, 2, 3, 4, 1, 2].to_vec();
+        let ask = [Proposal { id: 7, tenant: "", tokens: &tokens, max: 0 }];
+        let free = StepCosts { decode_step: 0.040, per_token: 0.0 };
+        let first = s.propose(&ask, free);
+        assert_eq!(first, vec![(7, vec![3, 4, 1, 2])]);
+        s.verified(7, 4, 2);
+        s.verified(7, 3, 3);
+        assert_eq!(s.stats().drafts, 2);
+        assert_eq!((s.stats().draft_tokens, s.stats().accepted_tokens), (7, 5));
+        assert_eq!(s.stats().accepted_per_position, vec![2, 2, 1, 0]);
+        // Rejections drive α down until nothing is worth verifying; then it recovers.
+        for _ in 0..20 {
+            s.verified(7, 1, 0);
+        }
+        assert!(s.propose(&ask, CHEAP).is_empty());
+        let recovered = (0..200).find(|_| !s.propose(&ask, CHEAP).is_empty());
+        assert!(recovered.is_some(), "a sequence that stopped guessing is tried again");
+        s.finished(7, "", &tokens);
+        assert!(s.acceptance.is_empty());
+    }
+}
