@@ -49,11 +49,25 @@ pub struct CatalogModel {
     pub tool_format: ToolFormat,
     /// Speculative decoding for the model's weights: `{ method = "ngram", max_tokens
     /// = 8 }`; off without it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "strict_spec")]
     pub speculative: Option<SpecConfig>,
     /// `chat_template`'s text, read when the catalog is loaded.
     #[serde(skip)]
     pub chat_template_source: Option<String>,
+}
+
+/// `speculative` as the catalog writes it: unknown keys refused (a misspelt
+/// `max_tokens` must not pass silently), unlike the lenient copy workers read.
+fn strict_spec<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<SpecConfig>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Strict {
+        method: tessera_proto::speculative::SpecMethod,
+        #[serde(default = "tessera_proto::speculative::default_tokens")]
+        max_tokens: usize,
+    }
+    let s = Strict::deserialize(d)?;
+    Ok(Some(SpecConfig { method: s.method, max_tokens: s.max_tokens }))
 }
 
 /// Micro-dollars per million tokens.
@@ -254,5 +268,9 @@ mod tests {
         assert!(err.contains("1 to 16"), "{err}");
         let err = Catalog::parse(&one("v/a", "speculative = { method = \"medusa\" }\n"), "t").unwrap_err().to_string();
         assert!(err.contains("medusa"), "{err}");
+        let err = Catalog::parse(&one("v/a", "speculative = { method = \"ngram\", max_token = 4 }\n"), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_token"), "{err}");
     }
 }

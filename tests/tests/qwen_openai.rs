@@ -1,7 +1,9 @@
 //! A real tool-calling model through the API: `tessera serve` with the Qwen2.5-Coder
 //! 0.5B entry of `deploy/catalog-qwen.toml`, driven by the official `openai` SDK
 //! (tests/python/test_qwen_api.py): a call the model chooses itself under
-//! `tool_choice: auto`, its round trip, and JSON-schema output.
+//! `tool_choice: auto`, its round trip, and JSON-schema output; and speculative decoding
+//! (the catalog turns it on) against the same server with `--speculative off`: the same
+//! answers and usage (tests/python/test_spec_api.py).
 
 use std::process::Command;
 use tessera_e2e::Serve;
@@ -31,4 +33,34 @@ fn the_sdk_calls_tools_and_gets_json_from_qwen() {
         .status()
         .unwrap();
     assert!(status.success(), "the SDK tests failed (their output is above)");
+}
+
+#[test]
+fn speculation_changes_no_answer_and_no_usage() {
+    let (on_dir, off_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let catalog = on_dir.path().join("catalog.toml");
+    std::fs::write(&catalog, small_catalog()).unwrap();
+    assert!(small_catalog().contains("speculative"), "the shipped catalog speculates");
+    let catalog = catalog.to_str().unwrap();
+    let on = Serve::start(on_dir.path(), &["--catalog", catalog], &[]);
+    let off = Serve::start(off_dir.path(), &["--catalog", catalog, "--speculative", "off"], &[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/test_spec_api.py");
+    let status = Command::new("python3")
+        .arg(script)
+        .env("TESSERA_BASE_URL", on.base_url())
+        .env("TESSERA_API_KEY", &on.key)
+        .env("TESSERA_OFF_BASE_URL", off.base_url())
+        .env("TESSERA_OFF_API_KEY", &off.key)
+        .status()
+        .unwrap();
+    assert!(status.success(), "the SDK tests failed (their output is above)");
+    // The speculating worker did verify proposals, and its model accepted some.
+    let counter = |serve: &Serve, name: &str| -> f64 {
+        let worker =
+            serve.started.iter().find_map(|l| l.contains("tessera-worker serving").then(|| l.rsplit(" on ").next())?);
+        let metrics = tessera_e2e::get(&format!("http://{}/metrics", worker.expect("a worker's address"))).unwrap();
+        metrics.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+    };
+    assert!(counter(&on, "vllm:spec_decode_num_accepted_tokens_total") > 0.0);
+    assert_eq!(counter(&off, "vllm:spec_decode_num_draft_tokens_total"), 0.0);
 }

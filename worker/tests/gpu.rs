@@ -21,6 +21,7 @@ use tessera_kernels::cuda::CudaBackend;
 use tessera_kernels::pick::{Draw, PickRow};
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
+use tessera_worker::engine::speculate::{SpecConfig, SpecMethod, StepCosts};
 use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
 use tessera_worker::loader::safetensors_dir::SafetensorsDir;
@@ -281,6 +282,52 @@ fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
     let root = temp_root("thinking-cpu");
     let dir = write_model(&wide(), &mut rng(), &root);
     thinking_budget(CpuBackend::default, &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// Speculation changes no token: the same requests (greedy and seeded samples, every
+/// proposal verified) with it off and on give the same tokens, and proposals were
+/// verified. On a GPU a verification is a prefill-shaped chunk beside decodes that run
+/// without it as graphs.
+fn speculation<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
+    let prompts: Vec<String> = (0..8).map(|i| format!("abc abc abc {i} abc abc {i} abc abc {i} abc")).collect();
+    let run = |spec: Option<SpecConfig>| {
+        let loaded = load_model(backend(), dir).unwrap();
+        let config = EngineConfig { num_blocks: 512, speculative: spec, ..EngineConfig::default() };
+        let mut e = EngineCore::new(loaded.model, loaded.tokenizer, config, "wide").unwrap();
+        e.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
+        for (i, p) in prompts.iter().enumerate() {
+            let prompt = e.tokenizer().encode(p).unwrap();
+            e.add_request(mixed_request(i as u64, i, &prompt)).unwrap();
+        }
+        let done = run_all(&mut e);
+        (done, e.spec_stats().cloned())
+    };
+    let (off, _) = run(None);
+    let (on, stats) = run(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+    for (id, want) in &off {
+        assert_eq!(on[id].0, want.0, "request {id}");
+    }
+    let stats = stats.unwrap();
+    assert!(stats.drafts > 0, "{stats:?}");
+    eprintln!("speculation: {} of {} proposed tokens accepted", stats.accepted_tokens, stats.draft_tokens);
+}
+
+#[test]
+fn gpu_speculation_gives_the_tokens_of_plain_decoding() {
+    let Some(g) = gpu() else { return };
+    drop(g);
+    let root = temp_root("speculation");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    speculation(|| CudaBackend::new(0).unwrap(), &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn cpu_speculation_gives_the_tokens_of_plain_decoding_on_the_tiny_byte_model() {
+    let root = temp_root("speculation-cpu");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    speculation(CpuBackend::default, &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 

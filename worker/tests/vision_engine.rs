@@ -4,7 +4,8 @@
 //!   the first block holding an image token on;
 //! - an image cut by chunked prefill (a token budget of 16) gives the tokens it gives
 //!   unchunked;
-//! - the encoder cache encodes an image once, however many requests carry it at once.
+//! - the encoder cache encodes an image once, however many requests carry it at once;
+//! - with speculative decoding on, an image prompt gives the tokens it gives without.
 
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -14,6 +15,7 @@ use tessera_kernels::cpu::CpuBackend;
 use tessera_proto::block_hash::BLOCK_TOKENS;
 use tessera_proto::vision::Idefics3Markers;
 use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
+use tessera_worker::engine::speculate::{SpecConfig, SpecMethod, StepCosts};
 use tessera_worker::load::{LoadedModel, load_model};
 use tessera_worker::vision::Use;
 use tessera_worker::vision::config::Processor;
@@ -136,4 +138,21 @@ fn the_encoder_cache_encodes_an_image_once_for_requests_in_flight() {
     let junk = b"not an image".to_vec();
     let junk = ImageInput { sha256: Sha256::digest(&junk).into(), data: junk, usage: Use::Frame };
     assert!(matches!(s.encoder.place(&prompt, &[junk]), Err(ImageError::Unreadable { index: 0, .. })));
+}
+
+#[test]
+fn speculation_gives_an_image_prompt_its_tokens() {
+    let run_with = |speculative| {
+        let mut s = setup(EngineConfig { speculative, ..EngineConfig::default() });
+        s.engine.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
+        for (id, (text, img)) in [("wide.png", "wide.png"), ("tall.png", "tall.png")].into_iter().enumerate() {
+            let r = request(&s, id as u64, text, img);
+            s.engine.add_request(Request { max_tokens: 24, ..r }).unwrap();
+        }
+        (run(&mut s.engine), s.engine.spec_stats().cloned())
+    };
+    let (off, _) = run_with(None);
+    let (on, stats) = run_with(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+    assert_eq!(on, off);
+    assert!(stats.unwrap().drafts > 0, "proposals were verified");
 }

@@ -156,14 +156,19 @@ impl BlockPool {
     }
 
     /// Drops one reference from each block. Pass a sequence's blocks last to first: the
-    /// tail of a prefix is then evicted before its head, which more requests share.
+    /// tail of a prefix is then evicted before its head, which more requests share. A
+    /// freed block that holds no cached prefix goes to the head of the queue, to be
+    /// handed out before any that does (speculation frees such blocks every step).
     pub fn release(&mut self, ids: impl IntoIterator<Item = BlockId>) {
         for id in ids {
             let block = &mut self.blocks[id as usize];
             assert!(block.refs > 0, "block {id} released more often than taken");
             block.refs -= 1;
             if block.refs == 0 {
-                self.push_tail(id);
+                match block.hash {
+                    Some(_) => self.push_tail(id),
+                    None => self.push_head(id),
+                }
             }
         }
     }
@@ -184,6 +189,21 @@ impl BlockPool {
             self.blocks[self.tail as usize].next = id;
         }
         self.tail = id;
+        self.free += 1;
+    }
+
+    fn push_head(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id as usize];
+        debug_assert!(!b.queued);
+        b.queued = true;
+        b.prev = NONE;
+        b.next = self.head;
+        if self.head == NONE {
+            self.tail = id;
+        } else {
+            self.blocks[self.head as usize].prev = id;
+        }
+        self.head = id;
         self.free += 1;
     }
 
@@ -211,6 +231,21 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_freed_block_without_a_prefix_is_handed_out_before_cached_ones() {
+        let mut pool = BlockPool::new(3);
+        let b = pool.allocate(3).unwrap();
+        pool.cache(b[0], 7);
+        pool.release([b[0]]);
+        // An empty block freed after the cached one: taken first, the prefix survives.
+        pool.release([b[1]]);
+        assert_eq!(pool.allocate(1).unwrap(), vec![b[1]]);
+        assert_eq!(pool.cached_hashes(), vec![7]);
+        pool.release([b[2], b[1]]);
+        assert_eq!(pool.allocate(2).unwrap(), vec![b[1], b[2]]);
+        assert_eq!(pool.take_events().removed, Vec::<BlockHash>::new());
+    }
 
     #[test]
     fn allocation_takes_free_blocks_and_fails_whole_when_short() {

@@ -579,12 +579,17 @@ impl<B: Backend> EngineCore<B> {
     /// speculation is off, or not worth it this step).
     fn propose(&mut self) {
         let Some(spec) = &mut self.speculator else { return };
+        let context = self.exec.config().context_length.min(self.scheduler.capacity_tokens());
         let seqs: Vec<Proposal<'_>> = self
             .scheduler
             .decoding_sequences()
             .map(|s| {
-                let tenant = self.requests.get(&s.id).map_or("", |r| &r.tenant);
-                Proposal { id: s.id, tenant, tokens: &s.tokens, max: 0 }
+                let r = self.requests.get(&s.id);
+                // Room for the proposals and the token after them: in the output's
+                // limit, and in the context (a verification runs past the last token).
+                let left = r.map_or(0, |r| r.max_tokens.saturating_sub(s.num_output()));
+                let max = left.saturating_sub(1).min(context.saturating_sub(s.tokens.len()));
+                Proposal { id: s.id, tenant: r.map_or("", |r| &r.tenant), tokens: &s.tokens, max }
             })
             .collect();
         // A step whose decode cost is not known lately runs without proposals, and

@@ -150,17 +150,9 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let seq = &self.seqs[&id];
-            let pending = seq.num_pending();
+            let pending = self.seqs[&id].num_pending();
             let chunk = pending > 1;
-            // A decode's proposals run with it, as budget allows; they cost like a decode
-            // for pacing's sake (a step of verifications is a decode step, only longer).
-            let mut n = (pending + seq.draft.len()).min(budget).min(if chunk { prompt_left } else { usize::MAX });
-            // Proposals take only blocks that are free: they never preempt anyone.
-            if n > pending && !self.grow(id, n) {
-                self.seqs.get_mut(&id).expect("running sequences are known").draft.clear();
-                n = pending.min(n);
-            }
+            let n = pending.min(budget).min(if chunk { prompt_left } else { usize::MAX });
             if n == 0 {
                 // A prompt whose chunk waits for the next step.
                 i += 1;
@@ -187,8 +179,6 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            let seq = self.seqs.get_mut(&id).expect("running sequences are known");
-            seq.draft.truncate(n - pending.min(n));
             step.scheduled.push(self.plan(id, n));
             budget -= n;
             if chunk {
@@ -198,9 +188,42 @@ impl Scheduler {
         }
         if step.preempted.is_empty() {
             let mut admitting = budget.min(prompt_left);
+            let offered = admitting;
             self.admit(&mut admitting, &mut step);
+            budget -= offered - admitting;
         }
+        self.add_proposals(&mut step, budget);
         step
+    }
+
+    /// Runs decodes' proposals with them from what the step leaves over, its budget
+    /// and free blocks: never at a decode's or a prompt's expense, never by preempting
+    /// anyone. They cost like a decode for pacing's sake (a step of verifications is a
+    /// decode step, only longer). Proposals that do not fit are dropped, as are those
+    /// of sequences that did not run.
+    fn add_proposals(&mut self, step: &mut Step, mut budget: usize) {
+        for s in &mut step.scheduled {
+            let want = match self.seqs.get(&s.id) {
+                Some(seq) if s.len == 1 && s.sample => seq.draft.len().min(budget),
+                _ => 0,
+            };
+            let fits = want > 0 && self.grow(s.id, 1 + want);
+            let seq = self.seqs.get_mut(&s.id).expect("scheduled sequences are known");
+            if fits {
+                seq.draft.truncate(want);
+                (s.len, s.draft) = (1 + want, want);
+                budget -= want;
+            } else {
+                seq.draft.clear();
+            }
+        }
+        for id in &self.running {
+            if let Some(seq) = self.seqs.get_mut(id).filter(|q| !q.draft.is_empty()) {
+                if !step.scheduled.iter().any(|s| s.id == *id) {
+                    seq.draft.clear();
+                }
+            }
+        }
     }
 
     /// Admits waiting sequences while the budget, `max_num_seqs` and the pool allow.
@@ -247,8 +270,7 @@ impl Scheduler {
 
     fn plan(&self, id: SeqId, len: usize) -> Scheduled {
         let seq = &self.seqs[&id];
-        let end = seq.num_computed + len;
-        Scheduled { id, start: seq.num_computed, len, sample: end >= seq.tokens.len(), draft: seq.draft.len() }
+        Scheduled { id, start: seq.num_computed, len, sample: seq.num_computed + len == seq.tokens.len(), draft: 0 }
     }
 
     /// Gives `id` blocks for `n` more tokens; false if the pool is short.
@@ -697,6 +719,19 @@ mod tests {
         let step = s.schedule();
         assert_eq!((step.scheduled[0].len, step.scheduled[0].draft), (4, 3));
         assert_eq!(s.get(1).unwrap().draft, vec![1, 2, 3]);
+        // Nor do they take a decode's budget: with 2 tokens a step, two decodes run and
+        // the proposal waits.
+        let mut s = sched(2, 8, 100);
+        s.add(Sequence::new(1, prompt(1, 0)));
+        s.add(Sequence::new(2, prompt(1, 1)));
+        run(&mut s);
+        s.propose(1, vec![1, 2]);
+        let step = s.schedule();
+        assert_eq!(
+            step.scheduled.iter().map(|x| (x.id, x.len, x.draft)).collect::<Vec<_>>(),
+            vec![(1, 1, 0), (2, 1, 0)]
+        );
+        assert!(s.get(1).unwrap().draft.is_empty(), "a proposal that did not run is dropped");
         // Proposals never preempt: without free blocks for them, the decode runs alone.
         let mut s = sched(1000, 8, 2);
         s.add(Sequence::new(1, prompt(14, 0)));

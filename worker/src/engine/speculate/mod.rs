@@ -117,10 +117,17 @@ impl Speculator {
     /// The proposals worth verifying this step for `seqs` (the batch's decoding
     /// sequences, all of them: their count sets the step's cost), by sequence.
     pub fn propose(&mut self, seqs: &[Proposal<'_>], costs: StepCosts) -> Vec<(SeqId, Vec<u32>)> {
-        let asks: Vec<Proposal<'_>> = seqs.iter().map(|p| Proposal { max: self.config.max_tokens, ..*p }).collect();
-        let mut proposed = self.proposer.propose(&asks);
         let alphas: Vec<f64> = seqs.iter().map(|p| *self.acceptance.entry(p.id).or_insert(PRIOR_ACCEPTANCE)).collect();
-        let lens: Vec<usize> = proposed.iter().map(|p| p.len().min(self.config.max_tokens)).collect();
+        let limits: Vec<usize> = seqs.iter().map(|p| p.max.min(self.config.max_tokens)).collect();
+        // The proposer is asked only about sequences that could get a token verified
+        // at all: at large batches, none (and nothing is looked up).
+        let could = choose(&alphas, &limits, seqs.len(), costs);
+        let asks: Vec<Proposal<'_>> =
+            seqs.iter().zip(&could).filter(|(_, k)| **k > 0).map(|(p, &k)| Proposal { max: k, ..*p }).collect();
+        let mut answers = self.proposer.propose(&asks).into_iter();
+        let mut proposed: Vec<Vec<u32>> =
+            could.iter().map(|&k| if k > 0 { answers.next().unwrap_or_default() } else { Vec::new() }).collect();
+        let lens: Vec<usize> = proposed.iter().zip(&limits).map(|(p, &l)| p.len().min(l)).collect();
         let keep = choose(&alphas, &lens, seqs.len(), costs);
         for (p, &k) in seqs.iter().zip(&keep) {
             if k == 0 {
@@ -224,7 +231,7 @@ mod tests {
     fn acceptance_is_learnt_and_counted_by_position() {
         let mut s = Speculator::new(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
         let tokens: Vec<u32> = [1, 2, 3, 4, 1, 2].to_vec();
-        let ask = [Proposal { id: 7, tenant: "", tokens: &tokens, max: 0 }];
+        let ask = [Proposal { id: 7, tenant: "", tokens: &tokens, max: 8 }];
         let free = StepCosts { decode_step: 0.040, per_token: 0.0 };
         let first = s.propose(&ask, free);
         assert_eq!(first, vec![(7, vec![3, 4, 1, 2])]);

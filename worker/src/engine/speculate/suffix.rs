@@ -12,8 +12,9 @@
 //! seen recently — a timing side channel, as a shared prefix cache has one — so another
 //! organization's requests never feed it.
 //!
-//! Memory is bounded: each tenant keeps its last `TENANT_TOKENS` tokens, and past
-//! `TOTAL_TOKENS` over all tenants the least recently used tenant's index goes.
+//! Memory is bounded: each tenant keeps its last `TENANT_TOKENS` tokens (its ring grows
+//! as text arrives), and past `TOTAL_TOKENS` over all tenants the least recently used
+//! tenant's index goes; each index's keys are pruned to the positions its ring holds.
 
 use super::ngram;
 use super::{Proposal, Proposer};
@@ -33,7 +34,8 @@ const SEPARATOR: u32 = u32::MAX;
 
 /// The recent text of one tenant and where each key last occurred in it.
 struct TenantIndex {
-    /// Tokens by absolute position modulo the capacity.
+    /// Tokens by absolute position modulo `TENANT_TOKENS`; it grows to that as text
+    /// arrives, then wraps.
     ring: Vec<u32>,
     /// Tokens written since the index began (the next absolute position).
     written: u64,
@@ -46,12 +48,12 @@ struct TenantIndex {
 
 impl TenantIndex {
     fn new() -> Self {
-        Self { ring: vec![SEPARATOR; TENANT_TOKENS], written: 0, long: HashMap::new(), short: HashMap::new(), used: 0 }
+        Self { ring: Vec::new(), written: 0, long: HashMap::new(), short: HashMap::new(), used: 0 }
     }
 
     /// Tokens the index holds now.
     fn len(&self) -> usize {
-        (self.written as usize).min(TENANT_TOKENS)
+        self.ring.len()
     }
 
     fn at(&self, pos: u64) -> Option<u32> {
@@ -60,7 +62,10 @@ impl TenantIndex {
     }
 
     fn push(&mut self, token: u32) {
-        self.ring[(self.written % TENANT_TOKENS as u64) as usize] = token;
+        match self.ring.len() < TENANT_TOKENS {
+            true => self.ring.push(token),
+            false => self.ring[(self.written % TENANT_TOKENS as u64) as usize] = token,
+        }
         self.written += 1;
     }
 
