@@ -244,10 +244,13 @@ fn figures(samples: &[Sample], wall_s: f64) -> Map<String, Value> {
     out
 }
 
-/// The worker's speculation counters: proposed tokens and accepted ones.
+/// The workers' speculation counters (a catalog may start several): proposed tokens
+/// and accepted ones.
 fn spec_counters(server: &Server) -> Option<(f64, f64)> {
-    let addr = server.workers.first()?;
-    let text = ureq_get(&format!("{addr}"), "/metrics").ok()?;
+    let mut text = String::new();
+    for addr in &server.workers {
+        text.push_str(&ureq_get(addr, "/metrics").ok()?);
+    }
     let sum = |name: &str| -> f64 {
         text.lines()
             .filter(|l| {
