@@ -103,30 +103,46 @@ pub(crate) struct Target {
 async fn level(target: &Target, c: usize, n: usize, max_tokens: u32) -> Result<serde_json::Map<String, Value>> {
     // One request first: threads started, the first step's allocations made.
     request(target, &system_prompt(0), "Say hello.", 4).await?;
+    let target = Arc::new(Target { port: target.port, key: target.key.clone(), model: target.model.clone() });
+    let (samples, wall_s) = closed_loop(c, n, move |i| {
+        let target = target.clone();
+        async move { request(&target, &system_prompt(i % 4), &question(c, i), max_tokens).await }
+    })
+    .await?;
+    Ok(summary(&samples, wall_s))
+}
+
+/// `c` clients, each sending request `i` (the next not yet taken) and waiting for its
+/// answer, until `n` have been answered: every answer, and the seconds it took.
+pub(crate) async fn closed_loop<T, F, Fut>(c: usize, n: usize, send: F) -> Result<(Vec<T>, f64)>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<T>> + Send,
+{
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let clients: Vec<_> = (0..c)
         .map(|_| {
-            let (next, target) =
-                (next.clone(), Target { port: target.port, key: target.key.clone(), model: target.model.clone() });
+            let (next, send) = (next.clone(), send.clone());
             tokio::spawn(async move {
-                let mut samples = Vec::new();
+                let mut answers = Vec::new();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= n {
                         break;
                     }
-                    samples.push(request(&target, &system_prompt(i % 4), &question(c, i), max_tokens).await?);
+                    answers.push(send(i).await?);
                 }
-                anyhow::Ok(samples)
+                anyhow::Ok(answers)
             })
         })
         .collect();
-    let mut samples = Vec::new();
+    let mut answers = Vec::new();
     for client in clients {
-        samples.extend(client.await??);
+        answers.extend(client.await??);
     }
-    Ok(summary(&samples, start.elapsed().as_secs_f64()))
+    Ok((answers, start.elapsed().as_secs_f64()))
 }
 
 /// One request as the client saw it.

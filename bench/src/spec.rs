@@ -17,14 +17,13 @@
 //! concurrency, with the ratios the targets are stated in.
 
 use crate::api::{self, Server};
-use crate::peer::{LlamaServer, has_amx, llama_server, load_average};
+use crate::peer::{LlamaServer, closed_loop, has_amx, llama_server, load_average};
 use crate::round;
 use anyhow::{Context, Result};
 use serde_json::{Map, Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tessera_worker::model_cache;
 
 #[derive(clap::Args)]
@@ -187,30 +186,15 @@ async fn request(port: u16, key: &str, model: &str, kind: Kind, user: &str, max_
 /// `c` clients in a closed loop over `n` requests of the workload.
 async fn level(port: u16, key: &str, model: &str, c: usize, n: usize, max_tokens: u32) -> Result<(Vec<Sample>, f64)> {
     request(port, key, model, Kind::Chat, "Say hello.", 4).await?;
-    let next = Arc::new(AtomicUsize::new(0));
-    let start = Instant::now();
-    let clients: Vec<_> = (0..c)
-        .map(|_| {
-            let (next, key, model) = (next.clone(), key.to_string(), model.to_string());
-            tokio::spawn(async move {
-                let mut samples = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    let (kind, user) = job(i);
-                    samples.push(request(port, &key, &model, kind, &user, max_tokens).await?);
-                }
-                anyhow::Ok(samples)
-            })
-        })
-        .collect();
-    let mut samples = Vec::new();
-    for client in clients {
-        samples.extend(client.await??);
-    }
-    Ok((samples, start.elapsed().as_secs_f64()))
+    let (key, model): (Arc<str>, Arc<str>) = (key.into(), model.into());
+    closed_loop(c, n, move |i| {
+        let (key, model) = (key.clone(), model.clone());
+        async move {
+            let (kind, user) = job(i);
+            request(port, &key, &model, kind, &user, max_tokens).await
+        }
+    })
+    .await
 }
 
 /// Decode speed and time to first token by kind, and over the whole mix.

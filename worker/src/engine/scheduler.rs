@@ -218,10 +218,10 @@ impl Scheduler {
             }
         }
         for id in &self.running {
-            if let Some(seq) = self.seqs.get_mut(id).filter(|q| !q.draft.is_empty()) {
-                if !step.scheduled.iter().any(|s| s.id == *id) {
-                    seq.draft.clear();
-                }
+            if let Some(seq) = self.seqs.get_mut(id).filter(|q| !q.draft.is_empty())
+                && !step.scheduled.iter().any(|s| s.id == *id)
+            {
+                seq.draft.clear();
             }
         }
     }

@@ -20,7 +20,7 @@ use super::ngram;
 use super::{Proposal, Proposer};
 use crate::engine::sequence::SeqId;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 
 /// Tokens one tenant's index keeps (the most recent).
 pub const TENANT_TOKENS: usize = 1 << 16;
@@ -119,9 +119,7 @@ impl TenantIndex {
 }
 
 fn key(hasher: &impl BuildHasher, tokens: &[u32]) -> u64 {
-    let mut h = hasher.build_hasher();
-    tokens.hash(&mut h);
-    h.finish()
+    hasher.hash_one(tokens)
 }
 
 #[derive(Default)]
