@@ -578,8 +578,8 @@ impl<B: Backend> EngineCore<B> {
     /// Asks the speculator for tokens to follow each decoding sequence (none when
     /// speculation is off, or not worth it this step).
     fn propose(&mut self) {
+        let context = self.max_model_len();
         let Some(spec) = &mut self.speculator else { return };
-        let context = self.exec.config().context_length.min(self.scheduler.capacity_tokens());
         let seqs: Vec<Proposal<'_>> = self
             .scheduler
             .decoding_sequences()

@@ -124,7 +124,7 @@ impl Scheduler {
 
     /// Running sequences with a single token to run: decodes.
     pub fn decoding(&self) -> usize {
-        self.running.iter().filter(|id| self.seqs[id].num_pending() == 1).count()
+        self.decoding_sequences().count()
     }
 
     /// The decoding sequences, in the order they run.
