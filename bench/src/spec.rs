@@ -1,7 +1,9 @@
-//! Speculative decoding, side by side: `tessera serve` with speculation off and on, and
-//! llama.cpp's `llama-server` plain and with its own speculation (`ngram-simple`, and
-//! `draft-simple` with a draft model where the model has one), each started afresh on
-//! the same GGUF file and the same requests, one after the other in one run.
+//! Speculative decoding, side by side: `tessera serve` with speculation off and with
+//! each method asked for (`--methods ngram,suffix,draft`; `draft` where the model has a
+//! draft model, given in a copy of its catalog), and llama.cpp's `llama-server` plain
+//! and with its own speculation (`ngram-simple`, and `draft-simple` with the same draft
+//! model), each started afresh on the same GGUF file and the same requests, one after
+//! the other in one run.
 //!
 //! The workload mixes three kinds of greedy, streamed chat requests, each ending where
 //! the model ends it (or at `max_tokens`):
@@ -51,9 +53,12 @@ pub struct Args {
     /// llama-server's threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
-    /// Tessera's speculative method for the `on` side.
-    #[arg(long, default_value = "ngram")]
-    method: String,
+    /// Tessera's speculative methods, each a side of its own (`tessera_<method>`).
+    #[arg(long, value_delimiter = ',', default_values_t = [String::from("ngram")])]
+    methods: Vec<String>,
+    /// Most tokens a draft model proposes per step.
+    #[arg(long, default_value_t = 4)]
+    draft_tokens: usize,
 }
 
 /// A model as both servers are given it.
@@ -279,10 +284,27 @@ pub fn run(args: Args) -> Result<()> {
                 "cpu_path": tessera_kernels::cpu::dispatched_path(),
                 "load_average_before": load_before,
             });
-            for (side, setting) in [("tessera_off", "off"), ("tessera_on", args.method.as_str())] {
-                let mut serve_args = m.catalog.clone();
-                serve_args.extend(["--speculative".into(), setting.into()]);
-                let server = Server::start(&tessera, &serve_args)?;
+            let mut sides = vec![(
+                "tessera_off".to_string(),
+                [m.catalog.clone(), vec!["--speculative".into(), "off".into()]].concat(),
+            )];
+            let mut catalogs = Vec::new();
+            for method in &args.methods {
+                let serve_args = match (method.as_str(), m.draft) {
+                    ("draft", None) => continue,
+                    ("draft", Some(draft)) => {
+                        let dir = tempfile::tempdir()?;
+                        let path = dir.path().join("catalog.toml");
+                        std::fs::write(&path, drafting_catalog(m.id, draft, args.draft_tokens)?)?;
+                        catalogs.push(dir);
+                        vec!["--catalog".into(), path.display().to_string(), "--speculative".into(), "catalog".into()]
+                    }
+                    (method, _) => [m.catalog.clone(), vec!["--speculative".into(), method.into()]].concat(),
+                };
+                sides.push((format!("tessera_{method}"), serve_args));
+            }
+            for (side, serve_args) in &sides {
+                let server = Server::start(&tessera, serve_args)?;
                 let before = spec_counters(&server);
                 let (samples, wall) = runtime.block_on(level(server.port, &server.key, m.id, c, n, args.max_tokens))?;
                 let mut f = figures(&samples, wall);
@@ -291,7 +313,7 @@ pub fn run(args: Args) -> Result<()> {
                     f.insert("acceptance".into(), json!(round((a1 - a0) / (d1 - d0).max(1.0))));
                 }
                 line["device"] = json!(server.device);
-                line[side] = Value::Object(f);
+                line[side.as_str()] = Value::Object(f);
             }
             if let Some(binary) = &llama {
                 let gguf = model_cache::resolve(m.weights)?;
@@ -314,28 +336,61 @@ pub fn run(args: Args) -> Result<()> {
                 line["llama_no_repack"] = json!(has_amx());
                 line["threads"] = json!(args.threads);
             }
-            ratios(&mut line);
+            let methods: Vec<&str> = sides.iter().skip(1).map(|(s, _)| s.as_str()).collect();
+            ratios(&mut line, &methods);
             println!("{line}");
         }
     }
     Ok(())
 }
 
-/// The ratios the targets are stated in: speculation on over off (edits, the mix, and
-/// throughput), and over llama-server's best configuration on edits.
-fn ratios(line: &mut Value) {
+/// The Qwen catalog with `model` drafted by `draft`.
+fn drafting_catalog(model: &str, draft: &str, tokens: usize) -> Result<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/catalog-qwen.toml");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let at = text.find(&format!("id = \"{model}\"")).with_context(|| format!("{model} in {}", path.display()))?;
+    let (head, tail) = text.split_at(at);
+    let line = tail.lines().find(|l| l.starts_with("speculative =")).context("its speculative line")?;
+    let drafted = format!("speculative = {{ method = \"draft\", draft = \"{draft}\", max_tokens = {tokens} }}");
+    Ok(format!("{head}{}", tail.replacen(line, &drafted, 1)))
+}
+
+/// The ratios the targets are stated in, for each of Tessera's speculating `sides`:
+/// over speculation off (edits, the mix, and throughput), and over llama-server's best
+/// configuration on edits.
+fn ratios(line: &mut Value, sides: &[&str]) {
     let get = |side: &str, kind: &str, key: &str| line[side][kind][key].as_f64();
     let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).filter(|(_, b)| *b > 0.0).map(|(a, b)| round(a / b));
-    let edit_on = get("tessera_on", "edit", "decode_tokens_per_s");
     let llama_best = ["llama_plain", "llama_ngram", "llama_draft"]
         .iter()
         .filter_map(|s| get(s, "edit", "decode_tokens_per_s"))
         .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))));
-    let r = json!({
-        "edit_on_over_off": ratio(edit_on, get("tessera_off", "edit", "decode_tokens_per_s")),
-        "mix_on_over_off": ratio(get("tessera_on", "mix", "decode_tokens_per_s"), get("tessera_off", "mix", "decode_tokens_per_s")),
-        "throughput_on_over_off": ratio(line["tessera_on"]["output_tokens_per_s"].as_f64(), line["tessera_off"]["output_tokens_per_s"].as_f64()),
-        "edit_on_over_llama_best": ratio(edit_on, llama_best),
-    });
-    line["ratios"] = r;
+    let mut r = Map::new();
+    for side in sides {
+        let on = side.trim_start_matches("tessera_");
+        let edit = get(side, "edit", "decode_tokens_per_s");
+        let throughput = |s: &str| line[s]["output_tokens_per_s"].as_f64();
+        r.insert(
+            on.into(),
+            json!({
+                "edit_over_off": ratio(edit, get("tessera_off", "edit", "decode_tokens_per_s")),
+                "mix_over_off": ratio(get(side, "mix", "decode_tokens_per_s"), get("tessera_off", "mix", "decode_tokens_per_s")),
+                "throughput_over_off": ratio(throughput(side), throughput("tessera_off")),
+                "edit_over_llama_best": ratio(edit, llama_best),
+            }),
+        );
+    }
+    line["ratios"] = Value::Object(r);
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_drafting_catalog_drafts_only_the_model_named() {
+        let text =
+            super::drafting_catalog("qwen/qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", 4).unwrap();
+        let drafted = "speculative = { method = \"draft\", draft = \"qwen2.5-coder-0.5b-instruct\", max_tokens = 4 }";
+        let (small, large) = text.split_once("id = \"qwen/qwen2.5-coder-1.5b-instruct\"").unwrap();
+        assert!(!small.contains(drafted) && large.contains(drafted), "{text}");
+    }
 }

@@ -48,7 +48,8 @@ pub struct CatalogModel {
     #[serde(default)]
     pub tool_format: ToolFormat,
     /// Speculative decoding for the model's weights: `{ method = "ngram", max_tokens
-    /// = 8 }`; off without it.
+    /// = 8 }`, or a draft model's `{ method = "draft", draft = "<weights>", max_tokens =
+    /// 4 }`; off without it.
     #[serde(default, deserialize_with = "strict_spec")]
     pub speculative: Option<SpecConfig>,
     /// `chat_template`'s text, read when the catalog is loaded.
@@ -65,9 +66,11 @@ fn strict_spec<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<SpecConf
         method: tessera_proto::speculative::SpecMethod,
         #[serde(default = "tessera_proto::speculative::default_tokens")]
         max_tokens: usize,
+        #[serde(default)]
+        draft: Option<String>,
     }
     let s = Strict::deserialize(d)?;
-    Ok(Some(SpecConfig { method: s.method, max_tokens: s.max_tokens }))
+    Ok(Some(SpecConfig { method: s.method, max_tokens: s.max_tokens, draft: s.draft }))
 }
 
 /// Micro-dollars per million tokens.
@@ -196,7 +199,7 @@ impl Catalog {
 
     /// Speculative decoding for the worker serving `weights` (all its models agree).
     pub fn speculative(&self, weights: &str) -> Option<SpecConfig> {
-        self.models.iter().find(|m| m.weights == weights).and_then(|m| m.speculative)
+        self.models.iter().find(|m| m.weights == weights).and_then(|m| m.speculative.clone())
     }
 
     /// The distinct weights the catalog needs, each served by one worker.
@@ -258,7 +261,12 @@ mod tests {
         };
         let spec = "speculative = { method = \"ngram\", max_tokens = 4 }\n";
         let c = Catalog::parse(&format!("{}{}", one("v/a", spec), one("v/b", spec)), "t").unwrap();
-        assert_eq!(c.speculative("w"), Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+        assert_eq!(c.speculative("w"), Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }));
+        let draft = "speculative = { method = \"draft\", draft = \"small\", max_tokens = 3 }\n";
+        let d = Catalog::parse(&one("v/a", draft), "t").unwrap().speculative("w").unwrap();
+        assert_eq!((d.method, d.draft.as_deref(), d.max_tokens), (SpecMethod::Draft, Some("small"), 3));
+        let err = Catalog::parse(&one("v/a", "speculative = { method = \"draft\" }\n"), "t").unwrap_err().to_string();
+        assert!(err.contains("needs its draft model"), "{err}");
         assert_eq!(Catalog::parse(&one("v/a", ""), "t").unwrap().speculative("w"), None);
         let err = Catalog::parse(&format!("{}{}", one("v/a", spec), one("v/b", "")), "t").unwrap_err().to_string();
         assert!(err.contains("share weights w"), "{err}");

@@ -124,7 +124,8 @@ pub struct ServeConfig {
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,
     /// Speculative decoding: `catalog` (each model as its catalog entry says), `off`
-    /// for every model, or a method (`ngram`) for every model. Outputs are the same
+    /// for every model, or a method (`ngram`, `suffix`) for every model; `draft` names
+    /// its draft model per model, so only the catalog sets it. Outputs are the same
     /// either way; only speed changes.
     #[arg(long, default_value = "catalog", value_parser = Speculative::parse)]
     pub speculative: Speculative,
@@ -143,6 +144,11 @@ impl Speculative {
         match s {
             "catalog" => Ok(Speculative::Catalog),
             "off" => Ok(Speculative::Off),
+            "draft" => {
+                Err("draft speculation names a draft model per model: set `speculative = { method = \"draft\", \
+                            draft = \"<model>\" }` in the catalog and use --speculative catalog"
+                    .into())
+            }
             method => method.parse().map(Speculative::Every).map_err(|e| format!("{e}; or catalog, or off")),
         }
     }
@@ -152,9 +158,11 @@ impl Speculative {
         match self {
             Speculative::Catalog => catalog,
             Speculative::Off => None,
-            Speculative::Every(method) => {
-                Some(SpecConfig { method, max_tokens: catalog.map_or(DEFAULT_SPEC_TOKENS, |c| c.max_tokens) })
-            }
+            Speculative::Every(method) => Some(SpecConfig {
+                method,
+                max_tokens: catalog.map_or(DEFAULT_SPEC_TOKENS, |c| c.max_tokens),
+                draft: None,
+            }),
         }
     }
 }
@@ -604,12 +612,19 @@ mod tests {
 
     #[test]
     fn serve_speculative_overrides_the_catalog_or_follows_it() {
-        let ngram4 = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
-        assert_eq!(Speculative::parse("catalog").unwrap().apply(ngram4), ngram4);
-        assert_eq!(Speculative::parse("off").unwrap().apply(ngram4), None);
+        let ngram4 = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None });
+        assert_eq!(Speculative::parse("catalog").unwrap().apply(ngram4.clone()), ngram4);
+        assert_eq!(Speculative::parse("off").unwrap().apply(ngram4.clone()), None);
         let every = Speculative::parse("ngram").unwrap();
-        assert_eq!(every.apply(ngram4), ngram4);
-        assert_eq!(every.apply(None), Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: DEFAULT_SPEC_TOKENS }));
+        assert_eq!(every.apply(ngram4.clone()), ngram4);
+        assert_eq!(
+            every.apply(None),
+            Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: DEFAULT_SPEC_TOKENS, draft: None })
+        );
+        // A draft model replaced by n-grams for the whole server: the draft goes too.
+        let draft = SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: Some("small".into()) };
+        assert_eq!(every.apply(Some(draft)).unwrap().draft, None);
+        assert!(Speculative::parse("draft").unwrap_err().contains("in the catalog"));
         let err = Speculative::parse("eagle").unwrap_err();
         assert!(err.contains("unknown speculative method") && err.contains("off"), "{err}");
     }

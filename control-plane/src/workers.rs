@@ -66,6 +66,9 @@ pub async fn start(
     }
     if let Some(spec) = speculative {
         cmd.args(["--speculative", spec.method.as_str(), "--speculative-tokens", &spec.max_tokens.to_string()]);
+        if let Some(draft) = &spec.draft {
+            cmd.args(["--speculative-draft", draft]);
+        }
     }
     // A worker ends with this process however it ends (even SIGKILL): an orphan would
     // hold its port, memory and GPU until someone found it. (The signal follows the

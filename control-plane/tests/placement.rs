@@ -85,11 +85,14 @@ fn leader_config(id: &str) -> LeaderConfig {
 async fn placement_fits_moves_and_fails_over() {
     let server = etcd::Etcd::start();
     let mut c = Client::connect([&server.endpoint], None).await.unwrap();
-    let ngram = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
-    let weights: BTreeMap<String, Serving> = [("vendor-a/model-a", "w-a", ngram), ("vendor-c/model-c", "w-c", None)]
-        .iter()
-        .map(|(m, w, speculative)| (m.to_string(), Serving { weights: w.to_string(), speculative: *speculative }))
-        .collect();
+    let ngram = Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None });
+    let weights: BTreeMap<String, Serving> =
+        [("vendor-a/model-a", "w-a", ngram.clone()), ("vendor-c/model-c", "w-c", None)]
+            .iter()
+            .map(|(m, w, speculative)| {
+                (m.to_string(), Serving { weights: w.to_string(), speculative: speculative.clone() })
+            })
+            .collect();
     let leases: Vec<i64> =
         vec![register(&mut c, "n1", 2).await, register(&mut c, "n2", 2).await, register(&mut c, "n3", 2).await];
     // Two control planes campaign; one leads.
@@ -106,7 +109,7 @@ async fn placement_fits_moves_and_fails_over() {
         placed.iter().filter(|a| a.model == "vendor-a/model-a").all(|a| a.devices.len() == 2 && a.weights == "w-a")
     );
     // Each assignment carries its model's speculation from the catalog.
-    assert!(placed.iter().all(|a| a.speculative == if a.model == "vendor-a/model-a" { ngram } else { None }));
+    assert!(placed.iter().all(|a| a.speculative == if a.model == "vendor-a/model-a" { ngram.clone() } else { None }));
     assert_eq!(placed.iter().map(|a| a.devices.len()).sum::<usize>(), 6);
 
     // A node's lease ends (it died): its replicas move to the room a new node brings.

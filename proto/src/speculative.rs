@@ -8,15 +8,20 @@ pub const MAX_SPEC_TOKENS: usize = 16;
 /// Tokens proposed per step unless configured.
 pub const DEFAULT_SPEC_TOKENS: usize = 8;
 
-/// How a model speculates: `speculative = { method = "ngram", max_tokens = 8 }`. Read
+/// How a model speculates: `speculative = { method = "ngram", max_tokens = 8 }`, or
+/// `{ method = "draft", draft = "qwen2.5-coder-0.5b-instruct", max_tokens = 4 }`. Read
 /// leniently (a field a newer control plane adds does not fail an older worker's
 /// assignment); the catalog refuses unknown keys itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecConfig {
     pub method: SpecMethod,
     /// Most tokens proposed for one sequence in one step.
     #[serde(default = "default_tokens")]
     pub max_tokens: usize,
+    /// The draft model of `method = "draft"`: a known model's name or a path on the
+    /// worker, with the target's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<String>,
 }
 
 pub fn default_tokens() -> usize {
@@ -31,6 +36,8 @@ pub enum SpecMethod {
     Ngram,
     /// Those, and the recent prompts and outputs of the same tenant's requests.
     Suffix,
+    /// A smaller model with the same tokenizer, run ahead of the target.
+    Draft,
 }
 
 impl SpecConfig {
@@ -39,17 +46,26 @@ impl SpecConfig {
         if !(1..=MAX_SPEC_TOKENS).contains(&self.max_tokens) {
             return Err(format!("speculative max_tokens is {}; it must be 1 to {MAX_SPEC_TOKENS}", self.max_tokens));
         }
-        Ok(())
+        match (self.method, self.draft.as_deref()) {
+            (SpecMethod::Draft, None | Some("")) => {
+                Err("speculative method \"draft\" needs its draft model: draft = \"<model>\"".into())
+            }
+            (SpecMethod::Draft, Some(_)) | (_, None) => Ok(()),
+            (method, Some(_)) => {
+                Err(format!("speculative method {:?} takes no draft model (only \"draft\" does)", method.as_str()))
+            }
+        }
     }
 }
 
 impl SpecMethod {
-    pub const ALL: [SpecMethod; 2] = [SpecMethod::Ngram, SpecMethod::Suffix];
+    pub const ALL: [SpecMethod; 3] = [SpecMethod::Ngram, SpecMethod::Suffix, SpecMethod::Draft];
 
     pub fn as_str(self) -> &'static str {
         match self {
             SpecMethod::Ngram => "ngram",
             SpecMethod::Suffix => "suffix",
+            SpecMethod::Draft => "draft",
         }
     }
 }
@@ -71,14 +87,26 @@ mod tests {
 
     #[test]
     fn settings_are_checked_and_methods_named() {
-        assert!(SpecConfig { method: SpecMethod::Ngram, max_tokens: 0 }.check().is_err());
-        assert!(SpecConfig { method: SpecMethod::Ngram, max_tokens: 17 }.check().is_err());
-        assert!(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }.check().is_ok());
+        let ngram = |max_tokens| SpecConfig { method: SpecMethod::Ngram, max_tokens, draft: None };
+        assert!(ngram(0).check().is_err());
+        assert!(ngram(17).check().is_err());
+        assert!(ngram(4).check().is_ok());
+        let draft =
+            |draft: Option<&str>| SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: draft.map(Into::into) };
+        assert!(draft(Some("small")).check().is_ok());
+        assert!(draft(None).check().unwrap_err().contains("needs its draft model"));
+        assert!(draft(Some("")).check().is_err());
+        let stray = SpecConfig { draft: Some("small".into()), ..ngram(4) };
+        assert!(stray.check().unwrap_err().contains("takes no draft model"));
         assert_eq!("ngram".parse::<SpecMethod>(), Ok(SpecMethod::Ngram));
-        assert!("medusa".parse::<SpecMethod>().unwrap_err().contains("known: ngram, suffix"));
+        assert!("medusa".parse::<SpecMethod>().unwrap_err().contains("known: ngram, suffix, draft"));
         assert_eq!("suffix".parse::<SpecMethod>(), Ok(SpecMethod::Suffix));
+        assert_eq!("draft".parse::<SpecMethod>(), Ok(SpecMethod::Draft));
         let c: SpecConfig = serde_json::from_str(r#"{"method": "ngram"}"#).unwrap();
-        assert_eq!(c, SpecConfig { method: SpecMethod::Ngram, max_tokens: DEFAULT_SPEC_TOKENS });
+        assert_eq!(c, ngram(DEFAULT_SPEC_TOKENS));
+        assert!(!serde_json::to_string(&c).unwrap().contains("draft"), "no draft field unless there is one");
+        let d: SpecConfig = serde_json::from_str(r#"{"method": "draft", "draft": "small"}"#).unwrap();
+        assert_eq!(d.draft.as_deref(), Some("small"));
         let later: SpecConfig = serde_json::from_str(r#"{"method": "ngram", "max_tokens": 3, "later": 1}"#).unwrap();
         assert_eq!(later.max_tokens, 3, "fields of later versions are ignored");
     }

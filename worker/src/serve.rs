@@ -76,8 +76,9 @@ pub struct ServeConfig {
     #[arg(long, default_value_t = 256)]
     pub encoder_cache_mb: usize,
     /// Speculative decoding, where proposed tokens come from (`ngram`: the sequence's
-    /// own prompt and output); off when not given. Verified by the model, so outputs
-    /// are the same either way; only speed changes.
+    /// own prompt and output; `suffix`: those and the tenant's recent requests; `draft`:
+    /// `--speculative-draft`'s model); off when not given. Verified by the model, so
+    /// outputs are the same either way; only speed changes.
     #[arg(long, value_parser = |s: &str| s.parse::<SpecMethod>())]
     pub speculative: Option<SpecMethod>,
     /// Most tokens proposed for a sequence in one step (the engine verifies fewer when
@@ -85,12 +86,20 @@ pub struct ServeConfig {
     #[arg(long, default_value_t = DEFAULT_SPEC_TOKENS,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_SPEC_TOKENS as u64))]
     pub speculative_tokens: usize,
+    /// The draft model of `--speculative draft` (a GGUF file, a Hugging Face model
+    /// directory, or a known model name), with the model's tokenizer.
+    #[arg(long)]
+    pub speculative_draft: Option<String>,
 }
 
 impl ServeConfig {
     /// Speculative decoding as configured, if on.
     pub fn spec_config(&self) -> Option<SpecConfig> {
-        self.speculative.map(|method| SpecConfig { method, max_tokens: self.speculative_tokens })
+        self.speculative.map(|method| SpecConfig {
+            method,
+            max_tokens: self.speculative_tokens,
+            draft: self.speculative_draft.clone(),
+        })
     }
 }
 
@@ -124,6 +133,7 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                     })
                     .collect()
             },
+            |model_config, source| Ok(Model::load(CpuBackend::default(), model_config.clone(), source)?),
             |hidden| encoder(CpuBackend::default(), &path, hidden, config),
             |_| {
                 // The ranks share the machine's memory.
@@ -156,7 +166,11 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
                     })
                     .collect()
             },
-            // The encoder's own handle on the first GPU: its own stream and cuBLAS.
+            // The draft's and the encoder's own handles on the first GPU: their own
+            // streams and cuBLAS.
+            |model_config, source| {
+                Ok(Model::load(tessera_kernels::cuda::CudaBackend::new(gpus[0])?, model_config.clone(), source)?)
+            },
             |hidden| encoder(tessera_kernels::cuda::CudaBackend::new(gpus[0])?, &path, hidden, config),
             |model| match config.kv_cache_bytes {
                 Some(bytes) => bytes,
@@ -180,17 +194,27 @@ fn gpu_kv_budget(model: &Model<tessera_kernels::cuda::CudaBackend>, config: &Ser
 }
 
 /// Opens the model at `path`, loads its ranks with `load_ranks` (one model, or the
-/// shards of a tensor-parallel group, rank 0 first), sizes each rank's KV cache from
-/// `kv_budget` (bytes per rank) and starts the engine.
+/// shards of a tensor-parallel group, rank 0 first) and a draft model with
+/// `load_draft` if speculation drafts, sizes each rank's KV cache from `kv_budget`
+/// (bytes per rank) and starts the engine.
 fn build<B: Backend + 'static>(
     path: &std::path::Path,
     config: &ServeConfig,
     load_ranks: impl FnOnce(&ModelConfig, &dyn TensorSource) -> anyhow::Result<Vec<Model<B>>>,
+    load_draft: impl FnOnce(&ModelConfig, &dyn TensorSource) -> anyhow::Result<Model<B>>,
     load_encoder: impl FnOnce(usize) -> anyhow::Result<Option<Arc<Encoder>>>,
     kv_budget: impl FnOnce(&Model<B>) -> u64,
 ) -> anyhow::Result<WorkerService> {
     let (model_config, tokenizer, source) = load::open(path).with_context(|| format!("opening {}", path.display()))?;
     let ranks = load_ranks(&model_config, &*source).with_context(|| format!("loading {}", path.display()))?;
+    let draft = match config.spec_config() {
+        Some(SpecConfig { method: SpecMethod::Draft, draft, .. }) => {
+            anyhow::ensure!(ranks.len() == 1, "a draft model runs beside one rank: tensor parallelism has none");
+            let name = draft.context("--speculative draft needs --speculative-draft <model>")?;
+            Some(open_draft(&name, &tokenizer, load_draft)?)
+        }
+        _ => None,
+    };
     let encoder = load_encoder(model_config.hidden_size)
         .with_context(|| format!("loading {}'s vision encoder", path.display()))?;
     anyhow::ensure!(
@@ -204,8 +228,12 @@ fn build<B: Backend + 'static>(
         rank0.config.kv_width(),
         BLOCK_TOKENS,
     ) as u64;
+    // A draft keeps as many blocks as the model, in the same budget.
+    let draft_block_bytes = draft.as_ref().map_or(0, |d| {
+        kv_block_bytes(d.backend().kv_element_bytes(), d.config.num_layers, d.config.kv_width(), BLOCK_TOKENS) as u64
+    });
     let budget = kv_budget(rank0);
-    let num_blocks = (budget / block_bytes) as usize;
+    let num_blocks = (budget / (block_bytes + draft_block_bytes)) as usize;
     anyhow::ensure!(num_blocks > 0, "a KV cache of {budget} bytes holds no block of {block_bytes} bytes");
     let engine_config = EngineConfig {
         max_num_batched_tokens: config.max_num_batched_tokens,
@@ -217,7 +245,10 @@ fn build<B: Backend + 'static>(
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;
-        EngineCore::new(model, tokenizer, engine_config, &config.model)?
+        match draft {
+            Some(draft) => EngineCore::with_draft(model, draft, tokenizer, engine_config, &config.model)?,
+            None => EngineCore::new(model, tokenizer, engine_config, &config.model)?,
+        }
     } else {
         EngineCore::tensor_parallel(ranks, tokenizer, engine_config, &config.model)?
     };
@@ -260,6 +291,27 @@ fn build<B: Backend + 'static>(
         service = service.with_images(e.place.clone());
     }
     Ok(service)
+}
+
+/// The draft model `name` (a path or a known model's name), loaded with `load` once its
+/// tokenizer is found to be the model's (`tokenizer`): the same vocabulary and end
+/// tokens, and the same tokens for a probe text.
+fn open_draft<B: Backend>(
+    name: &str,
+    tokenizer: &crate::tokenizer::ModelTokenizer,
+    load: impl FnOnce(&ModelConfig, &dyn TensorSource) -> anyhow::Result<Model<B>>,
+) -> anyhow::Result<Model<B>> {
+    let path = model_cache::resolve(name).with_context(|| format!("the draft model {name}"))?;
+    let (draft_config, draft_tokenizer, source) =
+        load::open(&path).with_context(|| format!("opening the draft model {}", path.display()))?;
+    let probe = "def mean(xs):\n    return sum(xs) / len(xs)  # ünïcode, 数字 42";
+    let same = draft_tokenizer.vocab_size() == tokenizer.vocab_size()
+        && draft_tokenizer.eos.iter().map(|t| t.id).eq(tokenizer.eos.iter().map(|t| t.id))
+        && draft_tokenizer.encode(probe).ok() == tokenizer.encode(probe).ok();
+    anyhow::ensure!(same, "the draft model {name} has another tokenizer than the model: a draft needs the model's");
+    let draft = load(&draft_config, &*source).with_context(|| format!("loading the draft model {}", path.display()))?;
+    eprintln!("tessera-worker: drafting with {name} ({} layers)", draft.config.num_layers);
+    Ok(draft)
 }
 
 /// A vision model's encoder, as the service uses it and the card describes it.

@@ -92,7 +92,7 @@ async fn assign(client: &mut Client, node: &str, replica: &str) {
         devices: vec![0],
         leader_revision: 1,
         // Replicas speculate as their assignment says (outputs do not change).
-        speculative: Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }),
+        speculative: Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }),
     };
     client.put(cluster::assignment_key(node, replica), cluster::encode(&a), None).await.unwrap();
 }

@@ -304,7 +304,7 @@ fn speculation<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
         (done, e.spec_stats().cloned())
     };
     let (off, _) = run(None);
-    let (on, stats) = run(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+    let (on, stats) = run(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }));
     for (id, want) in &off {
         assert_eq!(on[id].0, want.0, "request {id}");
     }

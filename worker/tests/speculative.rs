@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{qwen05_path, smollm2_path};
+use common::{qwen05_path, request, serve_config, serve_in_process, smollm2, smollm2_path};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::Path;
@@ -19,7 +19,7 @@ use tessera_worker::engine::thinking::ThinkingBudget;
 use tessera_worker::load::load_model;
 
 fn ngram(max_tokens: usize) -> Option<SpecConfig> {
-    Some(SpecConfig { method: SpecMethod::Ngram, max_tokens })
+    Some(SpecConfig { method: SpecMethod::Ngram, max_tokens, draft: None })
 }
 
 /// An engine that verifies every proposal: what it runs then does not depend on how
@@ -31,6 +31,17 @@ fn engine(path: &Path, config: EngineConfig) -> (EngineCore<CpuBackend>, Grammar
     let mut e = EngineCore::new(loaded.model, loaded.tokenizer, config, "model").unwrap();
     e.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
     (e, grammars)
+}
+
+/// `engine`, drafting with the model at `draft`.
+fn drafting(path: &Path, draft: &Path, max_tokens: usize, config: EngineConfig) -> EngineCore<CpuBackend> {
+    let loaded = load_model(CpuBackend::default(), path).unwrap();
+    let draft = load_model(CpuBackend::default(), draft).unwrap().model;
+    let speculative = Some(SpecConfig { method: SpecMethod::Draft, max_tokens, draft: Some("draft".into()) });
+    let config = EngineConfig { speculative, ..config };
+    let mut e = EngineCore::with_draft(loaded.model, draft, loaded.tokenizer, config, "model").unwrap();
+    e.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
+    e
 }
 
 /// One completion as its outputs told it.
@@ -312,4 +323,121 @@ fn qwen_coder_edits_are_the_same_token_for_token() {
     });
     assert_same(&off.results, &on.results);
     assert_speculated(&off, &on);
+}
+
+#[test]
+fn a_draft_model_changes_no_token_and_gives_back_its_blocks() {
+    // The model drafting for itself: its guesses are the model's own greedy tokens, so
+    // a greedy request accepts nearly all — unless the draft's cache, fed a step at a
+    // time and cut back after each rejection, ever held the wrong keys and values.
+    // Seeded samples accept fewer (a greedy guess is kept with the probability the
+    // model gives it) and must come out the same. 40 blocks for 25 sequences: the model
+    // preempts, the draft evicts.
+    let path = smollm2_path();
+    let config = EngineConfig { num_blocks: 40, ..EngineConfig::default() };
+    let greedy = |grammars: &GrammarSource, e: &EngineCore<CpuBackend>| {
+        let mut requests: Vec<Request> = TEXTS
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let params = SamplingParams { logprobs: Some(3), ..SamplingParams::greedy() };
+                Request { params, ..Request::greedy(i as u64, encode(e, text), 40) }
+            })
+            .collect();
+        let json = encode(e, "{\"days\": [\"Monday\", \"Tuesday\"]}\nAgain as JSON:\n");
+        let grammar = Some(grammars.matcher(&GrammarSpec::JsonObject).unwrap());
+        requests.push(Request { grammar, ..Request::greedy(300, json, 40) });
+        requests
+    };
+    let seeded = |e: &EngineCore<CpuBackend>| -> Vec<Request> {
+        let sample = |i: usize| SamplingParams { temperature: 0.8, seed: Some(i as u64), ..Default::default() };
+        (0..TEXTS.len())
+            .map(|i| Request { params: sample(i), n: 2, ..Request::greedy(100 + i as u64, encode(e, TEXTS[i]), 32) })
+            .collect()
+    };
+    let (mut plain, grammars) = engine(&path, config.clone());
+    let (g, s) = (greedy(&grammars, &plain), seeded(&plain));
+    let off = [run(&mut plain, g), run(&mut plain, s)];
+    let mut e = drafting(&path, &path, 4, config);
+    let (g, s) = (greedy(&grammars, &e), seeded(&e));
+    let first = run(&mut e, g);
+    let spec = first.spec.clone().unwrap();
+    assert!(spec.accepted_tokens * 10 >= spec.draft_tokens * 9, "greedy, a model drafting for itself: {spec:?}");
+    let second = run(&mut e, s);
+    // Under this much pressure which prompt blocks are still cached when a sequence
+    // starts depends on the steps taken; everything else must match.
+    let uncached = |r: &Results| -> Results {
+        r.iter().map(|(k, c)| (*k, Completion { cached_prompt_tokens: 0, ..c.clone() })).collect()
+    };
+    for (off, on) in off.iter().zip([&first, &second]) {
+        assert_same(&uncached(&off.results), &uncached(&on.results));
+        assert_speculated(off, on);
+    }
+    assert!(first.steps * 2 < off[0].steps, "{} steps drafting, {} without", first.steps, off[0].steps);
+    assert_eq!(e.spec_held_blocks(), 0, "every sequence's draft blocks came back");
+}
+
+#[test]
+fn a_draft_with_another_vocabulary_is_refused() {
+    let target = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
+    let draft = load_model(CpuBackend::default(), &qwen05_path()).unwrap().model;
+    let speculative = Some(SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: Some("qwen".into()) });
+    let config = EngineConfig { speculative, ..EngineConfig::default() };
+    let err = EngineCore::with_draft(target.model, draft, target.tokenizer, config, "m").err().unwrap();
+    assert!(err.to_string().contains("a draft needs the model's tokenizer"), "{err}");
+    // And a draft method with no draft model at all.
+    let target = load_model(CpuBackend::default(), &smollm2_path()).unwrap();
+    let speculative = Some(SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: Some("qwen".into()) });
+    let config = EngineConfig { speculative, ..EngineConfig::default() };
+    let err = EngineCore::new(target.model, target.tokenizer, config, "m").err().unwrap();
+    assert!(err.to_string().contains("needs its draft model"), "{err}");
+}
+
+#[tokio::test]
+async fn a_worker_drafts_with_the_model_it_is_named_inside_its_kv_budget() {
+    let bytes = 8 << 20;
+    let drafting = tessera_worker::serve::ServeConfig {
+        speculative: Some(SpecMethod::Draft),
+        speculative_tokens: 4,
+        speculative_draft: Some(smollm2_path().display().to_string()),
+        ..serve_config(bytes)
+    };
+    let mut plain = serve_in_process(serve_config(bytes)).await;
+    let mut drafted = serve_in_process(drafting.clone()).await;
+    let card = |c: tessera_proto::worker::ModelCard| c.context_length;
+    let alone = card(plain.get_model_card(tessera_proto::worker::ModelCardRequest {}).await.unwrap().into_inner());
+    let beside = card(drafted.get_model_card(tessera_proto::worker::ModelCardRequest {}).await.unwrap().into_inner());
+    // The draft's cache (as many blocks of a model of the same size) comes out of the
+    // same budget: half the blocks each.
+    assert!(beside * 2 <= alone && beside * 2 + 32 >= alone, "{beside} tokens beside a draft, {alone} alone");
+    // And answers as the worker without one.
+    let prompt = smollm2().tokenizer.encode(TEXTS[1]).unwrap();
+    let answer = |mut client: tessera_proto::worker::worker_client::WorkerClient<_>| {
+        let req = request("r", prompt.clone(), 24);
+        async move {
+            let mut stream = client.generate(req).await.unwrap().into_inner();
+            let mut tokens = Vec::new();
+            while let Some(r) = stream.message().await.unwrap() {
+                tokens.extend(r.tokens.iter().map(|t| t.token_id));
+            }
+            tokens
+        }
+    };
+    let want = answer(plain).await;
+    assert_eq!(want.len(), 24);
+    assert_eq!(answer(drafted).await, want);
+
+    // A draft needs its model, and the model's tokenizer.
+    let build = |config| tessera_worker::serve::build_service(&config).err().unwrap().to_string();
+    let unnamed = tessera_worker::serve::ServeConfig { speculative_draft: None, ..drafting.clone() };
+    let err = tokio::task::spawn_blocking(move || build(unnamed)).await.unwrap();
+    assert!(err.contains("--speculative-draft"), "{err}");
+    let other =
+        tessera_worker::serve::ServeConfig { speculative_draft: Some(qwen05_path().display().to_string()), ..drafting };
+    let err = tokio::task::spawn_blocking(move || {
+        format!("{:#}", tessera_worker::serve::build_service(&other).err().unwrap())
+    })
+    .await
+    .unwrap();
+    assert!(err.contains("another tokenizer"), "{err}");
 }

@@ -152,7 +152,7 @@ fn speculation_gives_an_image_prompt_its_tokens() {
         (run(&mut s.engine), s.engine.spec_stats().cloned())
     };
     let (off, _) = run_with(None);
-    let (on, stats) = run_with(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 }));
+    let (on, stats) = run_with(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }));
     assert_eq!(on, off);
     assert!(stats.unwrap().drafts > 0, "proposals were verified");
 }

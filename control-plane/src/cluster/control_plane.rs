@@ -34,7 +34,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     let weights = catalog
         .models
         .iter()
-        .map(|m| (m.id.clone(), Serving { weights: m.weights.clone(), speculative: m.speculative }))
+        .map(|m| (m.id.clone(), Serving { weights: m.weights.clone(), speculative: m.speculative.clone() }))
         .collect();
     let leader = LeaderConfig {
         id: crate::api::new_id("cp-"),

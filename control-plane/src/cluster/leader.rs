@@ -156,7 +156,7 @@ async fn reconcile(
 ) -> Result<bool, etcd_client::Error> {
     let mut plan = placement::plan(state, |m| weights.get(m).map(|s| s.weights.clone()), new_replica_id, revision);
     for a in &mut plan.add {
-        a.speculative = weights.get(&a.model).and_then(|s| s.speculative);
+        a.speculative = weights.get(&a.model).and_then(|s| s.speculative.clone());
     }
     for (model, n) in &plan.unplaced {
         tracing::warn!("placement: {n} replica(s) of {model} fit on no node");

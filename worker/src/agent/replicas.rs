@@ -144,8 +144,12 @@ impl Replicas {
             max_num_batched_tokens: self.template.max_num_batched_tokens,
             prompt_step_percent: self.template.prompt_step_percent,
             encoder_cache_mb: 256,
-            speculative: a.speculative.map(|s| s.method),
-            speculative_tokens: a.speculative.map_or(crate::engine::speculate::DEFAULT_SPEC_TOKENS, |s| s.max_tokens),
+            speculative: a.speculative.as_ref().map(|s| s.method),
+            speculative_tokens: a
+                .speculative
+                .as_ref()
+                .map_or(crate::engine::speculate::DEFAULT_SPEC_TOKENS, |s| s.max_tokens),
+            speculative_draft: a.speculative.as_ref().and_then(|s| s.draft.clone()),
         };
         let (stop, stopped) = watch::channel(false);
         let drain = (self.template.drain_grace, self.template.drain_deadline);

@@ -10,7 +10,8 @@ use super::pacing::Pacer;
 use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, StepRule, sample, sample_batch, score_rows};
 use super::scheduler::{Scheduler, SchedulerConfig, Step};
 use super::sequence::{SeqId, Sequence};
-use super::speculate::{Proposal, SpecConfig, SpecStats, Speculator, StepCosts};
+use super::speculate::draft::DraftProposer;
+use super::speculate::{Proposal, SpecConfig, SpecMethod, SpecStats, Speculator, StepCosts};
 use super::thinking::{Thinking, ThinkingBudget};
 use crate::model::{Embeds, Forwarded, Model, ModelConfig, ModelError, SeqInput};
 use crate::tokenizer::ModelTokenizer;
@@ -297,7 +298,20 @@ impl<B: Backend + 'static> EngineCore<B> {
         model_name: &str,
     ) -> Result<Self, EngineError> {
         let exec = Executor::single(model, config.num_blocks, &config.graph_sizes())?;
-        Self::with_executor(exec, tokenizer, config, model_name)
+        Self::with_executor(exec, None, tokenizer, config, model_name)
+    }
+
+    /// An engine whose speculation (`speculative = draft`) drafts with `draft`, a model
+    /// with the same tokenizer, beside a KV cache of its own of `config.num_blocks`.
+    pub fn with_draft(
+        model: Model<B>,
+        draft: Model<B>,
+        tokenizer: ModelTokenizer,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Self, EngineError> {
+        let exec = Executor::single(model, config.num_blocks, &config.graph_sizes())?;
+        Self::with_executor(exec, Some(draft), tokenizer, config, model_name)
     }
 
     /// An engine over the ranks of a tensor-parallel group (rank 0 first).
@@ -308,20 +322,17 @@ impl<B: Backend + 'static> EngineCore<B> {
         model_name: &str,
     ) -> Result<Self, EngineError> {
         let exec = Executor::parallel(ranks, config.num_blocks, &config.graph_sizes())?;
-        Self::with_executor(exec, tokenizer, config, model_name)
+        Self::with_executor(exec, None, tokenizer, config, model_name)
     }
-}
 
-impl<B: Backend> EngineCore<B> {
     fn with_executor(
         exec: Executor<B>,
+        draft: Option<Model<B>>,
         tokenizer: ModelTokenizer,
         config: EngineConfig,
         model_name: &str,
     ) -> Result<Self, EngineError> {
-        if let Some(spec) = &config.speculative {
-            spec.check().map_err(EngineError::Config)?;
-        }
+        let speculator = speculator(&config, exec.config(), draft)?;
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
@@ -342,11 +353,45 @@ impl<B: Backend> EngineCore<B> {
             stats: EngineStats::default(),
             last_step: StepSummary::default(),
             pacer: Pacer::new(config.prompt_step_percent),
-            speculator: config.speculative.map(Speculator::new),
+            speculator,
             pinned_costs: None,
         })
     }
+}
 
+/// Speculation as `config` asks, proposing with `draft` where that is a draft model.
+fn speculator<B: Backend + 'static>(
+    config: &EngineConfig,
+    target: &ModelConfig,
+    draft: Option<Model<B>>,
+) -> Result<Option<Speculator>, EngineError> {
+    let bad = |m: String| Err(EngineError::Config(m));
+    let Some(spec) = config.speculative.clone() else {
+        return match draft {
+            Some(_) => bad("a draft model was given, but speculation is off".into()),
+            None => Ok(None),
+        };
+    };
+    spec.check().map_err(EngineError::Config)?;
+    match (spec.method, draft) {
+        (SpecMethod::Draft, Some(draft)) => {
+            // The draft's tokens go into the target as they are: the same vocabulary.
+            if draft.config.vocab_size != target.vocab_size {
+                return bad(format!(
+                    "the draft model's vocabulary has {} tokens, the model's {}: a draft needs the model's tokenizer",
+                    draft.config.vocab_size, target.vocab_size
+                ));
+            }
+            let proposer = DraftProposer::new(draft, config.num_blocks)?;
+            Ok(Some(Speculator::with_proposer(spec, Box::new(proposer))))
+        }
+        (SpecMethod::Draft, None) => bad("speculative method draft needs its draft model".into()),
+        (method, Some(_)) => bad(format!("a draft model was given, but the speculative method is {}", method.as_str())),
+        (_, None) => Ok(Speculator::new(spec)),
+    }
+}
+
+impl<B: Backend> EngineCore<B> {
     /// The longest sequence (prompt and output) a request may reach: the model's
     /// context, or what the KV cache holds if less. Every admitted sequence then fits
     /// the cache alone, which the scheduler's progress guarantee rests on (as vLLM
@@ -397,6 +442,11 @@ impl<B: Backend> EngineCore<B> {
     /// Speculative decoding's counts, when it is on.
     pub fn spec_stats(&self) -> Option<&SpecStats> {
         self.speculator.as_ref().map(Speculator::stats)
+    }
+
+    /// KV blocks speculation holds apart from the model's (a draft model's cache).
+    pub fn spec_held_blocks(&self) -> usize {
+        self.speculator.as_ref().map_or(0, Speculator::held_blocks)
     }
 
     pub fn has_work(&self) -> bool {

@@ -60,6 +60,7 @@ pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
         encoder_cache_mb: 256,
         speculative: None,
         speculative_tokens: tessera_worker::engine::speculate::DEFAULT_SPEC_TOKENS,
+        speculative_draft: None,
     }
 }
 

@@ -18,7 +18,10 @@
 //! per-token acceptance), and costs one more row of the forward. Tokens are added,
 //! best first, while they raise the step's expected tokens per second — so large
 //! batches (whose steps are already compute-bound) and poor guessers verify nothing.
+//! A draft model's guesses cost a forward of the draft per position as well, which the
+//! same rule weighs (`Proposer::step_seconds`).
 
+pub mod draft;
 pub mod ngram;
 pub mod rejection;
 pub mod suffix;
@@ -50,12 +53,26 @@ pub trait Proposer: Send {
     /// A sequence has ended with these tokens (prompt and output); whatever the
     /// proposer kept for it can go, and what it learns from it stays with `tenant`.
     fn finished(&mut self, _id: SeqId, _tenant: &str, _tokens: &[u32]) {}
+
+    /// Seconds one more proposed position costs the proposer for the whole batch (a
+    /// draft model's forward); lookups cost nothing worth weighing.
+    fn step_seconds(&self) -> f64 {
+        0.0
+    }
+
+    /// KV blocks it holds (a draft model's cache).
+    fn held_blocks(&self) -> usize {
+        0
+    }
 }
 
-fn proposer(config: &SpecConfig) -> Box<dyn Proposer> {
+/// The proposer of a method that needs nothing but its configuration (None for a
+/// draft model, which the engine is given: `Speculator::with_proposer`).
+fn proposer(config: &SpecConfig) -> Option<Box<dyn Proposer>> {
     match config.method {
-        SpecMethod::Ngram => Box::new(ngram::NgramProposer),
-        SpecMethod::Suffix => Box::new(suffix::SuffixProposer::default()),
+        SpecMethod::Ngram => Some(Box::new(ngram::NgramProposer)),
+        SpecMethod::Suffix => Some(Box::new(suffix::SuffixProposer::default())),
+        SpecMethod::Draft => None,
     }
 }
 
@@ -97,9 +114,16 @@ pub struct Speculator {
 }
 
 impl Speculator {
-    pub fn new(config: SpecConfig) -> Self {
+    /// Speculation by `config`'s method; None for a draft model (`with_proposer`).
+    pub fn new(config: SpecConfig) -> Option<Self> {
+        let proposer = proposer(&config)?;
+        Some(Self::with_proposer(config, proposer))
+    }
+
+    /// Speculation with proposals from `proposer`.
+    pub fn with_proposer(config: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
         Self {
-            proposer: proposer(&config),
+            proposer,
             stats: SpecStats { accepted_per_position: vec![0; config.max_tokens], ..SpecStats::default() },
             config,
             acceptance: HashMap::new(),
@@ -121,14 +145,15 @@ impl Speculator {
         let limits: Vec<usize> = seqs.iter().map(|p| p.max.min(self.config.max_tokens)).collect();
         // The proposer is asked only about sequences that could get a token verified
         // at all: at large batches, none (and nothing is looked up).
-        let could = choose(&alphas, &limits, seqs.len(), costs);
+        let draft_step = self.proposer.step_seconds();
+        let could = choose(&alphas, &limits, seqs.len(), costs, draft_step);
         let asks: Vec<Proposal<'_>> =
             seqs.iter().zip(&could).filter(|(_, k)| **k > 0).map(|(p, &k)| Proposal { max: k, ..*p }).collect();
         let mut answers = self.proposer.propose(&asks).into_iter();
         let mut proposed: Vec<Vec<u32>> =
             could.iter().map(|&k| if k > 0 { answers.next().unwrap_or_default() } else { Vec::new() }).collect();
         let lens: Vec<usize> = proposed.iter().zip(&limits).map(|(p, &l)| p.len().min(l)).collect();
-        let keep = choose(&alphas, &lens, seqs.len(), costs);
+        let keep = choose(&alphas, &lens, seqs.len(), costs, draft_step);
         for (p, &k) in seqs.iter().zip(&keep) {
             if k == 0 {
                 let a = self.acceptance.get_mut(&p.id).expect("inserted above");
@@ -166,6 +191,11 @@ impl Speculator {
         }
     }
 
+    /// KV blocks the proposer holds.
+    pub fn held_blocks(&self) -> usize {
+        self.proposer.held_blocks()
+    }
+
     /// A sequence has ended with `tokens`, for `tenant`.
     pub fn finished(&mut self, id: SeqId, tenant: &str, tokens: &[u32]) {
         self.acceptance.remove(&id);
@@ -173,29 +203,48 @@ impl Speculator {
     }
 }
 
-/// How many of each sequence's proposed tokens (`lens`) to verify: the next token of
-/// whichever sequence promises most is added while what it promises (`α^j` tokens)
-/// per second of its row beats the step's expected tokens per second so far. The step
-/// yields one token per decoding sequence (`decodes`) whatever is verified.
-fn choose(alphas: &[f64], lens: &[usize], decodes: usize, costs: StepCosts) -> Vec<usize> {
+/// How many of each sequence's proposed tokens (`lens`) to verify. The step yields one
+/// token per decoding sequence (`decodes`) whatever is verified; a proposed token
+/// promises `α^j` more and costs its row of the forward. Positions are added, the one
+/// promising most per second first, while what they promise per second beats the
+/// step's expected tokens per second so far. A position deeper than any chosen so far
+/// also costs a drafting step (`draft_step`: a draft model's forward, shared by every
+/// sequence drafted that deep), so going one deeper is weighed for all the sequences
+/// it would serve together.
+fn choose(alphas: &[f64], lens: &[usize], decodes: usize, costs: StepCosts, draft_step: f64) -> Vec<usize> {
     let mut keep = vec![0; lens.len()];
     if costs.per_token <= 0.0 || costs.decode_step <= 0.0 {
         // Nothing measured says a row costs anything: verify what was proposed.
         return lens.to_vec();
     }
-    let (mut tokens, mut secs) = (decodes as f64, costs.decode_step);
+    let gain = |i: usize, keep: &[usize]| alphas[i].powi(keep[i] as i32 + 1);
+    let (mut tokens, mut secs, mut depth) = (decodes as f64, costs.decode_step, 0);
     loop {
-        let best = (0..lens.len())
-            .filter(|&i| keep[i] < lens[i])
-            .map(|i| (i, alphas[i].powi(keep[i] as i32 + 1)))
+        // One more row for a sequence still short of the depth already drafted...
+        let row = (0..lens.len())
+            .filter(|&i| keep[i] < lens[i].min(depth))
+            .map(|i| (vec![i], gain(i, &keep), costs.per_token))
             .max_by(|a, b| a.1.total_cmp(&b.1));
-        let Some((i, gain)) = best else { break };
-        if gain * secs <= tokens * costs.per_token {
+        // ...or a position deeper, for each sequence there whose row alone would pay.
+        let deeper: Vec<usize> = (0..lens.len())
+            .filter(|&i| keep[i] == depth && lens[i] > depth && gain(i, &keep) * secs > tokens * costs.per_token)
+            .collect();
+        let layer = (!deeper.is_empty()).then(|| {
+            let g = deeper.iter().map(|&i| gain(i, &keep)).sum::<f64>();
+            let c = draft_step + deeper.len() as f64 * costs.per_token;
+            (deeper, g, c)
+        });
+        let best = [row, layer].into_iter().flatten().max_by(|a, b| (a.1 / a.2).total_cmp(&(b.1 / b.2)));
+        let Some((seqs, g, c)) = best else { break };
+        if g * secs <= tokens * c {
             break;
         }
-        keep[i] += 1;
-        tokens += gain;
-        secs += costs.per_token;
+        for i in seqs {
+            keep[i] += 1;
+            depth = depth.max(keep[i]);
+        }
+        tokens += g;
+        secs += c;
     }
     keep
 }
@@ -210,26 +259,48 @@ mod tests {
     fn good_guessers_verify_more_than_poor_ones_and_cheap_rows_buy_more() {
         // α 0.9 against 0.3 at a tenth of a step per row: 0.3 is worth one row (0.3 >
         // 0.1), not two (0.09); 0.9 is worth many.
-        let keep = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.002 });
+        let keep = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.002 }, 0.0);
         assert!(keep[0] >= 6 && keep[1] == 1, "{keep:?}");
         // Dearer rows: fewer for both.
-        let dear = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.016 });
+        let dear = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.016 }, 0.0);
         assert!(dear[0] < keep[0] && dear[1] == 0, "{dear:?}");
         // Never more than proposed.
-        assert_eq!(choose(&[0.99], &[2], 1, CHEAP), vec![2]);
+        assert_eq!(choose(&[0.99], &[2], 1, CHEAP, 0.0), vec![2]);
     }
 
     #[test]
     fn a_large_batch_verifies_nothing_where_a_single_stream_would() {
         // 64 decodes in a 60 ms step: each already yields a token for ~1 ms, so a 4 ms
         // row at α 0.7 does not pay; one stream at 40 ms does.
-        assert_eq!(choose(&[0.7; 64], &[4; 64], 64, StepCosts { decode_step: 0.060, per_token: 0.004 }), vec![0; 64]);
-        assert!(choose(&[0.7], &[4], 1, CHEAP)[0] > 0);
+        assert_eq!(
+            choose(&[0.7; 64], &[4; 64], 64, StepCosts { decode_step: 0.060, per_token: 0.004 }, 0.0),
+            vec![0; 64]
+        );
+        assert!(choose(&[0.7], &[4], 1, CHEAP, 0.0)[0] > 0);
+    }
+
+    #[test]
+    fn a_draft_step_is_weighed_once_per_depth_and_shared_by_the_batch() {
+        // A draft forward at a third of a target step (two cores: 0.5B against 1.5B):
+        // one stream at α 0.8 gains 0.8 tokens for 0.36 of a step — worth it; a poor
+        // guesser (α 0.3) is not, where lookups (free) would be.
+        let costs = StepCosts { decode_step: 0.040, per_token: 0.001 };
+        assert!(choose(&[0.8], &[4], 1, costs, 0.0133)[0] >= 1);
+        assert_eq!(choose(&[0.3], &[4], 1, costs, 0.0133), vec![0]);
+        assert!(choose(&[0.3], &[4], 1, costs, 0.0)[0] > 0);
+        // A dearer draft buys fewer positions.
+        let cheap = choose(&[0.8], &[8], 1, costs, 0.004)[0];
+        let dear = choose(&[0.8], &[8], 1, costs, 0.0133)[0];
+        assert!(dear < cheap, "{dear} positions with a dear draft, {cheap} with a cheap one");
+        // Four streams share each drafting step: one's 0.8 tokens alone would not pay
+        // for it beside four tokens a step, four's 3.2 do.
+        let four = choose(&[0.8; 4], &[8; 4], 4, StepCosts { decode_step: 0.044, per_token: 0.001 }, 0.0133);
+        assert_eq!(four, vec![2; 4]);
     }
 
     #[test]
     fn acceptance_is_learnt_and_counted_by_position() {
-        let mut s = Speculator::new(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4 });
+        let mut s = Speculator::new(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }).unwrap();
         let tokens: Vec<u32> = [1, 2, 3, 4, 1, 2].to_vec();
         let ask = [Proposal { id: 7, tenant: "", tokens: &tokens, max: 8 }];
         let free = StepCosts { decode_step: 0.040, per_token: 0.0 };

@@ -1,0 +1,250 @@
+//! A draft model: a smaller model with the target's tokenizer runs ahead of it, one
+//! greedy token at a time, and its guesses go to verification.
+//!
+//! The draft keeps a paged KV cache of its own (its blocks, its tables): each sequence
+//! it drafts for holds the KV of the tokens it has seen (`fed`). A step first catches
+//! up on what the target decided since the last one — after a verification, the draft's
+//! own guesses past the first rejection are dropped by cutting `fed` back to where it
+//! still agrees with the sequence — then drafts `k` tokens for every sequence asked, in
+//! `k` forwards batched across them. A sequence met for the first time catches up on
+//! its whole prompt, a bounded number of tokens per step (`CATCH_UP_TOKENS`), and is
+//! drafted for once it has.
+//!
+//! Drafting is greedy (a point guess per position), so the engine's verification —
+//! sampling each position as it would without speculation and keeping guesses while
+//! they match — leaves the output distribution the target's, exactly, for sampled
+//! requests too (see `speculate`'s note).
+
+use super::{Proposal, Proposer};
+use crate::engine::sequence::SeqId;
+use crate::model::{Forwarded, KvCache, Model, ModelError, SeqInput};
+use std::collections::HashMap;
+use std::time::Instant;
+use tessera_kernels::Backend;
+use tessera_kernels::pick::PickRow;
+use tessera_proto::block_hash::BLOCK_TOKENS;
+
+/// Most tokens of catching up (prompts met for the first time) in one step: a long
+/// prompt delays the step it is caught up in by at most this many tokens' forward
+/// through the draft, and is caught up over several steps.
+pub const CATCH_UP_TOKENS: usize = 512;
+
+/// Weight of the latest drafting step in the running step time.
+const LEARN: f64 = 0.3;
+
+/// What the draft holds for one sequence.
+#[derive(Debug, Default)]
+struct Drafted {
+    /// KV blocks, in order.
+    table: Vec<u32>,
+    /// The tokens whose keys and values are in the cache, at positions `0..fed.len()`.
+    fed: Vec<u32>,
+    /// The step it was last asked about, for eviction.
+    used: u64,
+}
+
+/// A draft model's proposer.
+pub struct DraftProposer<B: Backend> {
+    model: Model<B>,
+    kv: KvCache<B>,
+    free: Vec<u32>,
+    seqs: HashMap<SeqId, Drafted>,
+    /// Steps since start.
+    clock: u64,
+    /// Running time of one drafting forward (a batch of single-token decodes), seconds.
+    step_seconds: f64,
+    /// The draft's error, once it failed: it then proposes nothing.
+    failed: Option<ModelError>,
+}
+
+/// One sequence's part of a drafting step.
+struct Work {
+    id: SeqId,
+    /// Tokens to feed first (catching up), then drafted ones one at a time.
+    pending: Vec<u32>,
+    /// Tokens still to draft.
+    left: usize,
+    drafted: Vec<u32>,
+}
+
+impl<B: Backend> DraftProposer<B> {
+    /// `model`, with a KV cache of `num_blocks` blocks.
+    pub fn new(model: Model<B>, num_blocks: usize) -> Result<Self, ModelError> {
+        let kv = model.new_kv_cache(num_blocks, BLOCK_TOKENS)?;
+        // Popped from the end: the lowest blocks first.
+        let free = (0..num_blocks as u32).rev().collect();
+        Ok(Self { model, kv, free, seqs: HashMap::new(), clock: 0, step_seconds: 0.0, failed: None })
+    }
+
+    /// Why the draft stopped proposing, if it did.
+    pub fn failure(&self) -> Option<&ModelError> {
+        self.failed.as_ref()
+    }
+
+    /// Gets `p` ready to draft: its state cut back to what still agrees with its
+    /// tokens, blocks for `tokens + max` positions, and what to feed this step (at most
+    /// `budget` tokens). None when it cannot be drafted for now.
+    fn prepare(&mut self, p: &Proposal<'_>, budget: &mut usize) -> Option<Work> {
+        let context = self.model.config.context_length;
+        if p.tokens.is_empty() || p.tokens.len() + p.max > context {
+            return None;
+        }
+        let clock = self.clock;
+        let d = self.seqs.entry(p.id).or_default();
+        d.used = clock;
+        let agree = d.fed.iter().zip(p.tokens).take_while(|(a, b)| a == b).count();
+        // The last token is fed again if need be: its logits give the first guess.
+        d.fed.truncate(agree.min(p.tokens.len() - 1));
+        let behind = p.tokens.len() - d.fed.len();
+        let need = (p.tokens.len() + p.max).div_ceil(BLOCK_TOKENS);
+        if !self.reserve(p.id, need) {
+            return None;
+        }
+        let d = self.seqs.get_mut(&p.id).expect("entered above");
+        // A long catch-up goes in pieces; the first token's row asks for nothing.
+        let take = behind.min((*budget).max(1));
+        *budget = budget.saturating_sub(take);
+        let start = d.fed.len();
+        let caught_up = take == behind;
+        Some(Work {
+            id: p.id,
+            pending: p.tokens[start..start + take].to_vec(),
+            left: if caught_up { p.max } else { 0 },
+            drafted: Vec::new(),
+        })
+    }
+
+    /// Makes `id` hold `need` blocks, evicting the sequences asked about least
+    /// recently if the pool runs short. False when even that leaves too few.
+    fn reserve(&mut self, id: SeqId, need: usize) -> bool {
+        let have = self.seqs.get(&id).map_or(0, |d| d.table.len());
+        if have >= need {
+            return true;
+        }
+        while self.free.len() < need - have {
+            let Some(victim) = self
+                .seqs
+                .iter()
+                .filter(|(other, d)| **other != id && !d.table.is_empty() && d.used < self.clock)
+                .min_by_key(|(_, d)| d.used)
+                .map(|(&other, _)| other)
+            else {
+                return false;
+            };
+            self.release(victim);
+        }
+        let d = self.seqs.get_mut(&id).expect("entered by the caller");
+        let from = self.free.len() - (need - have);
+        d.table.extend(self.free.drain(from..).rev());
+        true
+    }
+
+    fn release(&mut self, id: SeqId) {
+        if let Some(d) = self.seqs.remove(&id) {
+            self.free.extend(d.table.into_iter().rev());
+        }
+    }
+
+    /// One forward of the draft over `work` (each sequence's pending tokens), and each
+    /// sequence's greedy next token where it asked for one.
+    fn forward(&mut self, work: &mut [&mut Work]) -> Result<(), ModelError> {
+        let asks: Vec<bool> = work.iter().map(|w| w.left > 0).collect();
+        let picks = {
+            let inputs: Vec<SeqInput<'_>> = work
+                .iter()
+                .zip(&asks)
+                .map(|(w, &logits)| {
+                    let d = &self.seqs[&w.id];
+                    SeqInput { tokens: &w.pending, cached: d.fed.len(), block_table: &d.table, logits, embeds: &[] }
+                })
+                .collect();
+            let rows = vec![PickRow::default(); asks.iter().filter(|&&a| a).count()];
+            match self.model.forward_picking(&inputs, &mut self.kv, &rows)? {
+                Forwarded::Picked(picks) => picks.into_iter().map(|p| p.token).collect(),
+                Forwarded::Logits(logits) => greedy(&logits, self.model.config.vocab_size),
+            }
+        };
+        let mut picks = picks.into_iter();
+        for (w, ask) in work.iter_mut().zip(asks) {
+            let d = self.seqs.get_mut(&w.id).expect("prepared");
+            d.fed.append(&mut w.pending);
+            if ask {
+                let token = picks.next().ok_or_else(|| ModelError::Input("the draft returned too few rows".into()))?;
+                w.drafted.push(token);
+                w.left -= 1;
+                if w.left > 0 {
+                    w.pending.push(token);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, seqs: &[Proposal<'_>]) -> Result<Vec<Vec<u32>>, ModelError> {
+        self.clock += 1;
+        let mut budget = CATCH_UP_TOKENS;
+        let mut work: Vec<Option<Work>> = seqs.iter().map(|p| self.prepare(p, &mut budget)).collect();
+        // The first forward catches up and makes every sequence's first guess; each
+        // after it is a batch of single-token decodes.
+        let mut first = true;
+        loop {
+            let mut active: Vec<&mut Work> =
+                work.iter_mut().flatten().filter(|w| !w.pending.is_empty() && (first || w.left > 0)).collect();
+            if active.is_empty() {
+                break;
+            }
+            let started = Instant::now();
+            self.forward(&mut active)?;
+            if !first {
+                let secs = started.elapsed().as_secs_f64();
+                self.step_seconds = match self.step_seconds {
+                    0.0 => secs,
+                    s => s + LEARN * (secs - s),
+                };
+            }
+            first = false;
+        }
+        Ok(work.into_iter().map(|w| w.map(|w| w.drafted).unwrap_or_default()).collect())
+    }
+}
+
+/// The most likely token of each `vocab`-wide row.
+fn greedy(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits
+        .chunks_exact(vocab)
+        .map(|row| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32))
+        .collect()
+}
+
+impl<B: Backend> Proposer for DraftProposer<B> {
+    fn propose(&mut self, seqs: &[Proposal<'_>]) -> Vec<Vec<u32>> {
+        if self.failed.is_some() {
+            return vec![Vec::new(); seqs.len()];
+        }
+        match self.draft(seqs) {
+            Ok(drafts) => drafts,
+            Err(e) => {
+                // The target serves on without speculation: a draft's failure (its
+                // memory, its device) costs speed, never an answer.
+                eprintln!("tessera-worker: the draft model failed ({e}); speculation is off from here");
+                for p in seqs {
+                    self.release(p.id);
+                }
+                self.failed = Some(e);
+                vec![Vec::new(); seqs.len()]
+            }
+        }
+    }
+
+    fn finished(&mut self, id: SeqId, _tenant: &str, _tokens: &[u32]) {
+        self.release(id);
+    }
+
+    fn step_seconds(&self) -> f64 {
+        self.step_seconds
+    }
+
+    fn held_blocks(&self) -> usize {
+        self.kv.num_blocks - self.free.len()
+    }
+}
