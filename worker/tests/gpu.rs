@@ -286,31 +286,45 @@ fn cpu_thinking_budget_forces_its_close_on_the_tiny_byte_model() {
 }
 
 /// Speculation changes no token: the same requests (greedy and seeded samples, every
-/// proposal verified) with it off and on give the same tokens, and proposals were
+/// proposal verified) with it off and on — n-grams, and the model drafting for itself
+/// (its draft forwards on the device too) — give the same tokens, and proposals were
 /// verified. On a GPU a verification is a prefill-shaped chunk beside decodes that run
 /// without it as graphs.
 fn speculation<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
     let prompts: Vec<String> = (0..8).map(|i| format!("abc abc abc {i} abc abc {i} abc abc {i} abc")).collect();
     let run = |spec: Option<SpecConfig>| {
         let loaded = load_model(backend(), dir).unwrap();
+        let drafts = spec.as_ref().is_some_and(|s| s.method == SpecMethod::Draft);
         let config = EngineConfig { num_blocks: 512, speculative: spec, ..EngineConfig::default() };
-        let mut e = EngineCore::new(loaded.model, loaded.tokenizer, config, "wide").unwrap();
+        let mut e = match drafts {
+            true => {
+                let draft = load_model(backend(), dir).unwrap().model;
+                EngineCore::with_draft(loaded.model, draft, loaded.tokenizer, config, "wide").unwrap()
+            }
+            false => EngineCore::new(loaded.model, loaded.tokenizer, config, "wide").unwrap(),
+        };
         e.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
         for (i, p) in prompts.iter().enumerate() {
             let prompt = e.tokenizer().encode(p).unwrap();
             e.add_request(mixed_request(i as u64, i, &prompt)).unwrap();
         }
         let done = run_all(&mut e);
+        assert_eq!(e.spec_held_blocks(), 0, "the draft's blocks came back");
         (done, e.spec_stats().cloned())
     };
     let (off, _) = run(None);
-    let (on, stats) = run(Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }));
-    for (id, want) in &off {
-        assert_eq!(on[id].0, want.0, "request {id}");
+    let ngram = SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None };
+    let draft = SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: Some("itself".into()) };
+    for spec in [ngram, draft] {
+        let method = spec.method;
+        let (on, stats) = run(Some(spec));
+        for (id, want) in &off {
+            assert_eq!(on[id].0, want.0, "request {id}, {method:?}");
+        }
+        let stats = stats.unwrap();
+        assert!(stats.drafts > 0, "{method:?}: {stats:?}");
+        eprintln!("{method:?}: {} of {} proposed tokens accepted", stats.accepted_tokens, stats.draft_tokens);
     }
-    let stats = stats.unwrap();
-    assert!(stats.drafts > 0, "{stats:?}");
-    eprintln!("speculation: {} of {} proposed tokens accepted", stats.accepted_tokens, stats.draft_tokens);
 }
 
 #[test]

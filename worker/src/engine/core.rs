@@ -382,7 +382,7 @@ fn speculator<B: Backend + 'static>(
                     draft.config.vocab_size, target.vocab_size
                 ));
             }
-            let proposer = DraftProposer::new(draft, config.num_blocks)?;
+            let proposer = DraftProposer::new(draft, config.num_blocks, &config.graph_sizes())?;
             Ok(Some(Speculator::with_proposer(spec, Box::new(proposer))))
         }
         (SpecMethod::Draft, None) => bad("speculative method draft needs its draft model".into()),

@@ -64,7 +64,9 @@ impl<B: Backend> Executor<B> {
     }
 }
 
-fn cache_with_graphs<B: Backend>(
+/// A KV cache of `num_blocks` for `model`, a scratch block past them for padded graph
+/// rows, and its decode graphs of `graph_sizes` where the backend captures them.
+pub(super) fn cache_with_graphs<B: Backend>(
     model: &Model<B>,
     num_blocks: usize,
     graph_sizes: &[usize],

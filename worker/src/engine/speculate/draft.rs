@@ -16,6 +16,7 @@
 //! requests too (see `speculate`'s note).
 
 use super::{Proposal, Proposer};
+use crate::engine::executor::cache_with_graphs;
 use crate::engine::sequence::SeqId;
 use crate::model::{Forwarded, KvCache, Model, ModelError, SeqInput};
 use std::collections::HashMap;
@@ -68,9 +69,11 @@ struct Work {
 }
 
 impl<B: Backend> DraftProposer<B> {
-    /// `model`, with a KV cache of `num_blocks` blocks.
-    pub fn new(model: Model<B>, num_blocks: usize) -> Result<Self, ModelError> {
-        let kv = model.new_kv_cache(num_blocks, BLOCK_TOKENS)?;
+    /// `model`, with a KV cache of `num_blocks` blocks and, where the backend captures
+    /// them, decode graphs of `graph_sizes` (a drafting step past the first is a batch
+    /// of single-token decodes).
+    pub fn new(model: Model<B>, num_blocks: usize, graph_sizes: &[usize]) -> Result<Self, ModelError> {
+        let kv = cache_with_graphs(&model, num_blocks, graph_sizes)?;
         // Popped from the end: the lowest blocks first.
         let free = (0..num_blocks as u32).rev().collect();
         Ok(Self { model, kv, free, seqs: HashMap::new(), clock: 0, step_seconds: 0.0, failed: None })
@@ -245,6 +248,6 @@ impl<B: Backend> Proposer for DraftProposer<B> {
     }
 
     fn held_blocks(&self) -> usize {
-        self.kv.num_blocks - self.free.len()
+        self.seqs.values().map(|d| d.table.len()).sum()
     }
 }
