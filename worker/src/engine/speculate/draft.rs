@@ -79,11 +79,6 @@ impl<B: Backend> DraftProposer<B> {
         Ok(Self { model, kv, free, seqs: HashMap::new(), clock: 0, step_seconds: 0.0, failed: None })
     }
 
-    /// Why the draft stopped proposing, if it did.
-    pub fn failure(&self) -> Option<&ModelError> {
-        self.failed.as_ref()
-    }
-
     /// Gets `p` ready to draft: its state cut back to what still agrees with its
     /// tokens, blocks for `tokens + max` positions, and what to feed this step (at most
     /// `budget` tokens). None when it cannot be drafted for now.
