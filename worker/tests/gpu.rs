@@ -303,7 +303,7 @@ fn speculation<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
             }
             false => EngineCore::new(loaded.model, loaded.tokenizer, config, "wide").unwrap(),
         };
-        e.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
+        e.pin_spec_costs(Some(StepCosts::free()));
         for (i, p) in prompts.iter().enumerate() {
             let prompt = e.tokenizer().encode(p).unwrap();
             e.add_request(mixed_request(i as u64, i, &prompt)).unwrap();

@@ -144,7 +144,7 @@ fn the_encoder_cache_encodes_an_image_once_for_requests_in_flight() {
 fn speculation_gives_an_image_prompt_its_tokens() {
     let run_with = |speculative| {
         let mut s = setup(EngineConfig { speculative, ..EngineConfig::default() });
-        s.engine.pin_spec_costs(Some(StepCosts { decode_step: 1.0, per_token: 0.0 }));
+        s.engine.pin_spec_costs(Some(StepCosts::free()));
         for (id, (text, img)) in [("wide.png", "wide.png"), ("tall.png", "tall.png")].into_iter().enumerate() {
             let r = request(&s, id as u64, text, img);
             s.engine.add_request(Request { max_tokens: 24, ..r }).unwrap();

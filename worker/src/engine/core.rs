@@ -253,6 +253,17 @@ enum Rows {
     },
 }
 
+/// A step's tokens as pacing weighs them (`EngineCore::shape`).
+#[derive(Debug, Default)]
+struct StepShape {
+    /// Sequences that ran one decoded token...
+    decodes: usize,
+    /// ...and these proposed tokens after them, in all.
+    proposed: usize,
+    /// Tokens of prompt chunks.
+    prompt_tokens: usize,
+}
+
 /// Counters since start.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -615,14 +626,39 @@ impl<B: Backend> EngineCore<B> {
         }
         self.stats.steps += 1;
         let batch = self.prepare(&step);
+        // Timed through sampling: a verification's rows are sampled on the host one by
+        // one, which is part of what its proposals cost.
+        let started = Instant::now();
         let forwarded = self.forward(&step, &batch)?;
+        let shape = self.shape(&step);
         for s in &step.scheduled {
             let seq = self.scheduler.get(s.id).expect("scheduled sequences exist");
             self.stats.prompt_tokens_computed += (s.start + s.len).min(seq.prompt_len).saturating_sub(s.start) as u64;
         }
         self.scheduler.complete(&step);
         self.sample_and_emit(&step, forwarded, &mut outputs)?;
+        match shape.prompt_tokens {
+            0 => self.pacer.observe_verification(started.elapsed(), shape.decodes, shape.proposed),
+            n => self.pacer.observe(started.elapsed(), shape.decodes, n + shape.proposed),
+        }
         Ok(outputs)
+    }
+
+    /// What a step ran, as pacing counts it. A decode runs the one token sampled
+    /// last; a prompt's last chunk may be one token too, and costs like a prompt token
+    /// (it is timed with them), as do proposals.
+    fn shape(&self, step: &Step) -> StepShape {
+        let mut shape = StepShape::default();
+        for s in &step.scheduled {
+            match s.len - s.draft == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len) {
+                true => {
+                    shape.decodes += 1;
+                    shape.proposed += s.draft;
+                }
+                false => shape.prompt_tokens += s.len,
+            }
+        }
+        shape
     }
 
     /// Asks the speculator for tokens to follow each decoding sequence (none when
@@ -644,9 +680,9 @@ impl<B: Backend> EngineCore<B> {
             .collect();
         // A step whose decode cost is not known lately runs without proposals, and
         // measures it.
-        let costs = self.pinned_costs.or_else(|| self.pacer.costs(seqs.len()));
+        let costs = self.pinned_costs.clone().or_else(|| self.pacer.costs(seqs.len()));
         let mut proposals: HashMap<SeqId, Vec<u32>> = match costs {
-            Some(costs) => spec.propose(&seqs, costs).into_iter().collect(),
+            Some(costs) => spec.propose(&seqs, &costs).into_iter().collect(),
             None => HashMap::new(),
         };
         let ids: Vec<SeqId> = seqs.iter().map(|p| p.id).collect();
@@ -704,9 +740,8 @@ impl<B: Backend> EngineCore<B> {
         Batch { all_rows, device_rows }
     }
 
-    /// The forward itself, timed for pacing: its logits or picks, split by sequence.
+    /// The forward itself: its logits or picks, split by sequence.
     fn forward(&mut self, step: &Step, batch: &Batch) -> Result<Rows, EngineError> {
-        let started = Instant::now();
         let forwarded = {
             // Image rows for the chunks that cover placeholders (none past the prompt).
             let embeds: Vec<Vec<Embeds<'_>>> = step
@@ -756,23 +791,6 @@ impl<B: Backend> EngineCore<B> {
                 None => Forwarded::Logits(self.exec.forward(&inputs)?),
             }
         };
-        // A decode runs the one token sampled last; a prompt's last chunk may be one
-        // token too, and costs like a prompt token (it is timed with them), as do
-        // proposals.
-        let (mut decodes, mut proposed, mut prompt_tokens) = (0, 0, 0);
-        for s in &step.scheduled {
-            match s.len - s.draft == 1 && self.scheduler.get(s.id).is_some_and(|q| s.start >= q.prompt_len) {
-                true => {
-                    decodes += 1;
-                    proposed += s.draft;
-                }
-                false => prompt_tokens += s.len,
-            }
-        }
-        match prompt_tokens {
-            0 => self.pacer.observe_verification(started.elapsed(), decodes, proposed),
-            _ => self.pacer.observe(started.elapsed(), decodes, prompt_tokens + proposed),
-        }
         Ok(match forwarded {
             Forwarded::Picked(picks) => Rows::Picked(picks),
             Forwarded::Logits(all) => self.split_rows(step, &batch.all_rows, all),

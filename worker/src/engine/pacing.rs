@@ -37,10 +37,15 @@ pub struct Pacer {
     /// A step with prompt chunks takes at most this many decode steps' time; None: no
     /// limit beyond the step's token budget.
     ratio: Option<f64>,
-    /// Running averages of decode-only steps' times, by how many decodes they ran: a
+    /// Running averages of the times of steps without prompt chunks, by how many rows
+    /// they ran (a decode is one row, each token proposed to follow it one more): a
     /// step of 16 costs several of 1, and one average for all let an estimate made
     /// with 1 stream judge the chunks of steps that decode 16 (each prompt token
-    /// seemed to cost the 15 others' decodes, and prompts starved).
+    /// seemed to cost the 15 others' decodes, and prompts starved). By rows, not
+    /// decodes and proposals apart, because a row's price is not one number: the CPU's
+    /// matrix kernels take input rows four at a time, so a fifth row costs a pass of
+    /// its own and the next three little (4 decodes: 64 ms, and a fifth row 100 ms, on
+    /// two cores with Qwen2.5-Coder-1.5B).
     /// Each with the step it was last measured at.
     decode_secs: BTreeMap<usize, (f64, u64)>,
     /// Steps observed.
@@ -48,9 +53,6 @@ pub struct Pacer {
     /// Running averages of the seconds prompt chunks added to their steps and of their
     /// tokens: their ratio is a prompt token's cost, each step weighed by its tokens.
     prompt: Option<(f64, f64)>,
-    /// The same for proposed tokens verified beside decodes (speculative decoding),
-    /// from steps without prompt chunks: a few rows more of a decode step.
-    proposals: Option<(f64, f64)>,
 }
 
 /// A speculating engine leaves proposals out of a step when a decode step of its batch
@@ -63,7 +65,7 @@ impl Pacer {
     /// time (0: no limit).
     pub fn new(percent: u32) -> Self {
         let ratio = (percent > 0).then(|| f64::from(percent.max(100)) / 100.0);
-        Self { ratio, decode_secs: BTreeMap::new(), steps: 0, prompt: None, proposals: None }
+        Self { ratio, decode_secs: BTreeMap::new(), steps: 0, prompt: None }
     }
 
     /// What a step of `decodes` decodes alone takes: as measured, else between the
@@ -96,35 +98,47 @@ impl Pacer {
         }
     }
 
-    /// What a speculating engine weighs its proposals against: a step of `decodes`
-    /// decodes alone, and what each proposed token adds to it (0 until timed). None
-    /// when that decode step has not been timed lately: the next step should run
-    /// without proposals, and be timed.
+    /// What a speculating engine weighs its proposals against: the time of a step of
+    /// `decodes` decodes alone, and with each number of rows more, as timed lately
+    /// (between sizes timed, read between them; past the largest, each row more at a
+    /// prompt token's cost). None when no step of that many decodes has been timed
+    /// lately, nor sizes on both sides of it: the next step should run without
+    /// proposals, and be timed. (Scaling the largest size timed up, as chunk sizes may,
+    /// priced a step of 4 at four of 1 — three times what it takes on a CPU — and
+    /// every proposal looked cheap beside it.)
     pub fn costs(&self, decodes: usize) -> Option<StepCosts> {
-        // This batch size as timed lately; else between the sizes timed, as long as some
-        // decode step ran alone lately (a batch whose size keeps changing still speculates).
-        let lately = |at: u64| self.steps - at <= REMEASURE_AFTER_STEPS;
-        let decode_step = match self.decode_secs.get(&decodes) {
-            Some(&(secs, at)) if lately(at) => secs,
-            _ if self.decode_secs.values().any(|&(_, at)| lately(at)) => self.decode_step(decodes)?,
-            _ => return None,
+        let mut secs = vec![self.lately_timed(decodes)?];
+        let largest = self.decode_secs.iter().rev().find_map(|e| self.lately(e)).map_or(decodes, |(n, _)| n);
+        secs.extend((decodes + 1..=largest).filter_map(|rows| self.lately_timed(rows)));
+        let last = *secs.last().expect("one at least");
+        let per_row = match self.prompt {
+            Some((s, t)) if s > 0.0 && t > 0.0 => s / t,
+            // No prompt token timed: a row at the average row's price of the largest step.
+            _ => last / largest.max(1) as f64,
         };
-        let per_token = self.proposals.map_or(0.0, |(secs, tokens)| if tokens > 0.0 { secs / tokens } else { 0.0 });
-        Some(StepCosts { decode_step, per_token })
+        Some(StepCosts { secs, per_row })
+    }
+
+    /// A timed size if it was timed lately: its rows and seconds.
+    fn lately(&self, (&n, &(d, at)): (&usize, &(f64, u64))) -> Option<(usize, f64)> {
+        (self.steps - at <= REMEASURE_AFTER_STEPS).then_some((n, d))
+    }
+
+    /// A step of `rows` rows as timed lately, or between the nearest sizes timed lately
+    /// on either side of it.
+    fn lately_timed(&self, rows: usize) -> Option<f64> {
+        if let Some((_, d)) = self.decode_secs.get_key_value(&rows).and_then(|e| self.lately(e)) {
+            return Some(d);
+        }
+        let (n0, d0) = self.decode_secs.range(..rows).rev().find_map(|e| self.lately(e))?;
+        let (n1, d1) = self.decode_secs.range(rows..).find_map(|e| self.lately(e))?;
+        Some(d0 + (d1 - d0) * (rows - n0) as f64 / (n1 - n0) as f64)
     }
 
     /// A step that ran `decodes` decodes and `proposed` tokens proposed to follow them
-    /// (and no prompt chunk) in `took`.
+    /// (and no prompt chunk) in `took`: timed as a step of that many rows.
     pub fn observe_verification(&mut self, took: Duration, decodes: usize, proposed: usize) {
-        if proposed == 0 || decodes == 0 {
-            return self.observe(took, decodes, 0);
-        }
-        self.steps += 1;
-        let Some(decode_part) = self.decode_step(decodes) else { return };
-        let extra = (took.as_secs_f64() - decode_part).max(0.0);
-        let average = |old: f64, new: f64| old + ALPHA * (new - old);
-        let tokens = proposed as f64;
-        self.proposals = Some(self.proposals.map_or((extra, tokens), |(s, t)| (average(s, extra), average(t, tokens))));
+        self.observe(took, decodes + proposed, 0)
     }
 
     /// A step that ran `decodes` single-token decodes and `prompt_tokens` tokens of
@@ -163,24 +177,36 @@ mod tests {
     const MS: fn(u64) -> Duration = Duration::from_millis;
 
     #[test]
-    fn proposals_are_weighed_against_decode_steps_timed_alone_and_lately() {
+    fn proposals_are_weighed_against_steps_of_as_many_rows_timed_lately() {
         let mut p = Pacer::new(250);
         assert_eq!(p.costs(1), None, "nothing timed");
         p.observe(MS(40), 1, 0);
-        assert_eq!(p.costs(1), Some(StepCosts { decode_step: 0.040, per_token: 0.0 }));
-        // Steps verifying 4 proposals take 52 ms: 3 ms a proposed token.
-        for _ in 0..30 {
-            p.observe_verification(MS(52), 1, 4);
-        }
+        // Nothing but a step of 1: a row more is priced at the average row's.
+        assert_eq!(p.costs(1), Some(StepCosts { secs: vec![0.040], per_row: 0.040 }));
+        // A prompt token timed: rows past those timed cost what it does (2 ms).
+        p.observe(MS(40 + 20), 1, 10);
         let c = p.costs(1).unwrap();
-        assert!((c.per_token - 0.003).abs() < 1e-6, "{c:?}");
-        let two = p.costs(2).expect("estimated from the size timed");
-        assert!((two.decode_step - 0.080).abs() < 1e-9, "{two:?}");
-        // Long without a decode step alone: time one again.
+        assert!(c.secs == [0.040] && (c.per_row - 0.002).abs() < 1e-12, "{c:?}");
+        // One decode verifying 4 proposals (5 rows) in 52 ms, and steps of 3 decodes
+        // in 45 ms: rows 2 and 4 are read between the sizes timed.
+        p.observe_verification(MS(52), 1, 4);
+        p.observe(MS(45), 3, 0);
+        let c = p.costs(1).unwrap();
+        let near = |a: f64, b: f64| assert!((a - b).abs() < 1e-9, "{a} against {b}: {c:?}");
+        for (got, want) in c.secs.iter().zip([0.040, 0.0425, 0.045, 0.0485, 0.052]) {
+            near(*got, want);
+        }
+        assert_eq!(c.secs.len(), 5);
+        near(c.secs(6), 0.056); // 7 rows: 2 past the 5 timed
+        // A larger batch is not guessed from a smaller one: a step of 6 is timed first.
+        assert_eq!(p.costs(6), None);
+        assert!(p.costs(2).is_some(), "between sizes timed");
+        // Long without a decode step of 1 alone: time one again.
         for _ in 0..REMEASURE_AFTER_STEPS {
             p.observe_verification(MS(52), 1, 4);
         }
         assert_eq!(p.costs(1), None);
+        assert_eq!(p.costs(2), None, "nor is a size between stale ones");
         p.observe(MS(40), 1, 0);
         assert!(p.costs(1).is_some());
     }

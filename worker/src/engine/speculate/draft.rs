@@ -15,7 +15,7 @@
 //! they match — leaves the output distribution the target's, exactly, for sampled
 //! requests too (see `speculate`'s note).
 
-use super::{Proposal, Proposer};
+use super::{MAX_SPEC_TOKENS, Proposal, Proposer};
 use crate::engine::executor::cache_with_graphs;
 use crate::engine::sequence::SeqId;
 use crate::model::{Forwarded, KvCache, Model, ModelError, SeqInput};
@@ -52,7 +52,7 @@ pub struct DraftProposer<B: Backend> {
     seqs: HashMap<SeqId, Drafted>,
     /// Steps since start.
     clock: u64,
-    /// Running time of one drafting forward (a batch of single-token decodes), seconds.
+    /// Running time of one drafting forward (one position for every sequence), seconds.
     step_seconds: f64,
     /// The draft's error, once it failed: it then proposes nothing.
     failed: Option<ModelError>,
@@ -182,28 +182,55 @@ impl<B: Backend> DraftProposer<B> {
         self.clock += 1;
         let mut budget = CATCH_UP_TOKENS;
         let mut work: Vec<Option<Work>> = seqs.iter().map(|p| self.prepare(p, &mut budget)).collect();
-        // The first forward catches up and makes every sequence's first guess; each
-        // after it is a batch of single-token decodes.
-        let mut first = true;
+        // Sequences far behind (met for the first time, or evicted) catch up in a
+        // forward of their own, all but the last token, so that the drafting forwards'
+        // time — what one more position costs every step — is measured without it.
+        let mut held: Vec<Vec<u32>> = Vec::new();
+        {
+            let mut behind: Vec<&mut Work> = work.iter_mut().flatten().filter(|w| far_behind(w)).collect();
+            for w in &mut behind {
+                let keep = if w.left > 0 { w.pending.len() - 1 } else { w.pending.len() };
+                held.push(w.pending.split_off(keep));
+            }
+            if !behind.is_empty() {
+                let saved: Vec<usize> = behind.iter().map(|w| w.left).collect();
+                for w in &mut behind {
+                    w.left = 0;
+                }
+                self.forward(&mut behind)?;
+                for ((w, left), rest) in behind.iter_mut().zip(saved).zip(&mut held) {
+                    w.left = left;
+                    w.pending = std::mem::take(rest);
+                }
+            }
+        }
+        // The first drafting forward feeds what the target decided since the last step
+        // and makes every sequence's first guess; each after it is a batch of
+        // single-token decodes.
+        let (started, mut forwards) = (Instant::now(), 0);
         loop {
-            let mut active: Vec<&mut Work> =
-                work.iter_mut().flatten().filter(|w| !w.pending.is_empty() && (first || w.left > 0)).collect();
+            let mut active: Vec<&mut Work> = work.iter_mut().flatten().filter(|w| w.left > 0).collect();
             if active.is_empty() {
                 break;
             }
-            let started = Instant::now();
             self.forward(&mut active)?;
-            if !first {
-                let secs = started.elapsed().as_secs_f64();
-                self.step_seconds = match self.step_seconds {
-                    0.0 => secs,
-                    s => s + LEARN * (secs - s),
-                };
-            }
-            first = false;
+            forwards += 1;
+        }
+        if forwards > 0 {
+            let secs = started.elapsed().as_secs_f64() / f64::from(forwards);
+            self.step_seconds = match self.step_seconds {
+                0.0 => secs,
+                s => s + LEARN * (secs - s),
+            };
         }
         Ok(work.into_iter().map(|w| w.map(|w| w.drafted).unwrap_or_default()).collect())
     }
+}
+
+/// A sequence this far behind the tokens it is asked about catches up before drafting:
+/// more than a verification can have settled since the last step.
+fn far_behind(w: &Work) -> bool {
+    w.left == 0 || w.pending.len() > MAX_SPEC_TOKENS + 1
 }
 
 /// The most likely token of each `vocab`-wide row.

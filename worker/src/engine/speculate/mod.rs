@@ -77,12 +77,39 @@ fn proposer(config: &SpecConfig) -> Option<Box<dyn Proposer>> {
 }
 
 /// What the engine has measured of its steps, in seconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepCosts {
-    /// A step of the batch's decodes alone.
-    pub decode_step: f64,
-    /// One more token through the model (a prompt or proposal row).
-    pub per_token: f64,
+    /// A step of the batch's decodes alone (`[0]`), and with each number of rows more
+    /// (proposed tokens).
+    pub secs: Vec<f64>,
+    /// What each row past those adds.
+    pub per_row: f64,
+}
+
+impl StepCosts {
+    /// A step of `decode_step` seconds, each row more adding `per_row`.
+    pub fn linear(decode_step: f64, per_row: f64) -> Self {
+        Self { secs: vec![decode_step], per_row }
+    }
+
+    /// Rows that cost nothing: every proposal is verified (for tests that want
+    /// speculation every step, whatever the machine's speed).
+    pub fn free() -> Self {
+        Self::linear(1.0, 0.0)
+    }
+
+    /// A step with `extra` rows beside the decodes.
+    pub fn secs(&self, extra: usize) -> f64 {
+        let last = self.secs.len() - 1;
+        match self.secs.get(extra) {
+            Some(&s) => s,
+            None => self.secs[last] + (extra - last) as f64 * self.per_row,
+        }
+    }
+
+    fn is_free(&self) -> bool {
+        self.per_row <= 0.0 && self.secs.iter().all(|&s| s <= self.secs[0])
+    }
 }
 
 /// Counts since start, under vLLM's metric names (`metrics`).
@@ -140,7 +167,7 @@ impl Speculator {
 
     /// The proposals worth verifying this step for `seqs` (the batch's decoding
     /// sequences, all of them: their count sets the step's cost), by sequence.
-    pub fn propose(&mut self, seqs: &[Proposal<'_>], costs: StepCosts) -> Vec<(SeqId, Vec<u32>)> {
+    pub fn propose(&mut self, seqs: &[Proposal<'_>], costs: &StepCosts) -> Vec<(SeqId, Vec<u32>)> {
         let alphas: Vec<f64> = seqs.iter().map(|p| *self.acceptance.entry(p.id).or_insert(PRIOR_ACCEPTANCE)).collect();
         let limits: Vec<usize> = seqs.iter().map(|p| p.max.min(self.config.max_tokens)).collect();
         // The proposer is asked only about sequences that could get a token verified
@@ -205,78 +232,77 @@ impl Speculator {
 
 /// How many of each sequence's proposed tokens (`lens`) to verify. The step yields one
 /// token per decoding sequence (`decodes`) whatever is verified; a proposed token
-/// promises `α^j` more and costs its row of the forward. Positions are added, the one
-/// promising most per second first, while what they promise per second beats the
-/// step's expected tokens per second so far. A position deeper than any chosen so far
-/// also costs a drafting step (`draft_step`: a draft model's forward, shared by every
-/// sequence drafted that deep), so going one deeper is weighed for all the sequences
-/// it would serve together.
-fn choose(alphas: &[f64], lens: &[usize], decodes: usize, costs: StepCosts, draft_step: f64) -> Vec<usize> {
-    let mut keep = vec![0; lens.len()];
-    if costs.per_token <= 0.0 || costs.decode_step <= 0.0 {
-        // Nothing measured says a row costs anything: verify what was proposed.
+/// promises `α^j` more and makes the step a row longer (`costs`); a position deeper
+/// than any verified costs a drafting step (`draft_step`: a draft model's forward,
+/// shared by every sequence drafted that deep). Rows are taken the one promising most
+/// first, and the number of rows is the one whose step yields the most tokens per
+/// second — every count is weighed, not only while each row pays for itself, because
+/// a row's price is uneven (a row past a multiple of four costs a CPU kernel pass,
+/// the three after it little).
+fn choose(alphas: &[f64], lens: &[usize], decodes: usize, costs: &StepCosts, draft_step: f64) -> Vec<usize> {
+    if costs.is_free() && draft_step <= 0.0 {
         return lens.to_vec();
     }
-    let gain = |i: usize, keep: &[usize]| alphas[i].powi(keep[i] as i32 + 1);
-    let (mut tokens, mut secs, mut depth) = (decodes as f64, costs.decode_step, 0);
-    loop {
-        // One more row for a sequence still short of the depth already drafted...
-        let row = (0..lens.len())
-            .filter(|&i| keep[i] < lens[i].min(depth))
-            .map(|i| (vec![i], gain(i, &keep), costs.per_token))
-            .max_by(|a, b| a.1.total_cmp(&b.1));
-        // ...or a position deeper, for each sequence there whose row alone would pay.
-        let deeper: Vec<usize> = (0..lens.len())
-            .filter(|&i| keep[i] == depth && lens[i] > depth && gain(i, &keep) * secs > tokens * costs.per_token)
-            .collect();
-        let layer = (!deeper.is_empty()).then(|| {
-            let g = deeper.iter().map(|&i| gain(i, &keep)).sum::<f64>();
-            let c = draft_step + deeper.len() as f64 * costs.per_token;
-            (deeper, g, c)
+    let gain = |i: usize, k: usize| alphas[i].powi(k as i32 + 1);
+    let mut keep = vec![0; lens.len()];
+    let (mut tokens, mut depth) = (decodes as f64, 0);
+    let mut best = (tokens / costs.secs(0), keep.clone());
+    for rows in 1.. {
+        let next = (0..lens.len()).filter(|&i| keep[i] < lens[i]).max_by(|&a, &b| {
+            // The higher promise first; between equals, the shallower (a shared draft
+            // step serves them together).
+            gain(a, keep[a]).total_cmp(&gain(b, keep[b])).then(keep[b].cmp(&keep[a]))
         });
-        let best = [row, layer].into_iter().flatten().max_by(|a, b| (a.1 / a.2).total_cmp(&(b.1 / b.2)));
-        let Some((seqs, g, c)) = best else { break };
-        if g * secs <= tokens * c {
-            break;
+        let Some(i) = next else { break };
+        tokens += gain(i, keep[i]);
+        keep[i] += 1;
+        depth = depth.max(keep[i]);
+        let rate = tokens / (costs.secs(rows) + draft_step * depth as f64);
+        if rate > best.0 {
+            best = (rate, keep.clone());
         }
-        for i in seqs {
-            keep[i] += 1;
-            depth = depth.max(keep[i]);
-        }
-        tokens += g;
-        secs += c;
     }
-    keep
+    best.1
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const CHEAP: StepCosts = StepCosts { decode_step: 0.040, per_token: 0.004 };
+    fn cheap() -> StepCosts {
+        StepCosts::linear(0.040, 0.004)
+    }
 
     #[test]
     fn good_guessers_verify_more_than_poor_ones_and_cheap_rows_buy_more() {
         // α 0.9 against 0.3 at a tenth of a step per row: 0.3 is worth one row (0.3 >
         // 0.1), not two (0.09); 0.9 is worth many.
-        let keep = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.002 }, 0.0);
+        let keep = choose(&[0.9, 0.3], &[8, 8], 2, &StepCosts::linear(0.040, 0.002), 0.0);
         assert!(keep[0] >= 6 && keep[1] == 1, "{keep:?}");
         // Dearer rows: fewer for both.
-        let dear = choose(&[0.9, 0.3], &[8, 8], 2, StepCosts { decode_step: 0.040, per_token: 0.016 }, 0.0);
+        let dear = choose(&[0.9, 0.3], &[8, 8], 2, &StepCosts::linear(0.040, 0.016), 0.0);
         assert!(dear[0] < keep[0] && dear[1] == 0, "{dear:?}");
         // Never more than proposed.
-        assert_eq!(choose(&[0.99], &[2], 1, CHEAP, 0.0), vec![2]);
+        assert_eq!(choose(&[0.99], &[2], 1, &cheap(), 0.0), vec![2]);
     }
 
     #[test]
     fn a_large_batch_verifies_nothing_where_a_single_stream_would() {
         // 64 decodes in a 60 ms step: each already yields a token for ~1 ms, so a 4 ms
         // row at α 0.7 does not pay; one stream at 40 ms does.
-        assert_eq!(
-            choose(&[0.7; 64], &[4; 64], 64, StepCosts { decode_step: 0.060, per_token: 0.004 }, 0.0),
-            vec![0; 64]
-        );
-        assert!(choose(&[0.7], &[4], 1, CHEAP, 0.0)[0] > 0);
+        assert_eq!(choose(&[0.7; 64], &[4; 64], 64, &StepCosts::linear(0.060, 0.004), 0.0), vec![0; 64]);
+        assert!(choose(&[0.7], &[4], 1, &cheap(), 0.0)[0] > 0);
+    }
+
+    #[test]
+    fn an_uneven_row_price_is_weighed_over_every_count_of_rows() {
+        // Four decodes in 64 ms; a fifth row takes a kernel pass of its own (100 ms),
+        // the three after it little; a ninth another pass. One row does not pay for
+        // itself, four together do.
+        let costs = StepCosts { secs: vec![0.064, 0.100, 0.102, 0.104, 0.106], per_row: 0.030 };
+        assert_eq!(choose(&[0.9; 4], &[4; 4], 4, &costs, 0.0), vec![1; 4]);
+        // Poorer guessers: not even four.
+        assert_eq!(choose(&[0.4; 4], &[4; 4], 4, &costs, 0.0), vec![0; 4]);
     }
 
     #[test]
@@ -284,7 +310,7 @@ mod tests {
         // A draft forward at a third of a target step (two cores: 0.5B against 1.5B):
         // one stream at α 0.8 gains 0.8 tokens for 0.36 of a step — worth it; a poor
         // guesser (α 0.3) is not, where lookups (free) would be.
-        let costs = StepCosts { decode_step: 0.040, per_token: 0.001 };
+        let costs = &StepCosts::linear(0.040, 0.001);
         assert!(choose(&[0.8], &[4], 1, costs, 0.0133)[0] >= 1);
         assert_eq!(choose(&[0.3], &[4], 1, costs, 0.0133), vec![0]);
         assert!(choose(&[0.3], &[4], 1, costs, 0.0)[0] > 0);
@@ -294,7 +320,7 @@ mod tests {
         assert!(dear < cheap, "{dear} positions with a dear draft, {cheap} with a cheap one");
         // Four streams share each drafting step: one's 0.8 tokens alone would not pay
         // for it beside four tokens a step, four's 3.2 do.
-        let four = choose(&[0.8; 4], &[8; 4], 4, StepCosts { decode_step: 0.044, per_token: 0.001 }, 0.0133);
+        let four = choose(&[0.8; 4], &[8; 4], 4, &StepCosts::linear(0.044, 0.001), 0.0133);
         assert_eq!(four, vec![2; 4]);
     }
 
@@ -303,8 +329,8 @@ mod tests {
         let mut s = Speculator::new(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }).unwrap();
         let tokens: Vec<u32> = [1, 2, 3, 4, 1, 2].to_vec();
         let ask = [Proposal { id: 7, tenant: "", tokens: &tokens, max: 8 }];
-        let free = StepCosts { decode_step: 0.040, per_token: 0.0 };
-        let first = s.propose(&ask, free);
+        let free = StepCosts::free();
+        let first = s.propose(&ask, &free);
         assert_eq!(first, vec![(7, vec![3, 4, 1, 2])]);
         s.verified(7, 4, 2);
         s.verified(7, 3, 3);
@@ -315,8 +341,8 @@ mod tests {
         for _ in 0..20 {
             s.verified(7, 1, 0);
         }
-        assert!(s.propose(&ask, CHEAP).is_empty());
-        let recovered = (0..200).find(|_| !s.propose(&ask, CHEAP).is_empty());
+        assert!(s.propose(&ask, &cheap()).is_empty());
+        let recovered = (0..200).find(|_| !s.propose(&ask, &cheap()).is_empty());
         assert!(recovered.is_some(), "a sequence that stopped guessing is tried again");
         s.finished(7, "", &tokens);
         assert!(s.acceptance.is_empty());
