@@ -109,7 +109,7 @@ impl Pacer {
     pub fn costs(&self, decodes: usize) -> Option<StepCosts> {
         let mut secs = vec![self.lately_timed(decodes)?];
         let largest = self.decode_secs.iter().rev().find_map(|e| self.lately(e)).map_or(decodes, |(n, _)| n);
-        secs.extend((decodes + 1..=largest).filter_map(|rows| self.lately_timed(rows)));
+        secs.extend((decodes + 1..=largest).map_while(|rows| self.lately_timed(rows)));
         let last = *secs.last().expect("one at least");
         let per_row = match self.prompt {
             Some((s, t)) if s > 0.0 && t > 0.0 => s / t,

@@ -61,7 +61,12 @@ pub struct DraftProposer<B: Backend> {
 /// One sequence's part of a drafting step.
 struct Work {
     id: SeqId,
-    /// Tokens to feed first (catching up), then drafted ones one at a time.
+    /// Tokens to feed before drafting, in a forward of their own (a sequence far
+    /// behind: met for the first time, or evicted), so that the drafting forwards'
+    /// time — what one more position costs every step — is measured without them.
+    catch_up: Vec<u32>,
+    /// Tokens to feed next: what the model decided since the last step, then drafted
+    /// ones one at a time.
     pending: Vec<u32>,
     /// Tokens still to draft.
     left: usize,
@@ -104,9 +109,17 @@ impl<B: Backend> DraftProposer<B> {
         *budget = budget.saturating_sub(take);
         let start = d.fed.len();
         let caught_up = take == behind;
+        // More than a verification can have settled since the last step goes first,
+        // all but the token whose logits give the first guess.
+        let split = match caught_up {
+            false => start + take,
+            true if behind > MAX_SPEC_TOKENS + 1 => p.tokens.len() - 1,
+            true => start,
+        };
         Some(Work {
             id: p.id,
-            pending: p.tokens[start..start + take].to_vec(),
+            catch_up: p.tokens[start..split].to_vec(),
+            pending: p.tokens[split..start + take].to_vec(),
             left: if caught_up { p.max } else { 0 },
             drafted: Vec::new(),
         })
@@ -143,17 +156,18 @@ impl<B: Backend> DraftProposer<B> {
         }
     }
 
-    /// One forward of the draft over `work` (each sequence's pending tokens), and each
-    /// sequence's greedy next token where it asked for one.
-    fn forward(&mut self, work: &mut [&mut Work]) -> Result<(), ModelError> {
-        let asks: Vec<bool> = work.iter().map(|w| w.left > 0).collect();
+    /// One forward of the draft over `work` (each sequence's tokens to catch up, or
+    /// its pending ones), and each sequence's greedy next token where it asked for one.
+    fn forward(&mut self, work: &mut [&mut Work], catching_up: bool) -> Result<(), ModelError> {
+        let asks: Vec<bool> = work.iter().map(|w| !catching_up && w.left > 0).collect();
         let picks = {
             let inputs: Vec<SeqInput<'_>> = work
                 .iter()
                 .zip(&asks)
                 .map(|(w, &logits)| {
                     let d = &self.seqs[&w.id];
-                    SeqInput { tokens: &w.pending, cached: d.fed.len(), block_table: &d.table, logits, embeds: &[] }
+                    let tokens = if catching_up { &w.catch_up } else { &w.pending };
+                    SeqInput { tokens, cached: d.fed.len(), block_table: &d.table, logits, embeds: &[] }
                 })
                 .collect();
             let rows = vec![PickRow::default(); asks.iter().filter(|&&a| a).count()];
@@ -165,7 +179,7 @@ impl<B: Backend> DraftProposer<B> {
         let mut picks = picks.into_iter();
         for (w, ask) in work.iter_mut().zip(asks) {
             let d = self.seqs.get_mut(&w.id).expect("prepared");
-            d.fed.append(&mut w.pending);
+            d.fed.append(if catching_up { &mut w.catch_up } else { &mut w.pending });
             if ask {
                 let token = picks.next().ok_or_else(|| ModelError::Input("the draft returned too few rows".into()))?;
                 w.drafted.push(token);
@@ -182,27 +196,9 @@ impl<B: Backend> DraftProposer<B> {
         self.clock += 1;
         let mut budget = CATCH_UP_TOKENS;
         let mut work: Vec<Option<Work>> = seqs.iter().map(|p| self.prepare(p, &mut budget)).collect();
-        // Sequences far behind (met for the first time, or evicted) catch up in a
-        // forward of their own, all but the last token, so that the drafting forwards'
-        // time — what one more position costs every step — is measured without it.
-        let mut held: Vec<Vec<u32>> = Vec::new();
-        {
-            let mut behind: Vec<&mut Work> = work.iter_mut().flatten().filter(|w| far_behind(w)).collect();
-            for w in &mut behind {
-                let keep = if w.left > 0 { w.pending.len() - 1 } else { w.pending.len() };
-                held.push(w.pending.split_off(keep));
-            }
-            if !behind.is_empty() {
-                let saved: Vec<usize> = behind.iter().map(|w| w.left).collect();
-                for w in &mut behind {
-                    w.left = 0;
-                }
-                self.forward(&mut behind)?;
-                for ((w, left), rest) in behind.iter_mut().zip(saved).zip(&mut held) {
-                    w.left = left;
-                    w.pending = std::mem::take(rest);
-                }
-            }
+        let mut behind: Vec<&mut Work> = work.iter_mut().flatten().filter(|w| !w.catch_up.is_empty()).collect();
+        if !behind.is_empty() {
+            self.forward(&mut behind, true)?;
         }
         // The first drafting forward feeds what the target decided since the last step
         // and makes every sequence's first guess; each after it is a batch of
@@ -213,7 +209,7 @@ impl<B: Backend> DraftProposer<B> {
             if active.is_empty() {
                 break;
             }
-            self.forward(&mut active)?;
+            self.forward(&mut active, false)?;
             forwards += 1;
         }
         if forwards > 0 {
@@ -225,12 +221,6 @@ impl<B: Backend> DraftProposer<B> {
         }
         Ok(work.into_iter().map(|w| w.map(|w| w.drafted).unwrap_or_default()).collect())
     }
-}
-
-/// A sequence this far behind the tokens it is asked about catches up before drafting:
-/// more than a verification can have settled since the last step.
-fn far_behind(w: &Work) -> bool {
-    w.left == 0 || w.pending.len() > MAX_SPEC_TOKENS + 1
 }
 
 /// The most likely token of each `vocab`-wide row.
