@@ -8,18 +8,22 @@ use std::time::{Duration, Instant};
 
 /// Path of binary `bin` of workspace package `package`, rebuilt first (a no-op when
 /// fresh) so a test never runs a stale one, in the profile the tests were built in.
+///
+/// It builds what `cargo test --workspace` builds (every package, dev-dependencies
+/// included), which already made the binaries: a build of one package alone would
+/// resolve its dependencies' features differently and compile most of the tree again.
 pub fn binary(package: &str, bin: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // Test executables live in target/<profile>/deps; binaries one level up.
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target directory").to_path_buf();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = Command::new(cargo);
-    build.args(["build", "--quiet", "-p", package, "--bin", bin]);
+    build.args(["build", "--quiet", "--workspace", "--tests"]);
     if profile_dir.ends_with("release") {
         build.arg("--release");
     }
     let status = build.status().expect("running cargo build");
-    assert!(status.success(), "cargo build -p {package} --bin {bin} failed");
+    assert!(status.success(), "cargo build of the workspace (for {package}'s {bin}) failed");
     profile_dir.join(bin)
 }
 
