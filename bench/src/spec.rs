@@ -59,6 +59,12 @@ pub struct Args {
     /// Most tokens a draft model proposes per step.
     #[arg(long, default_value_t = 4)]
     draft_tokens: usize,
+    /// Times each of Tessera's sides runs per level, in turn and every other round in
+    /// reverse (off, ngram, draft, draft, ngram, off, …), each on a fresh server; a
+    /// side's figures pool its rounds. On a machine whose speed drifts by more than the
+    /// difference measured, one round each in a fixed order shows the drift.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
 }
 
 /// A model as both servers are given it.
@@ -202,6 +208,22 @@ async fn level(port: u16, key: &str, model: &str, c: usize, n: usize, max_tokens
     .await
 }
 
+/// One of Tessera's sides over its rounds.
+#[derive(Default)]
+struct Pooled {
+    samples: Vec<Sample>,
+    wall: f64,
+    /// Each round's output tokens/s.
+    throughputs: Vec<f64>,
+    /// Proposed and accepted tokens, from the workers' metrics.
+    counted: Option<(f64, f64)>,
+}
+
+/// A round's output tokens/s.
+fn round_tps(samples: &[Sample], wall_s: f64) -> f64 {
+    round(samples.iter().map(|s| s.tokens).sum::<u64>() as f64 / wall_s)
+}
+
 /// Decode speed and time to first token by kind, and over the whole mix.
 fn figures(samples: &[Sample], wall_s: f64) -> Map<String, Value> {
     let of = |filter: &dyn Fn(&Sample) -> bool| {
@@ -303,17 +325,40 @@ pub fn run(args: Args) -> Result<()> {
                 };
                 sides.push((format!("tessera_{method}"), serve_args));
             }
-            for (side, serve_args) in &sides {
-                let server = Server::start(&tessera, serve_args)?;
-                let before = spec_counters(&server);
-                let (samples, wall) = runtime.block_on(level(server.port, &server.key, m.id, c, n, args.max_tokens))?;
-                let mut f = figures(&samples, wall);
-                if let (Some((d0, a0)), Some((d1, a1))) = (before, spec_counters(&server)) {
-                    f.insert("draft_tokens".into(), json!(d1 - d0));
-                    f.insert("acceptance".into(), json!(round((a1 - a0) / (d1 - d0).max(1.0))));
+            let mut pooled: Vec<Pooled> = sides.iter().map(|_| Pooled::default()).collect();
+            for r in 0..args.rounds.max(1) {
+                let mut order: Vec<usize> = (0..sides.len()).collect();
+                if r % 2 == 1 {
+                    order.reverse();
                 }
-                line["device"] = json!(server.device);
+                for i in order {
+                    let server = Server::start(&tessera, &sides[i].1)?;
+                    let before = spec_counters(&server);
+                    let (samples, wall) =
+                        runtime.block_on(level(server.port, &server.key, m.id, c, n, args.max_tokens))?;
+                    let p = &mut pooled[i];
+                    p.throughputs.push(round_tps(&samples, wall));
+                    p.wall += wall;
+                    p.samples.extend(samples);
+                    if let (Some((d0, a0)), Some((d1, a1))) = (before, spec_counters(&server)) {
+                        p.counted = Some(p.counted.map_or((d1 - d0, a1 - a0), |(d, a)| (d + d1 - d0, a + a1 - a0)));
+                    }
+                    line["device"] = json!(server.device);
+                }
+            }
+            for ((side, _), p) in sides.iter().zip(pooled) {
+                let mut f = figures(&p.samples, p.wall);
+                if let Some((drafted, accepted)) = p.counted {
+                    f.insert("draft_tokens".into(), json!(drafted));
+                    f.insert("acceptance".into(), json!(round(accepted / drafted.max(1.0))));
+                }
+                if p.throughputs.len() > 1 {
+                    f.insert("rounds_output_tokens_per_s".into(), json!(p.throughputs));
+                }
                 line[side.as_str()] = Value::Object(f);
+            }
+            if args.rounds > 1 {
+                line["rounds"] = json!(args.rounds);
             }
             if let Some(binary) = &llama {
                 let gguf = model_cache::resolve(m.weights)?;
