@@ -219,7 +219,7 @@ struct Pooled {
     counted: Option<(f64, f64)>,
 }
 
-/// A round's output tokens/s.
+/// Output tokens/s of `samples` over `wall_s` (a round's, or pooled rounds').
 fn round_tps(samples: &[Sample], wall_s: f64) -> f64 {
     round(samples.iter().map(|s| s.tokens).sum::<u64>() as f64 / wall_s)
 }
@@ -250,8 +250,7 @@ fn figures(samples: &[Sample], wall_s: f64) -> Map<String, Value> {
         out.insert(kind.as_str().into(), of(&|s: &Sample| s.kind == kind));
     }
     out.insert("mix".into(), of(&|_| true));
-    let output: u64 = samples.iter().map(|s| s.tokens).sum();
-    out.insert("output_tokens_per_s".into(), json!(round(output as f64 / wall_s)));
+    out.insert("output_tokens_per_s".into(), json!(round_tps(samples, wall_s)));
     out
 }
 
