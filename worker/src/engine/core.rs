@@ -942,7 +942,7 @@ impl<B: Backend> EngineCore<B> {
     /// learns from its text stays with its tenant).
     fn forget(&mut self, seq: &Sequence, tenant: &str) {
         if let Some(spec) = &mut self.speculator {
-            spec.finished(seq.id, tenant, &seq.tokens);
+            spec.finished(seq.id, tenant, &seq.tokens, seq.num_output());
         }
     }
 

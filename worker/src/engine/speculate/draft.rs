@@ -10,6 +10,12 @@
 //! its whole prompt, a bounded number of tokens per step (`CATCH_UP_TOKENS`), and is
 //! drafted for once it has.
 //!
+//! Both are timed — a drafting forward (what one more proposed position costs a step)
+//! and a catch-up token (what bringing a sequence up to date costs, paid once) — first
+//! on a dummy sequence when the draft is loaded, so that the engine weighs them before
+//! it ever pays them: caught up on every new prompt unweighed, the draft cost a 4-stream
+//! batch more than its few accepted guesses saved.
+//!
 //! Drafting is greedy (a point guess per position), so the engine's verification —
 //! sampling each position as it would without speculation and keeping guesses while
 //! they match — leaves the output distribution the target's, exactly, for sampled
@@ -30,8 +36,14 @@ use tessera_proto::block_hash::BLOCK_TOKENS;
 /// through the draft, and is caught up over several steps.
 pub const CATCH_UP_TOKENS: usize = 512;
 
-/// Weight of the latest drafting step in the running step time.
+/// Weight of the latest measure in the running step and catch-up times.
 const LEARN: f64 = 0.3;
+
+/// Tokens of the dummy sequence timed at load.
+const WARM_UP_TOKENS: usize = 64;
+
+/// The id of the dummy sequence timed at load (never an engine's: those count up).
+const WARM_UP_ID: SeqId = SeqId::MAX;
 
 /// What the draft holds for one sequence.
 #[derive(Debug, Default)]
@@ -54,6 +66,8 @@ pub struct DraftProposer<B: Backend> {
     clock: u64,
     /// Running time of one drafting forward (one position for every sequence), seconds.
     step_seconds: f64,
+    /// Running time of catching up, per token, seconds.
+    token_seconds: f64,
     /// The draft's error, once it failed: it then proposes nothing.
     failed: Option<ModelError>,
 }
@@ -81,7 +95,55 @@ impl<B: Backend> DraftProposer<B> {
         let kv = cache_with_graphs(&model, num_blocks, graph_sizes)?;
         // Popped from the end: the lowest blocks first.
         let free = (0..num_blocks as u32).rev().collect();
-        Ok(Self { model, kv, free, seqs: HashMap::new(), clock: 0, step_seconds: 0.0, failed: None })
+        let mut draft = Self {
+            model,
+            kv,
+            free,
+            seqs: HashMap::new(),
+            clock: 0,
+            step_seconds: 0.0,
+            token_seconds: 0.0,
+            failed: None,
+        };
+        draft.warm_up()?;
+        eprintln!(
+            "tessera-worker: draft model timed: {:.1} ms a drafting forward, {:.2} ms a token caught up",
+            draft.step_seconds * 1e3,
+            draft.token_seconds * 1e3
+        );
+        Ok(draft)
+    }
+
+    /// Times a catch-up and a drafting forward on a dummy sequence, twice (the first
+    /// pays for cold caches), so that the first requests are weighed with what the
+    /// draft costs on this machine.
+    fn warm_up(&mut self) -> Result<(), ModelError> {
+        let len = WARM_UP_TOKENS.min(self.model.config.context_length.saturating_sub(2));
+        if len == 0 {
+            return Ok(());
+        }
+        let tokens: Vec<u32> = (0..len as u32).map(|t| t % self.model.config.vocab_size as u32).collect();
+        for _ in 0..2 {
+            self.release(WARM_UP_ID);
+            self.step_seconds = 0.0;
+            self.token_seconds = 0.0;
+            let ask = Proposal { id: WARM_UP_ID, tenant: "", tokens: &tokens, max: 1 };
+            self.draft(&[ask])?;
+        }
+        self.release(WARM_UP_ID);
+        Ok(())
+    }
+
+    /// Tokens `p` is behind by past what a drafting forward feeds anyway: what
+    /// catching it up feeds.
+    fn behind(&self, p: &Proposal<'_>) -> usize {
+        let fed = self.seqs.get(&p.id).map_or(&[][..], |d| &d.fed[..]);
+        let agree = fed.iter().zip(p.tokens).take_while(|(a, b)| a == b).count();
+        let behind = p.tokens.len() - agree.min(p.tokens.len().saturating_sub(1));
+        match behind > MAX_SPEC_TOKENS + 1 {
+            true => behind,
+            false => 0,
+        }
     }
 
     /// Gets `p` ready to draft: its state cut back to what still agrees with its
@@ -198,7 +260,9 @@ impl<B: Backend> DraftProposer<B> {
         let mut work: Vec<Option<Work>> = seqs.iter().map(|p| self.prepare(p, &mut budget)).collect();
         let mut behind: Vec<&mut Work> = work.iter_mut().flatten().filter(|w| !w.catch_up.is_empty()).collect();
         if !behind.is_empty() {
+            let (started, tokens) = (Instant::now(), behind.iter().map(|w| w.catch_up.len()).sum::<usize>());
             self.forward(&mut behind, true)?;
+            learn(&mut self.token_seconds, started.elapsed().as_secs_f64() / tokens as f64);
         }
         // The first drafting forward feeds what the target decided since the last step
         // and makes every sequence's first guess; each after it is a batch of
@@ -213,14 +277,18 @@ impl<B: Backend> DraftProposer<B> {
             forwards += 1;
         }
         if forwards > 0 {
-            let secs = started.elapsed().as_secs_f64() / f64::from(forwards);
-            self.step_seconds = match self.step_seconds {
-                0.0 => secs,
-                s => s + LEARN * (secs - s),
-            };
+            learn(&mut self.step_seconds, started.elapsed().as_secs_f64() / f64::from(forwards));
         }
         Ok(work.into_iter().map(|w| w.map(|w| w.drafted).unwrap_or_default()).collect())
     }
+}
+
+/// Moves a running time toward `secs` (to it, the first time).
+fn learn(running: &mut f64, secs: f64) {
+    *running = match *running {
+        0.0 => secs,
+        s => s + LEARN * (secs - s),
+    };
 }
 
 /// The most likely token of each `vocab`-wide row.
@@ -257,6 +325,10 @@ impl<B: Backend> Proposer for DraftProposer<B> {
 
     fn step_seconds(&self) -> f64 {
         self.step_seconds
+    }
+
+    fn catch_up_seconds(&self, p: &Proposal<'_>) -> f64 {
+        self.behind(p) as f64 * self.token_seconds
     }
 
     fn held_blocks(&self) -> usize {
