@@ -70,6 +70,14 @@ pub trait Proposer: Send {
         0.0
     }
 
+    /// A sequence's α before any of its guesses is verified. Lookups, whose guesses
+    /// cost nothing, start at the prior: a deeper first verification of a sequence
+    /// whose guesses are unknown costs rows, and measured, lost them their gain on
+    /// fresh code and chat.
+    fn new_acceptance(&self) -> f64 {
+        PRIOR_ACCEPTANCE
+    }
+
     /// KV blocks it holds (a draft model's cache).
     fn held_blocks(&self) -> usize {
         0
@@ -134,13 +142,10 @@ pub struct SpecStats {
 }
 
 /// A proposal's `j`-th token is accepted with probability `α^j`: a sequence's α before
-/// any of its proposals is verified. Optimistic, so that a sequence is tried, and its
-/// own α learnt, where guesses pay only when mostly right (a draft model on a CPU,
-/// whose forwards and catching up cost half a step and more: at 0.5 no sequence would
-/// be tried, and those it guesses well for, code it is asked to repeat, never found).
-const NEW_ACCEPTANCE: f64 = 0.8;
-/// What a sequence that verifies nothing drifts back toward.
-const PRIOR_ACCEPTANCE: f64 = 0.5;
+/// any of its proposals is verified (unless its proposer says otherwise:
+/// `Proposer::new_acceptance`), and what a sequence that verifies nothing drifts back
+/// toward.
+pub const PRIOR_ACCEPTANCE: f64 = 0.5;
 /// Weight of one verified position in a sequence's running acceptance.
 const LEARN: f64 = 0.2;
 /// Output tokens a sequence is expected to make, before any has ended.
@@ -190,7 +195,8 @@ impl Speculator {
     /// The proposals worth verifying this step for `seqs` (the batch's decoding
     /// sequences, all of them: their count sets the step's cost), by sequence.
     pub fn propose(&mut self, seqs: &[Proposal<'_>], costs: &StepCosts) -> Vec<(SeqId, Vec<u32>)> {
-        let alphas: Vec<f64> = seqs.iter().map(|p| *self.acceptance.entry(p.id).or_insert(NEW_ACCEPTANCE)).collect();
+        let new = self.proposer.new_acceptance();
+        let alphas: Vec<f64> = seqs.iter().map(|p| *self.acceptance.entry(p.id).or_insert(new)).collect();
         let limits: Vec<usize> = seqs.iter().map(|p| p.max.min(self.config.max_tokens)).collect();
         // The proposer is asked only about sequences that could get a token verified
         // at all: at large batches, none (and nothing is looked up).
@@ -241,7 +247,7 @@ impl Speculator {
         for n in &mut self.stats.accepted_per_position[..accepted] {
             *n += 1;
         }
-        let a = self.acceptance.entry(id).or_insert(NEW_ACCEPTANCE);
+        let a = self.acceptance.entry(id).or_insert(self.proposer.new_acceptance());
         for _ in 0..accepted {
             *a += LEARN * (1.0 - *a);
         }
@@ -396,8 +402,8 @@ mod tests {
         assert!(choose(&[0.8], &[4], 1, &StepCosts::linear(0.040, 0.001), 0.0133, &[0.006])[0] > 0);
     }
 
-    /// A proposer that costs what it is told (catching up: all but sequence 1) and
-    /// records whom it was asked about.
+    /// A proposer that costs what it is told (catching up: all but sequence 1), starts
+    /// sequences at α 0.8 as a draft model does, and records whom it was asked about.
     struct Priced {
         step: f64,
         catch_up: f64,
@@ -418,6 +424,9 @@ mod tests {
         }
         fn catch_up_seconds(&self, p: &Proposal<'_>) -> f64 {
             if p.id == 1 { 0.0 } else { self.catch_up }
+        }
+        fn new_acceptance(&self) -> f64 {
+            0.8
         }
     }
 
