@@ -144,8 +144,7 @@ impl<B: Backend> DraftProposer<B> {
     /// catching it up feeds.
     fn behind(&self, p: &Proposal<'_>) -> usize {
         let fed = self.seqs.get(&p.id).map_or(&[][..], |d| &d.fed[..]);
-        let agree = fed.iter().zip(p.tokens).take_while(|(a, b)| a == b).count();
-        let behind = p.tokens.len() - agree.min(p.tokens.len().saturating_sub(1));
+        let behind = p.tokens.len() - still_fed(fed, p.tokens);
         match behind > MAX_SPEC_TOKENS + 1 {
             true => behind,
             false => 0,
@@ -163,9 +162,7 @@ impl<B: Backend> DraftProposer<B> {
         let clock = self.clock;
         let d = self.seqs.entry(p.id).or_default();
         d.used = clock;
-        let agree = d.fed.iter().zip(p.tokens).take_while(|(a, b)| a == b).count();
-        // The last token is fed again if need be: its logits give the first guess.
-        d.fed.truncate(agree.min(p.tokens.len() - 1));
+        d.fed.truncate(still_fed(&d.fed, p.tokens));
         let behind = p.tokens.len() - d.fed.len();
         let need = (p.tokens.len() + p.max).div_ceil(BLOCK_TOKENS);
         if !self.reserve(p.id, need) {
@@ -287,6 +284,13 @@ impl<B: Backend> DraftProposer<B> {
         }
         Ok(work.into_iter().map(|w| w.map(|w| w.drafted).unwrap_or_default()).collect())
     }
+}
+
+/// How much of `fed` a sequence of `tokens` keeps: what still agrees with them, short of
+/// the last token, which is fed again if need be (its logits give the first guess).
+fn still_fed(fed: &[u32], tokens: &[u32]) -> usize {
+    let agree = fed.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+    agree.min(tokens.len().saturating_sub(1))
 }
 
 /// Moves a running time toward `secs` (to it, the first time).

@@ -410,8 +410,11 @@ mod tests {
         asked: Arc<Mutex<Vec<SeqId>>>,
     }
 
-    fn drafting() -> SpecConfig {
-        SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: None }
+    /// Draft-model speculation by a `Priced` proposer, and its record of whom it was asked.
+    fn priced(step: f64, catch_up: f64) -> (Speculator, Arc<Mutex<Vec<SeqId>>>) {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let config = SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: None };
+        (Speculator::with_proposer(config, Box::new(Priced { step, catch_up, asked: asked.clone() })), asked)
     }
 
     impl Proposer for Priced {
@@ -432,14 +435,10 @@ mod tests {
 
     #[test]
     fn a_proposer_is_not_asked_about_sequences_whose_catch_up_would_not_pay() {
-        let asked = Arc::new(Mutex::new(Vec::new()));
         // Four seconds to catch up sequence 2, spread over a typical output's 128 tokens
         // at 1.8 tokens a step (α before anything is verified: 0.8): 56 ms a step, more
         // than drafting it gains; sequence 1 is caught up already.
-        let mut s = Speculator::with_proposer(
-            drafting(),
-            Box::new(Priced { step: 0.004, catch_up: 4.0, asked: asked.clone() }),
-        );
+        let (mut s, asked) = priced(0.004, 4.0);
         let tokens = [5u32; 16];
         let seqs = [1, 2].map(|id| Proposal { id, tenant: "", tokens: &tokens, max: 5000 });
         let costs = StepCosts::linear(0.040, 0.001);
@@ -457,12 +456,8 @@ mod tests {
 
     #[test]
     fn a_new_sequence_is_tried_where_only_good_guessers_pay() {
-        let asked = Arc::new(Mutex::new(Vec::new()));
         // A draft step over half a decode's: not worth it at α 0.5...
-        let mut s = Speculator::with_proposer(
-            drafting(),
-            Box::new(Priced { step: 0.025, catch_up: 0.0, asked: asked.clone() }),
-        );
+        let (mut s, asked) = priced(0.025, 0.0);
         let costs = StepCosts::linear(0.040, 0.001);
         assert_eq!(weigh(&[0.5], &[4], 1, &costs, 0.025), vec![0]);
         let tokens = [5u32; 16];
