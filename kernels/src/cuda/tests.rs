@@ -236,7 +236,12 @@ fn gpu_linear_silu_mul_matches_cpu() {
             let gx = g.upload(&x).unwrap();
             let got = g.download(&g.linear_silu_mul(&gx, tokens, &gw, width).unwrap()).unwrap();
             let op = format!("{what} silu(gate) · up, {tokens}x[2·{width}x{cols}]");
-            check(&op, &got, &want);
+            // Past 8 tokens FP8 goes unfused through the W8A8 product, whose bound
+            // (gpu_fp8_and_int4_weights_match_cpu) holds for gate and up each: their
+            // product carries both (4.3 % measured on an H200).
+            let w8a8 = what == "fp8" && tokens > 8 && g.k.fp8_tensor_cores.is_some();
+            let err = rel_err(&got, &want);
+            assert!(err < if w8a8 { 6e-2 } else { 1e-2 }, "{op}: relative error {err}");
             let composed = g.download(&g.silu_mul(&g.linear(&gx, tokens, &gw, None).unwrap(), width).unwrap()).unwrap();
             let fused = got.iter().zip(&composed).any(|(a, b)| a.to_bits() != b.to_bits());
             assert_eq!(fused, tokens <= 8 && !stacked, "{op}: whether the fused kernel ran");
