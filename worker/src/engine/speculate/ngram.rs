@@ -6,9 +6,13 @@
 use super::{Proposal, Proposer};
 
 /// Longest and shortest suffixes looked up, longest first: a longer match is a better
-/// guess; a single token matches too often to be worth verifying.
+/// guess. A single token is the last resort: its guesses are kept less often, but
+/// where a step's extra rows cost little (one stream) they still pay, and where rows
+/// are dear the sequence's lower acceptance has fewer of them verified (measured on
+/// Qwen2.5-Coder-1.5B at one stream: fresh code and chat 1.12-1.16× with two tokens
+/// the shortest, 1.21-1.25× with one).
 const MAX_N: usize = 4;
-const MIN_N: usize = 2;
+const MIN_N: usize = 1;
 
 #[derive(Debug, Default)]
 pub struct NgramProposer;
@@ -71,7 +75,14 @@ mod tests {
         assert!(lookup(&[1, 2, 3, 4, 5], 4).is_empty());
         assert!(lookup(&[7], 4).is_empty());
         assert!(lookup(&[], 4).is_empty());
-        // A single repeated token is not enough.
-        assert!(lookup(&[1, 9, 2, 9], 4).is_empty());
+    }
+
+    #[test]
+    fn a_single_token_is_the_last_resort() {
+        // Only "9" repeats: what followed its last occurrence.
+        assert_eq!(lookup(&[1, 9, 2, 9], 4), vec![2, 9]);
+        assert_eq!(lookup_match(&[1, 9, 2, 9], 4), Some((1, vec![2, 9])));
+        // A two-token match wins over a more recent single token.
+        assert_eq!(lookup_match(&[4, 5, 6, 5, 7, 4, 5], 1), Some((2, vec![6])));
     }
 }
