@@ -8,9 +8,9 @@ use super::{Proposal, Proposer};
 /// Longest and shortest suffixes looked up, longest first: a longer match is a better
 /// guess. A single token is the last resort: its guesses are kept less often, but
 /// where a step's extra rows cost little (one stream) they still pay, and where rows
-/// are dear the sequence's lower acceptance has fewer of them verified (measured on
-/// Qwen2.5-Coder-1.5B at one stream: fresh code and chat 1.12-1.16× with two tokens
-/// the shortest, 1.21-1.25× with one).
+/// are dear the sequence's lower acceptance has fewer of them verified. Fresh code and
+/// chat, which seldom repeat two tokens in a row, gain most from it
+/// (`bench/results/2026-11-29-issue47-single-token.md`).
 const MAX_N: usize = 4;
 const MIN_N: usize = 1;
 
