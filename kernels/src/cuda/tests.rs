@@ -8,7 +8,7 @@
 //! few roundings compound). Every output starts as NaN (`poisoned`), so an element a
 //! kernel skips fails the check.
 
-use super::CudaBackend;
+use super::{CudaBackend, GEMV_MAX_TOKENS};
 use crate::cpu::CpuBackend;
 use crate::quant::{Fp8Weight, GgmlType, Int4Weight};
 use crate::{AttentionShape, Backend, Gelu, HostWeight, PagedBatch, RopeStyle, WeightData};
@@ -45,6 +45,12 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 fn check(op: &str, got: &[f32], want: &[f32]) {
     let err = rel_err(got, want);
     assert!(err < 1e-2, "{op}: relative error {err}");
+}
+
+/// Whether a product of `tokens` with FP8 weights runs on FP8 tensor cores (W8A8: the
+/// activations rounded to E4M3), as the backend chooses it.
+fn w8a8(g: &CudaBackend, fp8: bool, tokens: usize) -> bool {
+    fp8 && tokens > GEMV_MAX_TOKENS && g.k.fp8_tensor_cores.is_some()
 }
 
 #[test]
@@ -229,6 +235,7 @@ fn gpu_linear_silu_mul_matches_cpu() {
             WeightData::Int4(_) => "int4".to_string(),
         };
         let stacked = matches!(hw.data, WeightData::Stacked(_));
+        let fp8 = matches!(hw.data, WeightData::Fp8(_));
         let (cw, gw) = (cpu.upload_weight(hw.clone()).unwrap(), g.upload_weight(hw).unwrap());
         for tokens in [1, 8, 9] {
             let x = randn(&mut rng, tokens * cols);
@@ -239,9 +246,8 @@ fn gpu_linear_silu_mul_matches_cpu() {
             // Past 8 tokens FP8 goes unfused through the W8A8 product, whose bound
             // (gpu_fp8_and_int4_weights_match_cpu) holds for gate and up each: their
             // product carries both (4.3 % measured on an H200).
-            let w8a8 = what == "fp8" && tokens > 8 && g.k.fp8_tensor_cores.is_some();
             let err = rel_err(&got, &want);
-            assert!(err < if w8a8 { 6e-2 } else { 1e-2 }, "{op}: relative error {err}");
+            assert!(err < if w8a8(&g, fp8, tokens) { 6e-2 } else { 1e-2 }, "{op}: relative error {err}");
             let composed = g.download(&g.silu_mul(&g.linear(&gx, tokens, &gw, None).unwrap(), width).unwrap()).unwrap();
             let fused = got.iter().zip(&composed).any(|(a, b)| a.to_bits() != b.to_bits());
             assert_eq!(fused, tokens <= 8 && !stacked, "{op}: whether the fused kernel ran");
@@ -297,7 +303,7 @@ fn gpu_fp8_and_int4_weights_match_cpu() {
             let want = cpu.linear(&x, tokens, &cw, None).unwrap();
             let got = g.linear(&g.upload(&x).unwrap(), tokens, &gw, None).unwrap();
             let op = format!("{what} linear {tokens}x[{rows}x{cols}]");
-            let w8a8 = matches!(data, WeightData::Fp8(_)) && tokens > 8 && g.k.fp8_tensor_cores.is_some();
+            let w8a8 = w8a8(&g, matches!(data, WeightData::Fp8(_)), tokens);
             let err = rel_err(&g.download(&got).unwrap(), &want);
             assert!(err < if w8a8 { 4e-2 } else { 1e-2 }, "{op}: relative error {err}");
             eprintln!("{op}: relative error {err:.4}{}", if w8a8 { " (W8A8)" } else { "" });
