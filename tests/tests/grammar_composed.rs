@@ -4,6 +4,7 @@
 //! valid JSON, after which only end-of-sequence is allowed.
 
 use serde_json::json;
+use tessera_control_plane::api::format::{Shape, grammar};
 use tessera_control_plane::chat::grammar::compose;
 use tessera_control_plane::chat::output::{Markers, ToolFormat};
 use tessera_control_plane::chat::reasoning::Thinking;
@@ -128,4 +129,41 @@ fn json_after_optional_thought_on_a_channel_model() {
     assert!(m.refuses(&straight, "Hello"), "no free text outside the thought");
     m.walk(&straight, "{\"a\": 2}");
     assert!(m.only_eos_left(&straight));
+}
+
+/// What LangChain's `bind_tools` sends for `def get_weather(city: str, unit: str =
+/// "celsius")`: no `additionalProperties`, which JSON Schema reads as "any other key".
+fn langchain_weather(extra: Option<serde_json::Value>) -> Tools {
+    let mut parameters = json!({"type": "object", "properties": {"city": {"type": "string"},
+        "unit": {"default": "celsius", "type": "string"}}, "required": ["city"]});
+    if let Some(extra) = extra {
+        parameters["additionalProperties"] = extra;
+    }
+    let tool = Tool { name: "get_weather".into(), description: None, parameters, strict: None };
+    Tools { list: vec![tool], choice: ToolChoice::Named("get_weather".into()), parallel: true }
+}
+
+#[test]
+fn forced_arguments_and_json_formats_take_only_declared_keys_unless_they_allow_more() {
+    let m = model();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"";
+    let closed =
+        m.matcher(compose(Thinking::Off, Markers::Think, ToolFormat::Hermes, Some(&langchain_weather(None)), None));
+    m.walk(&closed, call);
+    assert!(m.refuses(&closed, ", \"properties\""), "a key get_weather does not declare");
+    m.walk(&closed, "}}\n</tool_call>");
+    for allows in [json!(true), json!({"type": "object"})] {
+        let tools = langchain_weather(Some(allows.clone()));
+        let open = m.matcher(compose(Thinking::Off, Markers::Think, ToolFormat::Hermes, Some(&tools), None));
+        m.walk(&open, call);
+        m.walk(&open, ", \"properties\": {}}}\n</tool_call>");
+        assert!(m.only_eos_left(&open), "additionalProperties {allows}");
+    }
+    // The same default for response_format's json_schema.
+    let format = json!({"type": "json_schema", "json_schema": {"name": "weather",
+        "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let g = grammar(Some(&format), Shape::Chat, true, "m").unwrap().map(|g| (g, "response_format"));
+    let c = m.matcher(g);
+    m.walk(&c, "{\"city\": \"Paris\"");
+    assert!(m.refuses(&c, ", \"country\""));
 }

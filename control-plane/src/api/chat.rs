@@ -70,7 +70,7 @@ pub async fn handle(
         });
         return Ok(super::with_frames(response, frames));
     }
-    let (choices, usage) = generate::gather(out, request.generation.n, request.reading).await?;
+    let (choices, usage) = generate::gather(out, request.generation.n, &request.reading).await?;
     let scores = choices.first().map(|c| c.prompt_scores.clone()).unwrap_or_default();
     let first = choices.first().map(|c| finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool));
     meter.finish(first.unwrap_or("stop"), usage.reasoning_tokens);

@@ -83,7 +83,7 @@ pub async fn handle(
         usage.prompt_tokens += prompt.tokens.len() as u32;
         let gathered = match out {
             Some(out) => {
-                let (g, u) = generate::gather(out, n, Reading::PLAIN).await?;
+                let (g, u) = generate::gather(out, n, &Reading::PLAIN).await?;
                 usage.cached_tokens += u.cached_tokens;
                 usage.completion_tokens += u.completion_tokens;
                 g

@@ -5,6 +5,7 @@
 //! responses).
 
 use super::error::ApiError;
+use crate::chat::schema::closed;
 use serde_json::Value;
 use tessera_proto::worker as pb;
 
@@ -68,7 +69,7 @@ pub fn grammar(
                     return Err(ApiError::invalid_type(format!("{spec_param}.schema"), "an object"));
                 }
             };
-            pb::grammar::Kind::JsonSchema(schema.to_string())
+            pb::grammar::Kind::JsonSchema(closed(&schema).to_string())
         }
         other => {
             return Err(ApiError::invalid_value(
@@ -119,10 +120,15 @@ mod tests {
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         let g =
             chat(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": true}}));
-        assert_eq!(g.unwrap().unwrap().kind, Some(Kind::JsonSchema(schema.to_string())));
+        // Closed: the object takes only the properties it declares.
+        let closed = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": false});
+        assert_eq!(g.unwrap().unwrap().kind, Some(Kind::JsonSchema(closed.to_string())));
         let flat = json!({"type": "json_schema", "name": "thing", "schema": schema});
         let g = grammar(Some(&flat), Shape::Responses, true, "m").unwrap().unwrap();
-        assert_eq!(g.kind, Some(Kind::JsonSchema(schema.to_string())));
+        assert_eq!(g.kind, Some(Kind::JsonSchema(closed.to_string())));
+        let open = json!({"type": "object", "properties": {"a": {}}, "additionalProperties": true});
+        let g = chat(json!({"type": "json_schema", "json_schema": {"name": "open", "schema": open}}));
+        assert_eq!(g.unwrap().unwrap().kind, Some(Kind::JsonSchema(open.to_string())));
     }
 
     #[test]

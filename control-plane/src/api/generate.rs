@@ -243,7 +243,7 @@ impl Usage {
 }
 
 /// Reads every completion to its end, each split as `reading` says.
-pub async fn gather(mut out: Output, n: u32, reading: Reading) -> Result<(Vec<Gathered>, Usage), ApiError> {
+pub async fn gather(mut out: Output, n: u32, reading: &Reading) -> Result<(Vec<Gathered>, Usage), ApiError> {
     let n = n.max(1) as usize;
     let mut choices = vec![Gathered::new(); n];
     let mut parsers = vec![reading.parser(); n];

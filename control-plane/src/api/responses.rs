@@ -59,7 +59,7 @@ pub async fn handle(
         });
         return Ok(super::with_frames(response, frames));
     }
-    let (choices, usage) = generate::gather(out, 1, meta.request.reading).await?;
+    let (choices, usage) = generate::gather(out, 1, &meta.request.reading).await?;
     let c = choices.into_iter().next().unwrap_or_default();
     meter.finish(c.finish_reason, usage.reasoning_tokens);
     meter.settle().await;

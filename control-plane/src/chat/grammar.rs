@@ -9,6 +9,7 @@
 
 use super::output::{Markers, ToolFormat};
 use super::reasoning::Thinking;
+use super::schema::closed;
 use super::tools::{ToolChoice, Tools};
 use serde_json::{Value, json};
 use tessera_proto::worker::{self as pb, grammar::Kind};
@@ -61,7 +62,7 @@ fn calls(tools: &Tools, format: ToolFormat) -> String {
             _ => true,
         })
         .map(|t| {
-            json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": closed(&t.parameters)},
                    "required": ["name", "arguments"], "additionalProperties": false})
         })
         .collect();
@@ -163,6 +164,8 @@ mod tests {
         assert_eq!(p, "tools");
         assert!(g.starts_with("start: body\nbody: GAP? calls\ncalls: call (GAP? call)*\n"), "{g}");
         assert!(g.contains(r#"{"const":"get_weather"}"#) && g.contains(r#"{"const":"get_time"}"#), "{g}");
+        // Each call object and each function's arguments are closed.
+        assert_eq!(g.matches(r#""additionalProperties":false"#).count(), 4, "{g}");
         let named = tools(ToolChoice::Named("get_time".into()), true);
         let (g, _) = lark(compose(Thinking::Off, Markers::Think, h, Some(&named), Some(schema())));
         assert!(g.contains("calls: call \n") && !g.contains("get_weather"), "one call of the named function: {g}");

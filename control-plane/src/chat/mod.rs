@@ -6,6 +6,7 @@ pub mod grammar;
 pub mod messages;
 pub mod output;
 pub mod reasoning;
+pub mod schema;
 pub mod shortest;
 pub mod tools;
 pub mod vision;
@@ -15,6 +16,7 @@ use crate::router::ServedModel;
 use output::Reading;
 use reasoning::Thinking;
 use serde_json::{Map, Value};
+use std::sync::Arc;
 use tessera_proto::block_hash::{ImageSpan, image_spans};
 use tessera_proto::chat_template::Rendered;
 use tessera_proto::worker as pb;
@@ -74,6 +76,7 @@ pub fn prepare(
         start: thinking.start(reasoning.bare_close, grammar.is_some()),
         tools: callable.map(|_| tool_format),
         bare_calls: grammar.is_none(),
+        declared: callable.map(|t| Arc::new(t.declared())),
     };
     let shortest = shortest.filter(|_| grammar.is_some());
     Ok(Prepared { prompt, grammar, reading, thinking, shortest, images, image_spans, frames })

@@ -9,8 +9,10 @@
 //! until a bare closing marker makes it reasoning or the end makes it content, so that
 //! chain-of-thought never reaches `content`.
 
+use super::schema::Declared;
 use serde::Deserialize;
 use serde_json::Value;
+use std::sync::Arc;
 use tessera_proto::text::partial_suffix;
 
 /// The reasoning markers of a model family.
@@ -107,7 +109,7 @@ fn call(v: &Value) -> Option<Piece> {
 }
 
 /// How one request's output is read back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Reading {
     pub markers: Markers,
     pub start: Start,
@@ -117,16 +119,20 @@ pub struct Reading {
     /// small Hermes-format models (Qwen2.5-Coder 0.5B) often drop the tags. Only for
     /// free output: a grammar writes the markers itself.
     pub bare_calls: bool,
+    /// The offered functions' argument schemas, closed: a call's undeclared keys are
+    /// dropped (`schema::Declared`).
+    pub declared: Option<Arc<Declared>>,
 }
 
 impl Reading {
     /// Everything is content (legacy completions).
     pub const PLAIN: Reading =
-        Reading { markers: Markers::Plain, start: Start::Content, tools: None, bare_calls: false };
+        Reading { markers: Markers::Plain, start: Start::Content, tools: None, bare_calls: false, declared: None };
 
-    pub fn parser(self) -> OutputParser {
+    pub fn parser(&self) -> OutputParser {
         let mut p = OutputParser::new(self.markers, self.start, self.tools);
         p.bare_calls = self.bare_calls && self.tools.is_some();
+        p.declared = self.declared.clone();
         p
     }
 }
@@ -189,6 +195,7 @@ pub struct OutputParser {
     bare_calls: bool,
     /// The answer has begun (text other than whitespace, or a call).
     answered: bool,
+    declared: Option<Arc<Declared>>,
 }
 
 impl OutputParser {
@@ -210,6 +217,7 @@ impl OutputParser {
             undecided_tokens: 0,
             bare_calls: false,
             answered: false,
+            declared: None,
         }
     }
 
@@ -224,7 +232,19 @@ impl OutputParser {
         self.held.push_str(text);
         let mut out = Vec::new();
         self.scan(&mut out, false);
-        out
+        self.keep_declared(out)
+    }
+
+    /// The calls in `pieces` with only the arguments their functions declare.
+    fn keep_declared(&self, mut pieces: Vec<Piece>) -> Vec<Piece> {
+        if let Some(declared) = &self.declared {
+            for p in &mut pieces {
+                if let Piece::ToolCall { name, arguments } = p {
+                    *arguments = declared.arguments(name, std::mem::take(arguments));
+                }
+            }
+        }
+        pieces
     }
 
     /// The rest, at the end of the output: held text is what it looked like, an
@@ -263,7 +283,7 @@ impl OutputParser {
             }
         }
         self.state = State::Content;
-        out
+        self.keep_declared(out)
     }
 
     /// The output's chain-of-thought tokens so far (an undecided start counts once
@@ -424,6 +444,28 @@ mod tests {
     }
 
     #[test]
+    fn calls_keep_only_the_arguments_their_function_declares() {
+        let weather = serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let reading = Reading {
+            markers: Markers::Think,
+            start: Start::Content,
+            tools: Some(ToolFormat::Hermes),
+            bare_calls: true,
+            declared: Some(Arc::new(Declared::new([("get_weather", &weather)]))),
+        };
+        let mut p = reading.parser();
+        let mut split = Split::default();
+        let call_text = "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"properties\": {}}}</tool_call>";
+        split.add(p.push(call_text, 1));
+        split.add(p.push("<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Rome\\\", \\\"unit\\\": 1}\"}</tool_call>", 1));
+        split.add(p.finish());
+        assert_eq!(
+            split.calls,
+            vec![call("get_weather", "{\"city\":\"Paris\"}"), call("get_weather", "{\"city\":\"Rome\"}")]
+        );
+    }
+
+    #[test]
     fn bare_call_objects_are_calls_when_the_reading_allows_them() {
         let read = |chunks: &[&str], bare: bool| {
             let reading = Reading {
@@ -431,6 +473,7 @@ mod tests {
                 start: Start::Content,
                 tools: Some(ToolFormat::Hermes),
                 bare_calls: bare,
+                declared: None,
             };
             let mut p = reading.parser();
             let mut split = Split::default();

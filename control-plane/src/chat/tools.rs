@@ -5,6 +5,7 @@
 use crate::api::error::ApiError;
 use crate::api::fields::Fields;
 use crate::api::format::{Shape, valid_name};
+use crate::chat::schema::Declared;
 use serde_json::{Map, Value, json};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +57,11 @@ impl Tools {
             })
             .collect();
         Value::Array(tools)
+    }
+
+    /// The functions' argument schemas, closed, that free calls are held to.
+    pub fn declared(&self) -> Declared {
+        Declared::new(self.list.iter().map(|t| (t.name.as_str(), &t.parameters)))
     }
 
     /// The tools as the responses object echoes them (flat; `strict` defaults to true).
