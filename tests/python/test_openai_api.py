@@ -785,12 +785,12 @@ class EveryModelConstrained(unittest.TestCase):
                 self.check(model, name, run)
 
 
-# SPEC.md's prices in micro-dollars per million tokens: input, cache read, output.
+# The catalog's prices in micro-dollars per million tokens: input, cache read, output.
 PRICES = {"vendor-a/model-a": (700_000, 160_000, 3_500_000), "vendor-c/model-c": (110_000, 110_000, 350_000)}
 
 
 def expected_cost(model, prompt, cached, completion):
-    """The bill of SPEC.md, rounded once to the nearest micro-dollar."""
+    """The bill of a request, rounded once to the nearest micro-dollar."""
     inp, cache, out = PRICES[model]
     return ((prompt - cached) * inp + cached * cache + completion * out + 500_000) // 1_000_000
 
@@ -804,7 +804,7 @@ def usage_records(org="default"):
 
 
 class Billing(unittest.TestCase):
-    """Every request is paid for from credit exactly once, at SPEC.md's prices."""
+    """Every request is paid for from credit exactly once, at the catalog's prices."""
 
     def test_each_request_is_charged_its_exact_cost_once(self):
         before = balance()
@@ -1032,8 +1032,10 @@ class Errors(unittest.TestCase):
         self.assert_error(openai.AuthenticationError, "invalid_api_key", self.chat(key=key["secret"]))
 
     def test_models_must_be_named_in_full(self):
-        self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="model-a"))
-        self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="vendor-a/model-z"))
+        e = self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="model-c"))
+        self.assertIn("`vendor-c/model-c`", e.message, "the id it most likely meant")
+        e = self.assert_error(openai.NotFoundError, "model_not_found", self.chat(model="vendor-a/model-z"))
+        self.assertNotIn("Did you mean", e.message, "no guess where nothing is close")
         self.assert_error(openai.NotFoundError, "model_not_found",
                           lambda: client().completions.create(model="model-a", prompt="x"))
         self.assert_error(openai.NotFoundError, "model_not_found",

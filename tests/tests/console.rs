@@ -9,7 +9,7 @@
 //! `tessera users set-password` has given them a password.
 //!
 //! With TESSERA_SCREENSHOTS=<folder> it also saves a screenshot of each page there
-//! (`scripts/console-screenshots.sh`, for README).
+//! (`scripts/console-screenshots.sh`, for docs/console.md).
 
 #[path = "support/browser.rs"]
 mod browser;
@@ -91,6 +91,10 @@ async fn people_and_keys_in_a_real_browser() {
     client.goto(&format!("{site}/o/{acme}/members")).await.unwrap();
     submit(&client, "#invite-form", &[("email", "bea@acme.test"), ("role", "member")], ".done").await;
     assert!(text(&client, "#invite-list").await.contains("bea@acme.test"));
+    assert_eq!(text(&client, "nav.tabs a[aria-current=page]").await, "Members");
+    // The only owner is offered neither a demotion nor a removal the store would refuse.
+    let me = text(&client, "#member-list").await;
+    assert!(me.contains("the only owner") && !me.contains("Make member") && !me.contains("Remove"), "{me}");
     shots.take(&client, "members").await;
     let message = until(30, "the invite is delivered", || delivered_to(&maildir, "bea@acme.test"));
     let prefix = format!("{site}/accept-invite?invite_code=");
@@ -169,6 +173,9 @@ async fn people_and_keys_in_a_real_browser() {
 
     client.goto(&format!("{site}/account")).await.unwrap();
     wait_for(&client, "#password-form").await;
+    // The password manager's username hint stays hidden (as on the setup page).
+    let hint = client.find(Locator::Css("#password-form input[name=username]")).await.unwrap();
+    assert!(!hint.is_displayed().await.unwrap(), "the hidden username field is not shown");
     shots.take(&client, "account").await;
 
     // Accounts made by the operator's CLI sign in once a password is set: through the
@@ -195,6 +202,8 @@ async fn people_and_keys_in_a_real_browser() {
     client.find(Locator::Css("#sign-out")).await.unwrap().click().await.unwrap();
     wait_for(&client, "#sign-in-form").await;
     client.goto(link).await.unwrap();
+    let hint = wait_for(&client, "#setup-form input[name=username]").await;
+    assert!(!hint.is_displayed().await.unwrap(), "the hidden username field is not shown");
     submit(&client, "#setup-form", &[("password", PASSWORD), ("confirm", PASSWORD)], "#org-name").await;
     assert_eq!(text(&client, "#org-name").await, "carl@acme.test", "signed in to the personal organization");
     cli(&["users", "create", "dan@acme.test"], None);

@@ -1,7 +1,7 @@
 //! The console's money pages in a real browser (chromium through chromedriver) against
 //! a real `tessera serve` mailing through a real SMTP server (aiosmtpd): buying credits
 //! moves the balance; a plan is refused a one-time method, started with a card, and
-//! upgraded at the pro-rated charge of SPEC.md's formula; a subscription key used by the
+//! upgraded at the pro-rated charge of the plans' formula; a subscription key used by the
 //! `openai` SDK shows up in the usage chart at its discounted cost; the playground
 //! streams an answer (reasoning apart) whose cost lands in Usage; a dedicated-capacity
 //! request sends both e-mails and appears in `tessera capacity list`; the public status
@@ -89,7 +89,7 @@ async fn select_key(client: &Client, name: &str) {
     panic!("no key {name} in the playground");
 }
 
-/// SPEC.md's pro-rated upgrade charge at `now` (µs), to the nearest micro-dollar.
+/// The pro-rated upgrade charge at `now` (µs), to the nearest micro-dollar.
 fn pro_rated(difference: i64, start: i64, end: i64, now: i64) -> i64 {
     let (length, rest) = ((end - start) as i128, (end - now).max(0) as i128);
     ((difference as i128 * rest + length / 2) / length) as i64
@@ -116,7 +116,18 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     // then bought, and the balance moves by exactly that.
     client.goto(&format!("{site}/o/{org}/billing")).await.unwrap();
     assert_eq!(micros(&text(&client, "#balance").await), 0);
-    assert!(text(&client, "#zero-balance").await.contains("402"), "a zero balance is explained");
+    let zero = text(&client, "#zero-balance").await;
+    assert!(
+        zero.contains("429") && zero.contains("insufficient_quota"),
+        "a zero balance is explained as the API answers: {zero}"
+    );
+    client.goto(&format!("{site}/o/{org}/keys")).await.unwrap();
+    assert!(text(&client, "#zero-balance").await.contains("insufficient_quota"));
+    let add = client.find(Locator::Css("#zero-balance a#add-credits")).await.unwrap();
+    assert_eq!(add.attr("href").await.unwrap().as_deref(), Some(format!("/o/{org}/billing").as_str()));
+    add.click().await.unwrap();
+    wait_for(&client, "#buy-credits").await;
+    assert_eq!(text(&client, "nav.tabs a[aria-current=page]").await, "Billing", "the page shown is marked");
     submit(&client, "#buy-credits", &[("amount", "12.345"), ("method", "pm_dev_card")], "#billing-error").await;
     assert!(text(&client, "#billing-error").await.contains("dollars and cents"));
     submit(&client, "#buy-credits", &[("amount", "20"), ("method", "pm_dev_card")], "#confirm").await;
@@ -155,7 +166,7 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     let refused = wait_for(&client, ".turn.assistant.failed[data-done]").await.text().await.unwrap();
     assert!(refused.contains("plan"), "the playground does not fall back: {refused}");
 
-    // Plans: a one-time method is refused with SPEC.md's reason; Pro with a card.
+    // Plans: a one-time method is refused with its reason; Pro with a card.
     client.goto(&format!("{site}/o/{org}/plan")).await.unwrap();
     submit(&client, "#plan-pro", &[("method", "pm_dev_crypto")], "#plan-error").await;
     assert!(text(&client, "#plan-error").await.contains("recurring payment method"));
@@ -208,7 +219,27 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     wait_for(&client, "body[data-charts-ready] #cost-chart canvas").await;
     assert!(text(&client, "#usage-range").await.contains("UTC"));
     assert!(text(&client, "#usage-table").await.contains(MODEL));
+    assert_eq!(text(&client, "nav.tabs a[aria-current=page]").await, "Usage");
     shots.take(&client, "usage").await;
+    // The date filters are typed as every date on the page is written.
+    for name in ["from", "to"] {
+        let input = client.find(Locator::Css(&format!("#usage-filters input[name={name}]"))).await.unwrap();
+        assert_eq!(input.attr("type").await.unwrap().as_deref(), Some("text"), "not the browser's locale date");
+        assert_eq!(input.attr("placeholder").await.unwrap().as_deref(), Some("YYYY-MM-DD"));
+    }
+    // The token axis steps in whole tokens: a day of 13 tokens is labelled 0, 2, 4, …,
+    // not 0, 3, 5, 8 (2.5 rounded).
+    let labels = client
+        .execute(
+            r#"const el = document.getElementById("token-chart");
+               draw(el, {models: ["m"], buckets: [1764460800], series: {input_tokens: {m: [13]}}}, "input_tokens");
+               return el.dataset.yLabels;"#,
+            vec![],
+        )
+        .await
+        .unwrap();
+    let ticks: Vec<i64> = labels.as_str().unwrap().split('|').map(|l| l.replace(',', "").parse().unwrap()).collect();
+    assert!(ticks.len() >= 3 && ticks.windows(2).all(|w| w[1] - w[0] == ticks[1] - ticks[0]), "{labels}");
     let s = cli(data.path(), &["plans", "show", "--user", EMAIL]);
     assert_eq!(s["spent_micros"].as_i64().unwrap(), cost, "spent from the plan, not credits");
 
@@ -287,6 +318,12 @@ async fn credits_plans_usage_playground_and_capacity_in_a_real_browser() {
     client.goto(&format!("{site}/status")).await.unwrap();
     assert!(text(&client, "h1").await.contains("status"));
     assert!(client.source().await.unwrap().contains(MODEL));
+    let times = text(&client, "#status-times").await;
+    assert!(times.contains("supply states measured") && times.contains(" UTC"), "{times}");
+    assert!(!times.contains("T0") && !times.contains("T1") && !times.contains("T2"), "no raw timestamp: {times}");
+    let body = text(&client, "main").await;
+    assert!(!body.contains("multiplier") && !body.contains("never"), "{body}");
+    assert!(body.contains("plan usage 75% off") || body.contains("standard price"), "{body}");
     shots.take(&client, "status").await;
     client.close().await.unwrap();
 }

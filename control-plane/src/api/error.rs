@@ -49,6 +49,8 @@ pub enum ApiError {
     ModelNotFound {
         model: String,
         param: Option<&'static str>,
+        /// The served model the name most likely meant (`Models::meant`).
+        meant: Option<String>,
     },
     UnknownUrl {
         method: String,
@@ -165,14 +167,20 @@ impl ApiError {
                     "Incorrect API key provided: {masked}. Keys are created in the console or with `tessera keys create`."
                 ),
             ),
-            Self::ModelNotFound { model, param } => (
+            Self::ModelNotFound { model, param, meant } => (
                 "invalid_request_error",
                 Some("model_not_found"),
                 *param,
-                format!(
-                    "The model `{model}` does not exist or you do not have access to it. Use the full model id, \
-                     e.g. `vendor-a/model-a`; GET /v1/models lists them."
-                ),
+                match meant {
+                    Some(meant) => format!(
+                        "The model `{model}` does not exist or you do not have access to it. Did you mean \
+                         `{meant}`? Models are named by their full id; GET /v1/models lists them."
+                    ),
+                    None => format!(
+                        "The model `{model}` does not exist or you do not have access to it. GET /v1/models lists \
+                         the models served, by their full id."
+                    ),
+                },
             ),
             Self::UnknownUrl { method, path } => (
                 "invalid_request_error",
@@ -245,7 +253,7 @@ impl IntoResponse for ApiError {
             super::auth::set_rate_headers(response.headers_mut(), decision);
         }
         if matches!(self, Self::InsufficientQuota { .. }) {
-            // A 429 the SDKs would otherwise retry (API-WIRE.md).
+            // The SDKs retry a 429 unless this header says not to: a spent quota stays spent.
             response.headers_mut().insert("x-should-retry", axum::http::HeaderValue::from_static("false"));
         }
         if let Self::SubscriptionLimited { retry_after_us, .. } = &self {
@@ -278,7 +286,11 @@ mod tests {
         let cases = [
             (ApiError::MissingKey, 401, None),
             (ApiError::InvalidKey { masked: "tsk_abcd***wxyz".into() }, 401, Some("invalid_api_key")),
-            (ApiError::ModelNotFound { model: "model-a".into(), param: None }, 404, Some("model_not_found")),
+            (
+                ApiError::ModelNotFound { model: "model-a".into(), param: None, meant: None },
+                404,
+                Some("model_not_found"),
+            ),
             (ApiError::MalformedJson("eof".into()), 400, None),
             (ApiError::MissingParam("messages".into()), 400, Some("missing_required_parameter")),
             (ApiError::UnsupportedEndpoint { what: "embeddings" }, 404, Some("unknown_url")),

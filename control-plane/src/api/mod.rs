@@ -293,7 +293,7 @@ fn model_of(app: &AppState, body: &Value, param: Option<&'static str>) -> Result
         None | Some(Value::Null) => Err(ApiError::MissingParam("model".into())),
         Some(Value::String(id)) => app.models.get(id).ok_or_else(|| match app.models.is_expected(id) {
             true => ApiError::Overloaded,
-            false => ApiError::ModelNotFound { model: id.clone(), param },
+            false => ApiError::ModelNotFound { model: id.clone(), param, meant: app.models.meant(id) },
         }),
         Some(_) => Err(ApiError::invalid_type("model", "a string")),
     }

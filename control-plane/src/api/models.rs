@@ -45,6 +45,10 @@ pub async fn list(State(app): State<App>, _key: Authed) -> Json<Value> {
 }
 
 pub async fn retrieve(State(app): State<App>, _key: Authed, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let model = app.models.get(&id).ok_or(ApiError::ModelNotFound { model: id, param: Some("model") })?;
+    let model = app.models.get(&id).ok_or_else(|| ApiError::ModelNotFound {
+        meant: app.models.meant(&id),
+        model: id,
+        param: Some("model"),
+    })?;
     Ok(Json(entry(&model)))
 }

@@ -1,6 +1,6 @@
 //! Who may do what: the one decision every organization page and action asks for.
 //!
-//! SPEC.md's Authentication rule 5: an owner invites and removes members, changes
+//! An owner invites and removes members, changes
 //! roles, manages billing, creates and revokes keys and changes settings; a member uses
 //! keys and views usage and billing. Someone outside the organization learns nothing
 //! about it, not even that it exists: a 404, as for an organization that does not.

@@ -28,6 +28,9 @@ struct MemberRow {
     member: Member,
     since: String,
     is_me: bool,
+    /// The organization's only owner: neither demoted nor removed (the store refuses
+    /// both), so neither is offered.
+    sole_owner: bool,
 }
 
 #[derive(Template)]
@@ -65,12 +68,16 @@ pub async fn show(
     let org = membership.org.id.clone();
     let offers = Offers::for_role(membership.role);
     let now = crate::accounts::store::now();
-    let members = console
-        .store
-        .members(&org)
-        .await?
+    let members = console.store.members(&org).await?;
+    let owners = members.iter().filter(|m| m.role == Role::Owner).count();
+    let members = members
         .into_iter()
-        .map(|m| MemberRow { since: when(m.since), is_me: m.user_id == viewer.user_id(), member: m })
+        .map(|m| MemberRow {
+            since: when(m.since),
+            is_me: m.user_id == viewer.user_id(),
+            sole_owner: m.role == Role::Owner && owners == 1,
+            member: m,
+        })
         .collect();
     // Who was invited is for those who manage members.
     let invites = if offers.manage_members {

@@ -14,6 +14,41 @@ pub struct Nav {
     pub orgs: Vec<Membership>,
     /// The organization the page is about, if any.
     pub current: Option<String>,
+    /// That organization's pages, the one shown marked.
+    pub tabs: Vec<Tab>,
+}
+
+/// One page of an organization in the navigation.
+pub struct Tab {
+    pub label: &'static str,
+    pub href: String,
+    /// The page shown is this one, or one of its own (a key's revocation is under
+    /// API keys).
+    pub current: bool,
+}
+
+/// An organization's pages, by label and path below `/o/{org}`.
+const TABS: [(&str, &str); 8] = [
+    ("Overview", ""),
+    ("API keys", "/keys"),
+    ("Members", "/members"),
+    ("Playground", "/playground"),
+    ("Usage", "/usage"),
+    ("Billing", "/billing"),
+    ("Plan", "/plan"),
+    ("Capacity", "/capacity"),
+];
+
+/// The tabs of organization `org` for a page at `path`: the one whose address is the
+/// longest that the path is, or lies under, is current.
+pub fn tabs(org: &str, path: &str) -> Vec<Tab> {
+    let under = |href: &str| path == href || path.strip_prefix(href).is_some_and(|rest| rest.starts_with('/'));
+    let mut tabs: Vec<Tab> =
+        TABS.iter().map(|(label, tail)| Tab { label, href: format!("/o/{org}{tail}"), current: false }).collect();
+    if let Some(best) = tabs.iter_mut().filter(|t| under(&t.href)).max_by_key(|t| t.href.len()) {
+        best.current = true;
+    }
+    tabs
 }
 
 /// Around every page.
@@ -268,6 +303,20 @@ pub fn when(secs: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_page_shown_marks_its_tab() {
+        let current = |path: &str| -> Vec<&str> {
+            tabs("org_1", path).into_iter().filter(|t| t.current).map(|t| t.label).collect()
+        };
+        assert_eq!(current("/o/org_1"), ["Overview"]);
+        assert_eq!(current("/o/org_1/keys"), ["API keys"]);
+        assert_eq!(current("/o/org_1/keys/key_9/revoke"), ["API keys"]);
+        assert_eq!(current("/o/org_1/billing/buy"), ["Billing"]);
+        assert_eq!(current("/o/org_1/plan"), ["Plan"]);
+        assert!(current("/o/org_12/keys").is_empty(), "another organization's page");
+        assert!(current("/account").is_empty());
+    }
 
     #[test]
     fn only_paths_on_this_site_are_followed_after_sign_in() {

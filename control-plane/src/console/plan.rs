@@ -1,4 +1,4 @@
-//! Personal plans (SPEC.md's Subscription plan and Plan change): starting one with a
+//! Personal plans (docs/api.md, Subscription plans): starting one with a
 //! recurring payment method, upgrading now at the pro-rated price shown before
 //! confirming, downgrading at the next period (or calling that off), cancelling at
 //! the end of the period (or calling that off); and what the plan leaves this month,

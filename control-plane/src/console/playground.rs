@@ -5,7 +5,7 @@
 //! with the chosen key, after the same rate limit: it is admitted, metered, billed and
 //! recorded exactly as the API would, and shows up in Usage like any other request. The
 //! key's secret is never needed (the console knows the key by id, as its owner does). One
-//! difference, from SPEC.md: the playground never falls back from a plan to credits on
+//! difference: the playground never falls back from a plan to credits on
 //! its own, so a subscription key's fallback is off here.
 
 use super::State;

@@ -113,6 +113,8 @@ pub struct Viewer {
     pub session: Session,
     /// The forms' anti-forgery token.
     pub csrf: String,
+    /// The path of the page asked for (the navigation marks it).
+    pub path: String,
 }
 
 impl Viewer {
@@ -140,6 +142,7 @@ impl Viewer {
             email: self.session.user.email.clone(),
             orgs: console.store.memberships(self.user_id()).await?,
             current: current.map(str::to_string),
+            tabs: current.map(|org| super::page::tabs(org, &self.path)).unwrap_or_default(),
         })
     }
 }
@@ -169,7 +172,8 @@ impl FromRequestParts<State> for MaybeViewer {
     async fn from_request_parts(parts: &mut Parts, console: &State) -> Result<Self, ConsoleError> {
         let Some(token) = cookie(&parts.headers, SESSION_COOKIE) else { return Ok(Self(None)) };
         let session = console.store.session(token, console.config.lifetimes).await?;
-        Ok(Self(session.map(|session| Viewer { session, csrf: csrf_token(token) })))
+        let path = parts.uri.path().to_string();
+        Ok(Self(session.map(|session| Viewer { session, csrf: csrf_token(token), path })))
     }
 }
 

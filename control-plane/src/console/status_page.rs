@@ -20,8 +20,8 @@ struct ModelRow {
     id: String,
     name: String,
     supply: &'static str,
-    discount: u32,
-    multiplier: f64,
+    /// What plan usage pays in this state, in words.
+    price: String,
     windows: Vec<Figures>,
 }
 
@@ -30,13 +30,23 @@ struct ModelRow {
 struct StatusPage {
     frame: Frame,
     updated_at: String,
-    supply_updated_at: String,
+    /// When supply states were last measured, in words.
+    supply_measured: String,
     stale: bool,
     models: Vec<ModelRow>,
 }
 
 fn figure(v: Option<f64>, unit: &str, digits: usize) -> String {
     v.map_or_else(|| "—".to_string(), |v| format!("{v:.digits$}{unit}"))
+}
+
+/// An RFC 3339 UTC timestamp (`2026-11-23T12:00:05Z`) as the console shows times:
+/// `2026-11-23 12:00 UTC`.
+fn shown(rfc3339: &str) -> String {
+    match (rfc3339.get(..10), rfc3339.get(11..16)) {
+        (Some(day), Some(time)) => format!("{day} {time} UTC"),
+        _ => rfc3339.to_string(),
+    }
 }
 
 /// The page from one snapshot per window (the same `Status` GET /status reads).
@@ -50,8 +60,10 @@ pub fn page(status: &Status) -> Response {
             id: m.id.clone(),
             name: m.name.clone(),
             supply: m.current_subscription_supply_state,
-            discount: m.current_subscription_discount_percent,
-            multiplier: m.current_subscription_credit_multiplier,
+            price: match m.current_subscription_discount_percent {
+                0 => "plan usage at the standard price".into(),
+                d => format!("plan usage {d}% off"),
+            },
             windows: snapshots
                 .iter()
                 .map(|s| {
@@ -68,10 +80,22 @@ pub fn page(status: &Status) -> Response {
         .collect();
     let page = StatusPage {
         frame: Frame::signed_out("Status", String::new()),
-        updated_at: first.updated_at.clone(),
-        supply_updated_at: first.current_subscription_supply_updated_at.clone().unwrap_or_else(|| "never".into()),
+        updated_at: shown(&first.updated_at),
+        supply_measured: match &first.current_subscription_supply_updated_at {
+            Some(at) => format!("supply states measured {}", shown(at)),
+            None => "supply states not measured yet (every model starts at the standard price)".into(),
+        },
         stale: snapshots.iter().any(|s| s.stale),
         models,
     };
     secured(render(StatusCode::OK, &page))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn times_read_as_on_every_other_page() {
+        assert_eq!(super::shown("2026-11-23T12:00:05Z"), "2026-11-23 12:00 UTC");
+        assert_eq!(super::shown("x"), "x");
+    }
 }

@@ -6,6 +6,9 @@
 
 const COLORS = ["#2f5bd3", "#d9822b", "#17663a", "#b42318", "#7a3fd0", "#0f8a8a", "#8a6d00", "#5b6470"];
 
+const WHOLE_STEPS = [];
+for (let p = 1; p <= 1e15; p *= 10) WHOLE_STEPS.push(p, 2 * p, 5 * p);
+
 function utcLabel(secs, by) {
   const iso = new Date(secs * 1000).toISOString();
   return by === "hour" ? iso.slice(5, 13).replace("T", " ") + ":00" : iso.slice(0, 10);
@@ -49,7 +52,16 @@ function draw(el, data, metric) {
     axes: [
       // Ticks on bucket starts only (every k-th, to fit), so no label repeats.
       { splits: (u) => ticks(u), values: (u, ts) => ts.map((t) => utcLabel(t, by)) },
-      { values: (u, ticks) => ticks.map((t) => format(t, unit, Math.max(...ticks.map(Math.abs)))), size: 90 },
+      {
+        values: (u, ticks) => {
+          const labels = ticks.map((t) => format(t, unit, Math.max(...ticks.map(Math.abs))));
+          el.dataset.yLabels = labels.join("|");
+          return labels;
+        },
+        size: 90,
+        // Tokens come whole: steps of 1, 2 or 5 times a power of ten, never 2.5.
+        ...(unit === "usd" ? {} : { incrs: WHOLE_STEPS }),
+      },
     ],
     series: [
       { label: by === "hour" ? "Hour (UTC)" : "Day (UTC)", value: (u, t) => (t == null ? "" : utcLabel(t, by)) },

@@ -108,7 +108,34 @@ impl Models {
         self.by_id.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
     }
 
+    /// The listed model a mistyped `id` most likely meant: the one whose id is it,
+    /// case aside, or ends in `/` and it (`model-c` for `vendor-c/model-c`).
+    pub fn meant(&self, id: &str) -> Option<String> {
+        let id = id.trim().to_ascii_lowercase();
+        self.listed().into_iter().map(|l| l.id).find(|full| {
+            let full = full.to_ascii_lowercase();
+            full == id || full.rsplit_once('/').is_some_and(|(_, name)| name == id)
+        })
+    }
+
     pub fn all(&self) -> Vec<Arc<ServedModel>> {
         self.by_id.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_or_miscased_name_points_at_the_full_id() {
+        let models = Models::expecting([
+            ("vendor-a/model-a".to_string(), "A".to_string()),
+            ("vendor-c/model-c".to_string(), "C".to_string()),
+        ]);
+        assert_eq!(models.meant("model-c").as_deref(), Some("vendor-c/model-c"));
+        assert_eq!(models.meant("Vendor-A/Model-A").as_deref(), Some("vendor-a/model-a"));
+        assert_eq!(models.meant("model-z"), None);
+        assert_eq!(models.meant("vendor-c"), None);
     }
 }
