@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Screenshots of each console page, taken by headless Chromium during the console's
-# browser tests (a real `tessera serve`, real SMTP), into docs/console/ for README.
+# browser tests (a real `tessera serve`, real SMTP), into docs/console/ for docs/console.md.
 # Needs chromium, chromium-driver and aiosmtpd (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -17,8 +17,8 @@
 //! level answers at least two requests per client, and the line names the worker's device.
 //!
 //! llama-server is found at `--llama-server`, else `$LLAMA_SERVER`, else where
-//! `bench/peer/build-llama-server.sh` builds it, else where `../shared/peer-bench/setup.sh`
-//! does; the script builds it from the PyPI sdist of llama-cpp-python (15 minutes).
+//! `bench/peer/build-llama-server.sh` builds it, else in `~/.cache/peer-bench/build-server/bin`;
+//! the script builds it from the PyPI sdist of llama-cpp-python (15 minutes).
 
 use crate::api::{self, Server};
 use crate::round;

@@ -1,4 +1,4 @@
-//! Requests for dedicated GPU capacity (SPEC.md item 7): reserved VMs, bare-metal
+//! Requests for dedicated GPU capacity: reserved VMs, bare-metal
 //! nodes and multi-node clusters are sourced by hand, so a request is a record an
 //! operator works through — received, in review, quoted, closed — never an order.
 //! What a request must say, and the limits on it, are checked here once, for the

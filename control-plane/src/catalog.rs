@@ -102,7 +102,7 @@ pub struct Reasoning {
     #[serde(default = "no_markers")]
     pub markers: Markers,
     /// With thinking off the model may still think and end with a bare closing
-    /// marker (SPEC.md, Reasoning rule 8): the start of the output is held back until
+    /// marker (docs/api.md, Reasoning): the start of the output is held back until
     /// that marker or the end shows which it was.
     #[serde(default)]
     pub bare_close: bool,

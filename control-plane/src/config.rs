@@ -228,7 +228,7 @@ pub struct ApiArgs {
     pub console: ConsoleArgs,
 }
 
-/// How image parts are fetched and what they may be (README: Images).
+/// How image parts are fetched and what they may be (docs/api.md, Images).
 #[derive(Args, Clone, Debug)]
 pub struct ImageArgs {
     /// Largest image file a request may name or carry, in megabytes.
@@ -262,7 +262,7 @@ impl ImageArgs {
     }
 }
 
-/// The web console's settings (README: The console).
+/// The web console's settings (docs/console.md).
 #[derive(Args, Clone, Debug)]
 pub struct ConsoleArgs {
     /// The console's address as browsers reach it, which e-mails link to (default: the

@@ -38,7 +38,7 @@ use tessera_kernels::{Backend, HostWeight, WeightData};
 
 const TOKENS: [usize; 5] = [1, 3, 8, 9, 70];
 
-/// An emulation driver (`cuda/emulation/NAME.cpp`), compiled once per test run.
+/// An emulation driver (`cuda/emulation/*_check.cpp`, by name), compiled once per test run.
 fn driver(name: &'static str) -> &'static Path {
     static QUANT: OnceLock<PathBuf> = OnceLock::new();
     static PICK: OnceLock<PathBuf> = OnceLock::new();

@@ -104,7 +104,7 @@ fn outputs_near_their_limit_finish_inside_their_grammar() {
     // Any JSON object: this prompt makes the model nest objects for ever.
     let mut cases = vec![("any object", json!({"type": "object"}), GrammarSpec::JsonObject)];
     // An e-mail address is the one format here whose shortest finish the greedy search
-    // cannot spell (it needs an `@` and a dot in order): best effort only, as README says.
+    // cannot spell (it needs an `@` and a dot in order): best effort only, as docs/api.md says.
     let schemas = schemas().into_iter().filter(|(n, _)| *n != "email format");
     cases.extend(schemas.map(|(n, s)| (n, s.clone(), GrammarSpec::JsonSchema(s.to_string()))));
     let limit = 48;

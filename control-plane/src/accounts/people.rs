@@ -7,7 +7,7 @@ use super::{Org, keys};
 use serde::Serialize;
 use sqlx::Row;
 
-/// What a member may do: SPEC.md's Authentication rule 5.
+/// What a member may do (`console::authz` decides what each role may change).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {

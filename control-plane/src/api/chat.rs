@@ -157,7 +157,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRe
     }
     let format = format::grammar(f.raw("response_format"), Shape::Chat, caps.structured_output, &model.entry.id)?
         .map(|g| (g, Shape::Chat.param()));
-    // A top-level `thinking` object is ignored (SPEC.md, Reasoning rule 5): the
+    // A top-level `thinking` object is ignored (docs/api.md, Reasoning): the
     // switches live in `chat_template_kwargs`.
     f.ignore(&["user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "thinking"]);
     f.finish()?;

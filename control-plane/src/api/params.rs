@@ -1,4 +1,4 @@
-//! Parameters the generation endpoints share, with SPEC.md's defaults and ranges.
+//! Parameters the generation endpoints share, with OpenAI's defaults and ranges.
 
 use super::error::ApiError;
 use super::fields::{Fields, check_range};

@@ -140,7 +140,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
         "max_tool_calls",
     ]);
     f.finish()?;
-    // Reasoning cannot be turned off here (SPEC.md): the catalog's defaults apply.
+    // Reasoning cannot be turned off here (docs/api.md, Reasoning): the catalog's defaults apply.
     let kwargs = chat::template_kwargs(model, None);
     let shown = chat::Shown { visuals, room: max_output_tokens.map_or(1, |m| m.max(1) as usize), param: "input" };
     let prepared = chat::prepare(model, &messages, tools.as_ref(), &kwargs, format, shown)?;

@@ -1,4 +1,4 @@
-//! The personal plans of SPEC.md and the calendar their billing periods follow.
+//! The personal plans (Basic, Pro, Max) and the calendar their billing periods follow.
 
 use crate::calendar::{civil_from_days, days_from_civil};
 use serde::Serialize;

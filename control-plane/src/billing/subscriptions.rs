@@ -187,7 +187,7 @@ impl Subscription {
         (self.included_micros - self.spent_micros).max(0)
     }
 
-    /// What upgrading to `plan` at `now` costs (SPEC.md's Plan change): the price
+    /// What upgrading to `plan` at `now` costs (docs/api.md, Subscription plans): the price
     /// difference for the rest of the period, rounded to the nearest micro-dollar,
     /// and the included usage it brings (new multiplier × everything paid this period).
     pub fn upgrade_quote(&self, plan: Plan, now: i64) -> UpgradeQuote {

@@ -84,7 +84,7 @@ pub fn prepare(
 
 /// The rendered prompt's tokens with each visual's placeholder expanded, and the images
 /// the worker fills them with. Videos whose frames do not fit the context are sampled
-/// down, all to the same most frames that fit (SPEC.md, Reasoning rule 10).
+/// down, all to the same most frames that fit (docs/api.md, Video).
 fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<WithVisuals, ApiError> {
     if shown.visuals.is_empty() {
         return Ok((tokenize(model, text)?, Vec::new(), Vec::new(), None));

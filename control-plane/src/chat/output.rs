@@ -5,7 +5,7 @@
 //! marker is held back until the next delta (or the end) decides it: the pieces, joined
 //! by kind, are the same however the output was cut. Two states hold more than a tail:
 //! a tool call's body, parsed when its closing marker arrives, and the undecided start
-//! of a model that may think without being asked (SPEC.md, Reasoning rule 8), held
+//! of a model that may think without being asked (docs/api.md, Reasoning), held
 //! until a bare closing marker makes it reasoning or the end makes it content, so that
 //! chain-of-thought never reaches `content`.
 

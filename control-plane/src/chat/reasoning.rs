@@ -1,6 +1,6 @@
 //! Where a model's output begins — inside a reasoning block, with thinking off, or
 //! free to open one — from what the family's template made of the request's thinking
-//! toggles (SPEC.md, Reasoning rules), and so how the output is read back.
+//! toggles (docs/api.md, Reasoning), and so how the output is read back.
 
 use super::output::{Markers, Start};
 use tessera_proto::chat_template::Rendered;

@@ -15,7 +15,7 @@ use std::time::Instant;
 /// Minutes kept in the database: the longest window and a day of slack.
 const KEEP_MINUTES: i64 = 31 * 24 * 60;
 
-/// The status snapshot of SPEC.md.
+/// The status snapshot GET /status serves (docs/api.md, Status).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Snapshot {
     pub updated_at: String,

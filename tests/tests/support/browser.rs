@@ -1,6 +1,6 @@
 //! What the console's browser tests share: chromium through chromedriver, an SMTP
 //! server writing a maildir, and small steps on pages (fill and submit a form, wait for
-//! an element, POST from the page as a script could, screenshots for README).
+//! an element, POST from the page as a script could, screenshots for docs/console.md).
 
 #![allow(dead_code)]
 
