@@ -81,7 +81,13 @@ fn spans(text: &str) -> Vec<String> {
 fn path_like(span: &str) -> bool {
     let chars_ok = span.chars().all(|c| c.is_ascii_alphanumeric() || "/._-*".contains(c));
     let shaped = span.contains('/') || span.rsplit_once('.').is_some_and(|(stem, ext)| !stem.is_empty() && is_ext(ext));
-    chars_ok && shaped && !span.starts_with('/') && !span.starts_with('.') && !span.contains("//")
+    let hidden = span.starts_with('.') && !span.starts_with("../");
+    chars_ok && shaped && !span.starts_with('/') && !hidden && !span.contains("//") && !built(span)
+}
+
+/// Build outputs the docs may name (`target/release`, the test venv): not in git.
+fn built(span: &str) -> bool {
+    span.starts_with("target/")
 }
 
 /// Extensions of files this repository holds.
@@ -90,21 +96,66 @@ fn is_ext(ext: &str) -> bool {
         .contains(&ext)
 }
 
-/// Whether `path` (maybe with `*` in its last part) exists under some base.
-fn resolves(bases: &[PathBuf], path: &str) -> bool {
-    let path = path.trim_end_matches('/');
-    bases.iter().any(|base| match path.rsplit_once('/') {
-        Some((dir, last)) if last.contains('*') => base.join(dir).is_dir(),
-        _ if path.contains('*') => base.is_dir(),
-        _ => base.join(path).exists(),
-    })
-}
+/// What git holds: every file, and every folder above one, relative to the root.
+struct Tree(BTreeSet<PathBuf>);
 
-/// Whether the first part of `path` names something under some base: only such spans
-/// are held to resolve (`vendor-a/model-a` or `text/event-stream` are not paths here).
-fn rooted(bases: &[PathBuf], path: &str) -> bool {
-    let first = path.split('/').next().unwrap_or("");
-    path.contains('/') && bases.iter().any(|b| b.join(first).exists())
+impl Tree {
+    fn new(files: &[PathBuf]) -> Self {
+        let mut all = BTreeSet::new();
+        for f in files {
+            all.extend(f.ancestors().filter(|a| !a.as_os_str().is_empty()).map(Path::to_path_buf));
+        }
+        Self(all)
+    }
+
+    /// `base/path` with `.` and `..` resolved, if it stays inside the repository.
+    fn inside(base: &Path, path: &str) -> Option<PathBuf> {
+        let mut out = PathBuf::new();
+        for part in base.join(path).components() {
+            match part {
+                std::path::Component::ParentDir => {
+                    if !out.pop() {
+                        return None;
+                    }
+                }
+                std::path::Component::Normal(p) => out.push(p),
+                _ => {}
+            }
+        }
+        Some(out)
+    }
+
+    fn has(&self, base: &Path, path: &str) -> bool {
+        Self::inside(base, path).is_some_and(|p| p.as_os_str().is_empty() || self.0.contains(&p))
+    }
+
+    /// Whether `path` (maybe with `*` in its last part) is in git under some base (a
+    /// glob: some file of its folder matches its start and end).
+    fn resolves(&self, bases: &[PathBuf], path: &str) -> bool {
+        let path = path.trim_end_matches('/');
+        bases.iter().any(|base| match path.rsplit_once('/') {
+            Some((dir, last)) if last.contains('*') => self.matches(base, dir, last),
+            _ if path.contains('*') => self.matches(base, "", path),
+            _ => self.has(base, path),
+        })
+    }
+
+    fn matches(&self, base: &Path, dir: &str, glob: &str) -> bool {
+        let (start, end) = glob.split_once('*').unwrap_or((glob, ""));
+        let Some(dir) = Self::inside(base, dir) else { return false };
+        self.0.iter().any(|p| {
+            p.parent() == Some(dir.as_path())
+                && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(start) && n.ends_with(end))
+        })
+    }
+
+    /// Whether the first part of `path` names something in git under some base: only
+    /// such spans are held to resolve (`vendor-a/model-a` or `text/event-stream` are
+    /// not paths here), and every `../` path is.
+    fn rooted(&self, bases: &[PathBuf], path: &str) -> bool {
+        let first = path.split('/').next().unwrap_or("");
+        path.starts_with("../") || (path.contains('/') && bases.iter().any(|b| self.has(b, first)))
+    }
 }
 
 /// GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens.
@@ -131,20 +182,14 @@ fn anchors(text: &str) -> BTreeSet<String> {
     out
 }
 
-/// The bases a path named in `file` may be relative to: the repository, the file's own
-/// folder, and its crate's folder and `src/`.
-fn bases(file: &Path) -> Vec<PathBuf> {
-    let root = root();
-    let dir = root.join(file.parent().unwrap_or(Path::new("")));
-    let mut bases = vec![root.clone(), dir.clone()];
-    let mut up = Some(dir.as_path());
-    while let Some(d) = up {
-        if d.join("Cargo.toml").exists() {
-            bases.push(d.to_path_buf());
-            bases.push(d.join("src"));
-            break;
-        }
-        up = d.parent().filter(|p| p.starts_with(&root));
+/// The bases (relative to the root) a path named in `file` may be relative to: the
+/// repository, the file's own folder, and its crate's folder and `src/`.
+fn bases(tree: &Tree, file: &Path) -> Vec<PathBuf> {
+    let dir = file.parent().unwrap_or(Path::new("")).to_path_buf();
+    let mut bases = vec![PathBuf::new(), dir.clone()];
+    if let Some(krate) = dir.ancestors().find(|d| tree.0.contains(&d.join("Cargo.toml"))) {
+        bases.push(krate.to_path_buf());
+        bases.push(krate.join("src"));
     }
     bases
 }
@@ -152,28 +197,33 @@ fn bases(file: &Path) -> Vec<PathBuf> {
 #[test]
 fn every_link_and_named_file_in_the_docs_resolves() {
     let root = root();
+    let files = files();
+    let tree = Tree::new(&files);
     let mut broken = Vec::new();
-    for file in files().into_iter().filter(|f| f.extension().is_some_and(|e| e == "md")) {
-        let text = std::fs::read_to_string(root.join(&file)).unwrap();
-        let bases = bases(&file);
-        let dir = root.join(file.parent().unwrap_or(Path::new("")));
+    for file in files.iter().filter(|f| f.extension().is_some_and(|e| e == "md")) {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        let bases = bases(&tree, file);
+        let dir = file.parent().unwrap_or(Path::new(""));
         for link in links(&text) {
             if link.contains("://") || link.starts_with("mailto:") {
                 continue;
             }
             let (target, fragment) = link.split_once('#').unwrap_or((&link, ""));
-            let page = if target.is_empty() { root.join(&file) } else { dir.join(target) };
-            if !page.exists() {
+            let page = if target.is_empty() { Some(file.clone()) } else { Tree::inside(dir, target) };
+            let Some(page) = page.filter(|p| tree.has(Path::new(""), &p.to_string_lossy())) else {
                 broken.push(format!("{}: link to {link}", file.display()));
-            } else if !fragment.is_empty() && page.extension().is_some_and(|e| e == "md") {
-                let text = std::fs::read_to_string(&page).unwrap();
+                continue;
+            };
+            if !fragment.is_empty() && page.extension().is_some_and(|e| e == "md") {
+                let text = std::fs::read_to_string(root.join(&page)).unwrap();
                 if !anchors(&text).contains(fragment) {
                     broken.push(format!("{}: link to {link}: no such heading", file.display()));
                 }
             }
         }
         for span in spans(&text) {
-            if path_like(&span) && (rooted(&bases, &span) || !span.contains('/')) && !resolves(&bases, &span) {
+            if path_like(&span) && (tree.rooted(&bases, &span) || !span.contains('/')) && !tree.resolves(&bases, &span)
+            {
                 // A bare file name (`Cargo.toml`) may be any crate's; only `.md` names
                 // must be found beside the page or at the root.
                 if span.contains('/') || span.ends_with(".md") {
@@ -193,21 +243,24 @@ fn every_link_and_named_file_in_the_docs_resolves() {
 #[test]
 fn every_path_a_module_comment_names_resolves() {
     let root = root();
+    let files = files();
+    let tree = Tree::new(&files);
     let mut broken = Vec::new();
-    for file in files() {
+    for file in &files {
+        // Sources, and scripts without an extension.
         let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
-        if !["rs", "py", "sh", "toml", "sql", "proto", "html", "js", "css"].contains(&ext) {
+        if !["", "rs", "py", "sh", "toml", "sql", "proto", "html", "js", "css"].contains(&ext) {
             continue;
         }
-        let Ok(text) = std::fs::read_to_string(root.join(&file)) else { continue };
-        let bases = bases(&file);
+        let Ok(text) = std::fs::read_to_string(root.join(file)) else { continue };
+        let bases = bases(&tree, file);
         let docs: String = text
             .lines()
             .filter(|l| l.trim_start().starts_with("//!"))
             .map(|l| format!("{}\n", l.trim_start().trim_start_matches("//!")))
             .collect();
         for span in spans(&docs) {
-            if path_like(&span) && rooted(&bases, &span) && !resolves(&bases, &span) {
+            if path_like(&span) && tree.rooted(&bases, &span) && !tree.resolves(&bases, &span) {
                 broken.push(format!("{}: `{span}`", file.display()));
             }
         }
@@ -226,13 +279,18 @@ fn every_path_a_module_comment_names_resolves() {
 
 #[test]
 fn the_checks_catch_what_they_look_for() {
-    let root = root();
-    let bases = vec![root.clone()];
-    assert!(resolves(&bases, "docs/api.md") && !resolves(&bases, "docs/apii.md"));
-    assert!(resolves(&bases, "kernels/cuda/emulation/*_check.cpp"));
+    let tree = Tree::new(&files());
+    let bases = vec![PathBuf::new()];
+    assert!(tree.resolves(&bases, "docs/api.md") && !tree.resolves(&bases, "docs/apii.md"));
+    assert!(tree.resolves(&bases, "kernels/cuda/emulation/*_check.cpp"));
+    assert!(!tree.resolves(&bases, "kernels/cuda/emulation/*_nothing.cpp"));
+    assert!(!tree.resolves(&[PathBuf::from("docs")], "../../outside/x.md"), "nothing outside the repository");
+    assert!(tree.resolves(&[PathBuf::from("docs")], "../README.md"));
     assert!(path_like("bench/results/") && path_like("README.md") && !path_like("/v1/models"));
-    assert!(!path_like("https://x.test/a") && !path_like("{org}/keys"));
-    assert!(rooted(&bases, "worker/src/nothing.rs") && !rooted(&bases, "vendor-a/model-a"));
+    assert!(!path_like("https://x.test/a") && !path_like("{org}/keys") && path_like("../shared/notes.md"));
+    assert!(!path_like("target/release/tessera"), "a build output");
+    assert!(tree.rooted(&bases, "worker/src/nothing.rs") && !tree.rooted(&bases, "vendor-a/model-a"));
+    assert!(tree.rooted(&bases, "../shared/x.sh"));
     assert_eq!(links("see [api](docs/api.md#endpoints) and `[not](a link)`"), ["docs/api.md#endpoints"]);
     assert_eq!(anchor(" `tessera-bench spec`"), "tessera-bench-spec");
     assert_eq!(anchor(" Structured output and tool calling"), "structured-output-and-tool-calling");

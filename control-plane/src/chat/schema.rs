@@ -15,13 +15,15 @@
 //! Calls the model makes freely, outside a grammar, are held to the same rule by
 //! dropping the keys a closed schema would not have allowed.
 
-use serde_json::Value;
-use std::collections::HashMap;
+use serde_json::{Map, Value};
+use std::collections::{HashMap, HashSet};
 
 /// `schema` with its objects closed (see the module's rule).
 pub fn closed(schema: &Value) -> Value {
+    let mut extended = HashSet::new();
+    combined_references(schema, true, &mut extended);
     let mut s = schema.clone();
-    close(&mut s, true);
+    close(&mut s, true, "#", &extended);
     s
 }
 
@@ -41,48 +43,125 @@ const OPENERS: [&str; 11] = [
     "propertyNames",
 ];
 
-/// Closes `s` itself when `own` and its rule allows, and every schema below it.
-fn close(s: &mut Value, own: bool) {
-    let Value::Object(o) = s else { return };
+/// Where a subschema sits in its parent object.
+enum At {
+    Key(&'static str),
+    Index(&'static str, usize),
+    Name(&'static str, String),
+}
+
+impl At {
+    fn get<'a>(&self, o: &'a Map<String, Value>) -> Option<&'a Value> {
+        match self {
+            At::Key(k) => o.get(*k),
+            At::Index(k, i) => o.get(*k)?.get(*i),
+            At::Name(k, n) => o.get(*k)?.get(n),
+        }
+    }
+
+    fn get_mut<'a>(&self, o: &'a mut Map<String, Value>) -> Option<&'a mut Value> {
+        match self {
+            At::Key(k) => o.get_mut(*k),
+            At::Index(k, i) => o.get_mut(*k)?.get_mut(*i),
+            At::Name(k, n) => o.get_mut(*k)?.get_mut(n),
+        }
+    }
+
+    /// The JSON pointer of the subschema, below its parent's.
+    fn pointer(&self, parent: &str) -> String {
+        let escape = |s: &str| s.replace('~', "~0").replace('/', "~1");
+        match self {
+            At::Key(k) => format!("{parent}/{k}"),
+            At::Index(k, i) => format!("{parent}/{k}/{i}"),
+            At::Name(k, n) => format!("{parent}/{k}/{}", escape(n)),
+        }
+    }
+}
+
+/// The subschemas of object `o`, each with whether it stands alone when `o` does
+/// (`own`). A branch of a union stands alone unless the object around it declares
+/// properties the branch combines with; the parts of `allOf`, `if`/`then`/`else` and
+/// `dependentSchemas` always combine with their object, so only what lies below them
+/// may be closed. `not` is left out: closing inside it would widen what it refuses.
+fn below(o: &Map<String, Value>, own: bool) -> Vec<(At, bool)> {
     let declares = matches!(o.get("properties"), Some(Value::Object(_)));
-    if own && declares && !OPENERS.iter().any(|k| o.contains_key(*k)) {
-        o.insert("additionalProperties".into(), Value::Bool(false));
-    }
-    for key in ["properties", "$defs", "definitions", "patternProperties", "dependentSchemas"] {
-        if let Some(Value::Object(m)) = o.get_mut(key) {
-            m.values_mut().for_each(|v| close(v, true));
+    let mut out = Vec::new();
+    for (key, alone) in [
+        ("properties", true),
+        ("$defs", true),
+        ("definitions", true),
+        ("patternProperties", true),
+        ("dependentSchemas", false),
+    ] {
+        if let Some(Value::Object(m)) = o.get(key) {
+            out.extend(m.keys().map(|n| (At::Name(key, n.clone()), alone)));
         }
     }
-    for key in ["additionalProperties", "unevaluatedProperties", "additionalItems", "contains"] {
-        if let Some(v) = o.get_mut(key) {
-            close(v, true);
+    for key in ["additionalProperties", "unevaluatedProperties", "additionalItems", "contains", "items"] {
+        if o.get(key).is_some_and(Value::is_object) {
+            out.push((At::Key(key), true));
         }
     }
-    match o.get_mut("items") {
-        Some(Value::Array(list)) => list.iter_mut().for_each(|v| close(v, true)),
-        Some(v) => close(v, true),
-        None => {}
-    }
-    if let Some(Value::Array(list)) = o.get_mut("prefixItems") {
-        list.iter_mut().for_each(|v| close(v, true));
-    }
-    // A branch of a union stands alone unless the object around it declares properties
-    // the branch combines with; the parts of `allOf` and `if`/`then`/`else` always
-    // combine, so only what lies below them is closed. `not` is left alone: closing
-    // inside it would widen what it refuses.
-    for key in ["anyOf", "oneOf"] {
-        if let Some(Value::Array(list)) = o.get_mut(key) {
-            list.iter_mut().for_each(|v| close(v, !declares));
+    for (key, alone) in [
+        ("items", true),
+        ("prefixItems", true),
+        ("anyOf", own && !declares),
+        ("oneOf", own && !declares),
+        ("allOf", false),
+    ] {
+        if let Some(Value::Array(list)) = o.get(key) {
+            out.extend((0..list.len()).map(|i| (At::Index(key, i), alone)));
         }
-    }
-    if let Some(Value::Array(list)) = o.get_mut("allOf") {
-        list.iter_mut().for_each(|v| close(v, false));
     }
     for key in ["if", "then", "else"] {
-        if let Some(v) = o.get_mut(key) {
-            close(v, false);
+        if o.contains_key(key) {
+            out.push((At::Key(key), false));
         }
     }
+    out
+}
+
+/// The local references some schema combines with others (from a part of `allOf`, or
+/// beside `properties` of its own): the definitions they name stay open.
+fn combined_references(s: &Value, own: bool, found: &mut HashSet<String>) {
+    let Value::Object(o) = s else { return };
+    if let Some(Value::String(r)) = o.get("$ref")
+        && (!own || o.contains_key("properties"))
+    {
+        found.insert(r.clone());
+    }
+    for (at, alone) in below(o, own) {
+        if let Some(v) = at.get(o) {
+            combined_references(v, alone, found);
+        }
+    }
+}
+
+/// Closes `s` itself when `own` and the module's rule allow, and every schema below it.
+/// `pointer`: where `s` is in the whole schema; `extended`: definitions that stay open.
+fn close(s: &mut Value, own: bool, pointer: &str, extended: &HashSet<String>) {
+    let Value::Object(o) = s else { return };
+    if own && closable(o) {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (at, alone) in below(o, own) {
+        let at_pointer = at.pointer(pointer);
+        let alone = alone && !(matches!(at, At::Name("$defs" | "definitions", _)) && extended.contains(&at_pointer));
+        if let Some(v) = at.get_mut(o) {
+            close(v, alone, &at_pointer, extended);
+        }
+    }
+}
+
+/// An object that lists its properties, says nothing of others, and requires none it
+/// does not list (closing that one would make it unsatisfiable).
+fn closable(o: &Map<String, Value>) -> bool {
+    let Some(Value::Object(props)) = o.get("properties") else { return false };
+    let required_listed = match o.get("required") {
+        Some(Value::Array(names)) => names.iter().all(|n| n.as_str().is_some_and(|n| props.contains_key(n))),
+        _ => true,
+    };
+    required_listed && !OPENERS.iter().any(|k| o.contains_key(*k))
 }
 
 /// How deep `keep_declared` follows a schema (and its `$ref`s) into a value.
@@ -97,7 +176,11 @@ fn keep_declared(schema: &Value, value: &mut Value, root: &Value, depth: usize) 
         return;
     }
     if let Some(Value::String(r)) = o.get("$ref") {
-        if let Some(target) = local(root, r) {
+        // A reference combined with properties beside it: which keys are declared is
+        // the union of both, left as it is.
+        if !o.contains_key("properties")
+            && let Some(target) = local(root, r)
+        {
             keep_declared(target, value, root, depth + 1);
         }
         return;
@@ -105,7 +188,7 @@ fn keep_declared(schema: &Value, value: &mut Value, root: &Value, depth: usize) 
     match value {
         Value::Object(fields) => {
             let Some(Value::Object(props)) = o.get("properties") else { return };
-            if o.get("additionalProperties") == Some(&Value::Bool(false)) {
+            if o.get("additionalProperties") == Some(&Value::Bool(false)) && !o.contains_key("patternProperties") {
                 fields.retain(|k, _| props.contains_key(k));
             }
             for (k, sub) in props {
@@ -215,6 +298,31 @@ mod tests {
         );
         let c = closed(&json!({"not": {"properties": {"a": {}}}}));
         assert!(c["not"].get("additionalProperties").is_none());
+        // A union inside a part of allOf combines with the other parts too.
+        let c = closed(&json!({"allOf": [{"properties": {"a": {}}}, {"anyOf": [{"properties": {"b": {}}}]}]}));
+        assert!(c["allOf"][1]["anyOf"][0].get("additionalProperties").is_none(), "{c}");
+        let c = closed(&json!({"properties": {"a": {}}, "dependentSchemas": {"a": {"properties": {"b": {}}}}}));
+        assert!(c["dependentSchemas"]["a"].get("additionalProperties").is_none(), "{c}");
+        // Requiring a property it does not list: closing would refuse every value.
+        let c = closed(&json!({"properties": {"a": {}}, "required": ["a", "b"]}));
+        assert!(c.get("additionalProperties").is_none());
+    }
+
+    #[test]
+    fn definitions_other_schemas_extend_stay_open() {
+        let base = json!({"type": "object", "properties": {"id": {"type": "string"}}});
+        let inherits = closed(&json!({"$defs": {"Base": base, "Leaf": base},
+            "properties": {"item": {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"extra": {}}}]},
+                           "beside": {"$ref": "#/$defs/Base", "properties": {"more": {}}},
+                           "plain": {"$ref": "#/$defs/Leaf"}}}));
+        assert!(inherits["$defs"]["Base"].get("additionalProperties").is_none(), "{inherits}");
+        assert_eq!(inherits["$defs"]["Leaf"]["additionalProperties"], false, "{inherits}");
+        let d = Declared::new([(
+            "f",
+            &json!({"$ref": "#/$defs/Base", "properties": {"more": {}},
+            "$defs": {"Base": {"properties": {"id": {}}}}}),
+        )]);
+        assert_eq!(d.arguments("f", r#"{"id": 1, "more": 2}"#.into()), r#"{"id": 1, "more": 2}"#);
     }
 
     #[test]

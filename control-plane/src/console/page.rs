@@ -27,28 +27,36 @@ pub struct Tab {
     pub current: bool,
 }
 
-/// An organization's pages, by label and path below `/o/{org}`.
-const TABS: [(&str, &str); 8] = [
-    ("Overview", ""),
-    ("API keys", "/keys"),
-    ("Members", "/members"),
-    ("Playground", "/playground"),
-    ("Usage", "/usage"),
-    ("Billing", "/billing"),
-    ("Plan", "/plan"),
-    ("Capacity", "/capacity"),
+/// An organization's pages: label, and the paths below `/o/{org}` that show it (its
+/// own first; a form's action renders the page it was posted from).
+const TABS: [(&str, &[&str]); 8] = [
+    ("Overview", &["", "/settings"]),
+    ("API keys", &["/keys"]),
+    ("Members", &["/members", "/invites"]),
+    ("Playground", &["/playground", "/requests"]),
+    ("Usage", &["/usage"]),
+    ("Billing", &["/billing"]),
+    ("Plan", &["/plan"]),
+    ("Capacity", &["/capacity"]),
 ];
 
-/// The tabs of organization `org` for a page at `path`: the one whose address is the
-/// longest that the path is, or lies under, is current.
+/// The tabs of organization `org` for a page at `path`: the one with the longest path
+/// that the page's is, or lies under, is current.
 pub fn tabs(org: &str, path: &str) -> Vec<Tab> {
-    let under = |href: &str| path == href || path.strip_prefix(href).is_some_and(|rest| rest.starts_with('/'));
-    let mut tabs: Vec<Tab> =
-        TABS.iter().map(|(label, tail)| Tab { label, href: format!("/o/{org}{tail}"), current: false }).collect();
-    if let Some(best) = tabs.iter_mut().filter(|t| under(&t.href)).max_by_key(|t| t.href.len()) {
-        best.current = true;
-    }
-    tabs
+    let base = format!("/o/{org}");
+    let rest = path.strip_prefix(&base).filter(|r| r.is_empty() || r.starts_with('/'));
+    let under =
+        |tail: &str| rest.is_some_and(|r| r == tail || r.strip_prefix(tail).is_some_and(|r| r.starts_with('/')));
+    let best = TABS
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, tails))| tails.iter().filter(|t| under(t)).map(move |t| (t.len(), i)))
+        .max()
+        .map(|(_, i)| i);
+    TABS.iter()
+        .enumerate()
+        .map(|(i, (label, tails))| Tab { label, href: format!("{base}{}", tails[0]), current: best == Some(i) })
+        .collect()
 }
 
 /// Around every page.
@@ -314,6 +322,8 @@ mod tests {
         assert_eq!(current("/o/org_1/keys/key_9/revoke"), ["API keys"]);
         assert_eq!(current("/o/org_1/billing/buy"), ["Billing"]);
         assert_eq!(current("/o/org_1/plan"), ["Plan"]);
+        assert_eq!(current("/o/org_1/invites"), ["Members"], "a refused invite shows the members page");
+        assert_eq!(current("/o/org_1/settings"), ["Overview"]);
         assert!(current("/o/org_12/keys").is_empty(), "another organization's page");
         assert!(current("/account").is_empty());
     }

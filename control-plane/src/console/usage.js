@@ -55,6 +55,7 @@ function draw(el, data, metric) {
       {
         values: (u, ticks) => {
           const labels = ticks.map((t) => format(t, unit, Math.max(...ticks.map(Math.abs))));
+          // Kept on the element for the browser test that checks the steps.
           el.dataset.yLabels = labels.join("|");
           return labels;
         },

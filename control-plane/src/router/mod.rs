@@ -108,14 +108,16 @@ impl Models {
         self.by_id.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
     }
 
-    /// The listed model a mistyped `id` most likely meant: the one whose id is it,
-    /// case aside, or ends in `/` and it (`model-c` for `vendor-c/model-c`).
+    /// The listed model a mistyped `id` meant, when only one can be: the one whose id
+    /// is it, case aside, or ends in `/` and it (`model-c` for `vendor-c/model-c`).
     pub fn meant(&self, id: &str) -> Option<String> {
         let id = id.trim().to_ascii_lowercase();
-        self.listed().into_iter().map(|l| l.id).find(|full| {
+        let mut candidates = self.listed().into_iter().map(|l| l.id).filter(|full| {
             let full = full.to_ascii_lowercase();
             full == id || full.rsplit_once('/').is_some_and(|(_, name)| name == id)
-        })
+        });
+        let first = candidates.next();
+        if candidates.next().is_some() { None } else { first }
     }
 
     pub fn all(&self) -> Vec<Arc<ServedModel>> {
@@ -137,5 +139,10 @@ mod tests {
         assert_eq!(models.meant("Vendor-A/Model-A").as_deref(), Some("vendor-a/model-a"));
         assert_eq!(models.meant("model-z"), None);
         assert_eq!(models.meant("vendor-c"), None);
+        let two = Models::expecting([
+            ("vendor-a/model-x".to_string(), "A".to_string()),
+            ("vendor-b/model-x".to_string(), "B".to_string()),
+        ]);
+        assert_eq!(two.meant("model-x"), None, "no guess between two");
     }
 }
