@@ -22,7 +22,7 @@ async fn control_plane(cli: Cli) -> anyhow::Result<()> {
         LogFormat::Json => logs.json().init(),
     }
     match cli.command {
-        Command::Serve(config) => serve::run(config).await,
+        Command::Serve(config) => serve::run(config, cli.log_format).await,
         Command::ControlPlane(config) => cluster::control_plane::run(config).await,
         Command::Orgs(cmd) => ops::orgs(cmd).await,
         Command::Keys(cmd) => ops::keys(cmd).await,

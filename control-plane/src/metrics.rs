@@ -29,6 +29,9 @@ pub const ROUTING_DECISIONS: &str = "tessera_routing_decisions_total";
 /// router's prefix hit rate), by `model`.
 pub const ROUTED_BLOCKS: &str = "tessera_routing_prompt_blocks_total";
 pub const ROUTED_CACHED_BLOCKS: &str = "tessera_routing_cached_blocks_total";
+/// Streams ended by an error after their 200 had gone out, by the error's `code` (or
+/// type): the failures a status count cannot show.
+pub const STREAM_ERRORS: &str = "tessera_stream_errors_total";
 /// From a request's end to its bill in the ledger.
 pub const SETTLEMENT: &str = "tessera_billing_settlement_seconds";
 /// Settlements that failed every retry (their holds are released later).
@@ -102,6 +105,7 @@ fn describe() {
     describe_gauge!(PLACEMENT_LEADER, "1 while this control plane leads placement.");
     describe_gauge!(READY_REPLICAS, "Replicas ready to serve, by model.");
     describe_counter!(REFUSALS, "Requests refused at admission or dispatch, by outcome.");
+    describe_counter!(STREAM_ERRORS, "Streams ended by an error after their 200, by the error's code.");
     describe_counter!(ROUTING_DECISIONS, "Routing choices, by model and outcome (cached, uncached, none).");
     describe_counter!(ROUTED_BLOCKS, "Prompt blocks routed, by model.");
     describe_counter!(ROUTED_CACHED_BLOCKS, "Routed prompt blocks the chosen replica held, by model.");

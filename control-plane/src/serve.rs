@@ -22,14 +22,18 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub async fn run(config: ServeConfig) -> Result<()> {
+/// `log_format`: this process's, which its workers log in too.
+pub async fn run(config: ServeConfig, log_format: crate::config::LogFormat) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
     bootstrap(&store, data_dir, config.dev_credit_usd).await?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
-    let worker = workers::worker_command(config.worker_bin.as_deref())?;
+    let worker = workers::WorkerCommand {
+        json_logs: log_format == crate::config::LogFormat::Json,
+        ..workers::worker_command(config.worker_bin.as_deref())?
+    };
     let mut local = Vec::new();
     let mut pools = BTreeMap::new();
     for weights in catalog.weights() {

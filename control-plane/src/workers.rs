@@ -23,18 +23,31 @@ async fn next_line(reader: &mut BufReader<tokio::process::ChildStderr>) -> Optio
     }
 }
 
+/// One line of a worker's log onto ours: a JSON line as it is (prefixed, it would no
+/// longer be JSON), any other with the worker's weights before it.
+fn relay(json_logs: bool, weights: &str, line: &str) {
+    if json_logs && line.starts_with('{') {
+        eprintln!("{line}");
+    } else {
+        eprintln!("[worker {weights}] {line}");
+    }
+}
+
 /// How to start a worker: a program and the arguments before the worker's own.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerCommand {
     pub program: PathBuf,
     pub prefix: Vec<&'static str>,
+    /// Workers log JSON lines, relayed as they are (each names its request), rather
+    /// than text lines prefixed with the worker's weights.
+    pub json_logs: bool,
 }
 
 /// The worker: as configured, else the `tessera-worker` beside this executable, else
 /// the worker built into this binary (`tessera worker`), so that `cargo run --bin
 /// tessera` alone, which builds no other binary, serves.
 pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
-    let own = |program: PathBuf| WorkerCommand { program, prefix: Vec::new() };
+    let own = |program: PathBuf| WorkerCommand { program, prefix: Vec::new(), json_logs: false };
     if let Some(p) = configured {
         return Ok(own(p.to_path_buf()));
     }
@@ -42,7 +55,7 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
     let sibling = exe.parent().map(|d| d.join("tessera-worker"));
     Ok(match sibling {
         Some(p) if p.is_file() => own(p),
-        _ => WorkerCommand { program: exe, prefix: vec!["worker"] },
+        _ => WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false },
     })
 }
 
@@ -57,6 +70,7 @@ pub async fn start(
     speculative: Option<SpecConfig>,
 ) -> Result<LocalWorker> {
     let mut cmd = Command::new(&worker.program);
+    cmd.env("TESSERA_LOG_FORMAT", if worker.json_logs { "json" } else { "text" });
     cmd.args(&worker.prefix).args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
     if !metrics {
         cmd.arg("--no-metrics");
@@ -96,16 +110,16 @@ pub async fn start(
             let status = child.wait().await?;
             bail!("the worker for {weights} exited before listening ({status})");
         };
-        eprintln!("[worker {weights}] {line}");
+        relay(worker.json_logs, weights, &line);
         if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.rsplit(" on ").next()) {
             break addr.trim().to_string();
         }
     };
     // Keep relaying the worker's log so its pipe never fills.
-    let name = weights.to_string();
+    let (name, json) = (weights.to_string(), worker.json_logs);
     tokio::spawn(async move {
         while let Some(line) = next_line(&mut lines).await {
-            eprintln!("[worker {name}] {line}");
+            relay(json, &name, &line);
         }
     });
     Ok(LocalWorker { weights: weights.to_string(), addr, _child: child })
@@ -118,10 +132,16 @@ mod tests {
     #[test]
     fn a_configured_worker_wins_else_the_built_in_one_runs_when_none_lies_beside() {
         let configured = worker_command(Some(Path::new("/opt/w/tessera-worker"))).unwrap();
-        assert_eq!(configured, WorkerCommand { program: "/opt/w/tessera-worker".into(), prefix: vec![] });
+        assert_eq!(
+            configured,
+            WorkerCommand { program: "/opt/w/tessera-worker".into(), prefix: vec![], json_logs: false }
+        );
         // A test binary has no tessera-worker beside it (target/*/deps).
         let exe = std::env::current_exe().unwrap();
         assert!(!exe.parent().unwrap().join("tessera-worker").exists());
-        assert_eq!(worker_command(None).unwrap(), WorkerCommand { program: exe, prefix: vec!["worker"] });
+        assert_eq!(
+            worker_command(None).unwrap(),
+            WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false }
+        );
     }
 }

@@ -28,7 +28,7 @@ const T0: i64 = 1_793_491_200_000_000;
 
 /// A chat request of one prompt token that may generate `max` tokens.
 fn ask(request_id: &str, max: u64) -> Ask<'_> {
-    Ask { request_id, endpoint: "chat.completions", prompts: &[1], max_completion_each: max }
+    Ask { request_id, client_request_id: None, endpoint: "chat.completions", prompts: &[1], max_completion_each: max }
 }
 
 /// A request id no other request of this test has.

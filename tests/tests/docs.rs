@@ -113,11 +113,7 @@ impl Tree {
         let mut out = PathBuf::new();
         for part in base.join(path).components() {
             match part {
-                std::path::Component::ParentDir => {
-                    if !out.pop() {
-                        return None;
-                    }
-                }
+                std::path::Component::ParentDir if !out.pop() => return None,
                 std::path::Component::Normal(p) => out.push(p),
                 _ => {}
             }

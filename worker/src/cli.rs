@@ -52,9 +52,22 @@ pub struct GenerateArgs {
     device: Device,
 }
 
+/// Log lines on standard error as `tessera` writes them: text, or one JSON object a
+/// line with TESSERA_LOG_FORMAT=json (which `tessera serve` passes on to its workers);
+/// the level is RUST_LOG's, by default warnings and each request's end. A subscriber
+/// already set (a test's, or a process running the worker in it) stays.
+fn init_logs() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,tessera_worker=info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let _ = if json { logs.json().try_init() } else { logs.try_init() };
+}
+
 /// Runs one command to its end (each starts the async runtime it needs, so this is
 /// called outside any).
 pub fn run(command: Command) -> Result<()> {
+    init_logs();
     match command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(config) => run_serve(config),
@@ -73,6 +86,8 @@ fn run_serve(config: crate::serve::ServeConfig) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
+        // Not a log line: `tessera serve` reads the address from this one, whatever the
+        // log format.
         eprintln!("tessera-worker serving {} on {}", config.model, listener.local_addr()?);
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;

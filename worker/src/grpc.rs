@@ -221,34 +221,72 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
 }
 
 /// A request's response stream. Dropping it (the client went away) closes the output
-/// channel, which makes the engine abort the request; the client id is freed here.
+/// channel, which makes the engine abort the request; the client id is freed here, and
+/// the request's one log line written: how it ended, what it used, how long it took.
 pub struct OutputStream {
     rx: UnboundedReceiver<OutputEvent>,
     live: LiveIds,
     client_id: String,
+    log: RequestLog,
+}
+
+/// What a request's log line says, gathered as its stream is read.
+struct RequestLog {
+    started: std::time::Instant,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    /// Completions finished, of how many asked.
+    finished: usize,
+    n: usize,
+    failed: Option<String>,
+}
+
+impl RequestLog {
+    fn saw(&mut self, ev: &OutputEvent) {
+        match ev {
+            Ok(o) => {
+                self.output_tokens += usize::from(o.token.is_some());
+                self.finished += usize::from(o.finish.is_some());
+            }
+            Err(e) => self.failed = Some(e.to_string()),
+        }
+    }
+
+    fn write(&self, request_id: &str) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        let (prompt_tokens, output_tokens) = (self.prompt_tokens, self.output_tokens);
+        match &self.failed {
+            Some(e) => tracing::error!(request_id, prompt_tokens, output_tokens, ms, "request failed: {e}"),
+            None if self.finished < self.n => {
+                tracing::info!(request_id, prompt_tokens, output_tokens, ms, "request cancelled by its client")
+            }
+            None => tracing::info!(request_id, prompt_tokens, output_tokens, ms, "request finished"),
+        }
+    }
 }
 
 impl Stream for OutputStream {
     type Item = Result<pb::GenerateResponse, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.rx.poll_recv(cx).map(|ev| ev.map(|ev| ev.map(to_proto).map_err(Status::internal)))
+        let polled = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(ev)) = &polled {
+            self.log.saw(ev);
+        }
+        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(Status::internal)))
     }
 }
 
 impl Drop for OutputStream {
     fn drop(&mut self) {
         self.live.lock().expect("live ids lock").remove(&self.client_id);
+        self.log.write(&self.client_id);
     }
 }
 
-#[tonic::async_trait]
-impl pb::worker_server::Worker for WorkerService {
-    type GenerateStream = OutputStream;
-    type WatchLoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadReport, Status>> + Send>>;
-
-    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<OutputStream>, Status> {
-        let mut r = req.into_inner();
+impl WorkerService {
+    /// Starts request `r` on the engine; its stream answers it.
+    async fn start(&self, mut r: pb::GenerateRequest) -> Result<Response<OutputStream>, Status> {
         if r.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is empty"));
         }
@@ -263,7 +301,15 @@ impl pb::worker_server::Worker for WorkerService {
             }
             live.insert(client_id.clone(), id);
         }
-        let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone() };
+        let log = RequestLog {
+            started: std::time::Instant::now(),
+            prompt_tokens: r.prompt_token_ids.len(),
+            output_tokens: 0,
+            finished: 0,
+            n: r.n.max(1) as usize,
+            failed: None,
+        };
+        let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone(), log };
         let request = match to_engine(id, r, grammar, images) {
             Ok(request) => request,
             Err(e) => {
@@ -278,6 +324,21 @@ impl pb::worker_server::Worker for WorkerService {
                 Err(e.into())
             }
         }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = OutputStream;
+    type WatchLoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadReport, Status>> + Send>>;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<OutputStream>, Status> {
+        let request_id = req.get_ref().request_id.clone();
+        let refused = |s: Status| {
+            tracing::warn!(request_id, code = ?s.code(), "request refused: {}", s.message());
+            s
+        };
+        self.start(req.into_inner()).await.map_err(refused)
     }
 
     async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {

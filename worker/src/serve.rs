@@ -116,7 +116,7 @@ pub fn build_service(config: &ServeConfig) -> anyhow::Result<WorkerService> {
     let distinct: std::collections::BTreeSet<_> = gpus.iter().collect();
     anyhow::ensure!(distinct.len() == gpus.len(), "--cuda-devices names a GPU twice: {gpus:?}");
     let opened = device::open(config.device, gpus[0])?;
-    eprintln!("tessera-worker device: {}, tensor parallel size {tp}", opened.describe());
+    tracing::info!("device: {}, tensor parallel size {tp}", opened.describe());
     match opened {
         device::Opened::Cpu(b) => build(
             &path,
@@ -254,8 +254,8 @@ fn build<B: Backend + 'static>(
     };
     let context_length = core.max_model_len();
     if context_length < model_config.context_length {
-        eprintln!(
-            "tessera-worker: the KV cache holds {context_length} tokens, less than the model's context of {}: \
+        tracing::warn!(
+            "the KV cache holds {context_length} tokens, less than the model's context of {}: \
              requests may use {context_length} (a larger --kv-cache-bytes or --gpu-memory-fraction gives more)",
             model_config.context_length
         );
@@ -310,7 +310,7 @@ fn open_draft<B: Backend>(
         && draft_tokenizer.encode(probe).ok() == tokenizer.encode(probe).ok();
     anyhow::ensure!(same, "the draft model {name} has another tokenizer than the model: a draft needs the model's");
     let draft = load(&draft_config, &*source).with_context(|| format!("loading the draft model {}", path.display()))?;
-    eprintln!("tessera-worker: drafting with {name} ({} layers)", draft.config.num_layers);
+    tracing::info!("drafting with {name} ({} layers)", draft.config.num_layers);
     Ok(draft)
 }
 

@@ -54,6 +54,7 @@ pub async fn handle(
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,
+        client_request_id: request_id.client.as_deref(),
         endpoint: "chat.completions",
         prompts: &[g.prompt.len()],
         max_completion_each: g.max_tokens as u64 * g.n as u64,
@@ -271,11 +272,8 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, 
         let r = match tx.unless_gone(out.next()).await? {
             Ok(Some(r)) => r,
             Ok(None) => break,
-            Err(e) => {
-                // After the stream has started an error travels in it, then [DONE].
-                tx.data(&e.body()).await?;
-                return tx.done().await;
-            }
+            // After the stream has started an error travels in it, then [DONE].
+            Err(e) => return tx.fail(&e).await,
         };
         usage.record(&r);
         if request.scores_prompt() && !r.prompt_logprobs.is_empty() {
@@ -286,8 +284,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, 
         }
         let index = r.index as usize;
         let (Some(parser), Some(called)) = (parsers.get_mut(index), calls.get_mut(index)) else {
-            tx.data(&ApiError::Internal(format!("worker sent completion index {index}")).body()).await?;
-            return tx.done().await;
+            return tx.fail(&ApiError::Internal(format!("worker sent completion index {index}"))).await;
         };
         let finish = generate::finish_reason(r.finish_reason);
         let mut pieces = parser.push(&r.text, r.tokens.len() as u32);

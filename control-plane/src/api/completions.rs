@@ -54,6 +54,7 @@ pub async fn handle(
     let t = &request.template;
     let ask = Ask {
         request_id: &request_id.id,
+        client_request_id: request_id.client.as_deref(),
         endpoint: "completions",
         prompts: &lengths,
         max_completion_each: t.max_tokens as u64 * n as u64,
@@ -289,17 +290,13 @@ async fn stream(
     while let Some((p, r)) = tx.unless_gone(merged.next()).await? {
         let r = match r {
             Ok(r) => r,
-            Err(e) => {
-                tx.data(&e.body()).await?;
-                return tx.done().await;
-            }
+            Err(e) => return tx.fail(&e).await,
         };
         cached[p] = r.cached_prompt_tokens;
         usage.completion_tokens += r.tokens.len() as u32;
         let index = p * n + r.index as usize;
         let Some(offset) = offsets.get_mut(index) else {
-            tx.data(&ApiError::Internal(format!("worker sent completion index {}", r.index)).body()).await?;
-            return tx.done().await;
+            return tx.fail(&ApiError::Internal(format!("worker sent completion index {}", r.index))).await;
         };
         let finish = generate::finish_reason(r.finish_reason);
         last_finish = finish.unwrap_or(last_finish);

@@ -233,6 +233,22 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// An error that ends a stream whose status line has already gone out as 200: a
+    /// fault of ours is logged (with the request's id, from its span) as
+    /// `into_response` would have, and every such end is counted by its type.
+    pub fn mid_stream(&self) {
+        if let Self::Internal(detail) = self {
+            tracing::error!("internal error mid-stream: {detail}");
+        } else if self.status().is_server_error() {
+            tracing::warn!("stream ended by {}: {}", self.status(), self.object()["message"]);
+        }
+        let object = self.object();
+        let kind = object["code"].as_str().or(object["type"].as_str()).unwrap_or("error").to_string();
+        metrics::counter!(crate::metrics::STREAM_ERRORS, "code" => kind).increment(1);
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let Self::Internal(detail) = &self {

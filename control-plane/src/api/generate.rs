@@ -100,12 +100,13 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);
+    let request_id = meter.request_id();
     let mut tried = Vec::new();
     while tried.len() < ATTEMPTS {
         let Some(dispatch) = pool.choose(&blocks, &tried) else { break };
         let id = dispatch.id().to_string();
-        // Random, so control planes sharing a worker never collide.
-        let attempt = pb::GenerateRequest { request_id: super::new_id("cp-"), ..request.clone() };
+        let attempt_id = attempt_id(&request_id, slot, tried.len() + 1);
+        let attempt = pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() };
         let first = match dispatch.replica().client.clone().generate(attempt).await {
             Ok(stream) => {
                 let mut stream = stream.into_inner();
@@ -123,7 +124,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
                 return Ok(started);
             }
             Err(s) if retry_elsewhere(s.code()) => {
-                tracing::warn!("replica {id} failed before the first token ({s}); trying another");
+                tracing::warn!(attempt = %attempt_id, "replica {id} failed before the first token ({s}); trying another");
                 if s.code() != Code::ResourceExhausted {
                     pool.broken(&id);
                 }
@@ -133,6 +134,21 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         }
     }
     Err(ApiError::Overloaded)
+}
+
+/// The id a worker knows one attempt of a request's generation by: the request's own
+/// (its ids are random, so control planes sharing a worker never collide), with the
+/// prompt's place when a request has several (`-p1`) and the attempt's number from the
+/// second (`-a2`), so that every worker line of a request is found by its id.
+fn attempt_id(request_id: &str, slot: usize, attempt: usize) -> String {
+    let mut id = request_id.to_string();
+    if slot > 0 {
+        id.push_str(&format!("-p{slot}"));
+    }
+    if attempt > 1 {
+        id.push_str(&format!("-a{attempt}"));
+    }
+    id
 }
 
 /// Failures that say nothing about the request itself: the worker is gone, stopping, or
@@ -280,6 +296,14 @@ pub async fn gather(mut out: Output, n: u32, reading: &Reading) -> Result<(Vec<G
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_attempt_is_known_by_the_request_id() {
+        assert_eq!(attempt_id("req_1", 0, 1), "req_1");
+        assert_eq!(attempt_id("req_1", 0, 2), "req_1-a2");
+        assert_eq!(attempt_id("req_1", 2, 1), "req_1-p2");
+        assert_eq!(attempt_id("req_1", 1, 3), "req_1-p1-a3");
+    }
 
     #[test]
     fn finish_reasons_take_their_openai_names() {

@@ -114,11 +114,17 @@ async fn unknown(method: Method, uri: Uri) -> ApiError {
 }
 
 /// A request's id: in its `x-request-id` response header (which the SDKs surface on
-/// errors) and its usage record, so that a bill can be traced to a call. Also when it
-/// arrived, and the model its body named, once read, for its metrics.
+/// errors), every log line about it in this process and the worker's (each attempt
+/// there is `{id}`, then `{id}-a2`, …), and its usage record, so that a bill or a
+/// failure can be traced to a call. Also when it arrived, and the model its body named,
+/// once read, for its metrics.
 #[derive(Debug, Clone)]
 pub struct RequestId {
     pub id: String,
+    /// The client's own id for it (`X-Client-Request-Id`, OpenAI's header, or vLLM's
+    /// `X-Request-Id`), checked, logged and recorded beside ours and echoed back. Never
+    /// instead of ours: billing keys on ours, and a client's need not be unique.
+    pub client: Option<String>,
     pub received: Instant,
     model: Arc<OnceLock<String>>,
 }
@@ -127,7 +133,7 @@ impl RequestId {
     /// A new request's id, received now.
     pub fn new() -> Self {
         let id = format!("req_{}", crate::accounts::keys::hex(&rand::rng().random::<[u8; 16]>()));
-        Self { id, received: Instant::now(), model: Arc::new(OnceLock::new()) }
+        Self { id, client: None, received: Instant::now(), model: Arc::new(OnceLock::new()) }
     }
 
     /// The model its body named, once read.
@@ -142,16 +148,44 @@ impl Default for RequestId {
     }
 }
 
-/// Every response carries an `x-request-id`, which the SDKs surface on errors; every
-/// request is counted by route, status and model, and timed to its response's head.
+/// The headers a client may name its request with, OpenAI's first.
+const CLIENT_ID_HEADERS: [&str; 2] = ["x-client-request-id", "x-request-id"];
+
+/// The client's own id for its request, if it gave one: 1 to 128 visible ASCII
+/// characters (what goes into logs and a response header must not break either).
+fn client_request_id(headers: &axum::http::HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some((name, value)) = CLIENT_ID_HEADERS.iter().find_map(|n| headers.get(*n).map(|v| (*n, v))) else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(v) if (1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()) => Ok(Some(v.to_string())),
+        _ => Err(ApiError::invalid_value(
+            name,
+            format!("Invalid '{name}' header: an id of 1 to 128 visible ASCII characters, without spaces."),
+        )),
+    }
+}
+
+/// Every response carries an `x-request-id`, which the SDKs surface on errors (and the
+/// client's own id back, when it gave one); every request is counted by route, status
+/// and model, and timed to its response's head.
 async fn observe(mut request: Request, next: Next) -> Response {
-    let request_id = RequestId::new();
+    let mut request_id = RequestId::new();
+    let client = client_request_id(request.headers());
+    request_id.client = client.as_ref().ok().cloned().flatten();
     let (id, model, start) = (request_id.id.clone(), request_id.model.clone(), request_id.received);
+    let echo = request_id.client.clone();
     request.extensions_mut().insert(request_id);
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     // Every line logged while serving it (streams' tasks included) names the request.
-    let span = tracing::info_span!("request", request_id = %id);
-    let mut response = next.run(request).instrument(span.clone()).await;
+    let span = tracing::info_span!("request", request_id = %id, client_request_id = tracing::field::Empty);
+    if let Some(client) = &echo {
+        span.record("client_request_id", client.as_str());
+    }
+    let mut response = match client {
+        Ok(_) => next.run(request).instrument(span.clone()).await,
+        Err(refused) => refused.into_response(),
+    };
     let status = response.status().as_u16();
     let model = model.get().cloned().unwrap_or_default();
     let took = start.elapsed();
@@ -161,6 +195,9 @@ async fn observe(mut request: Request, next: Next) -> Response {
     metrics::counter!(m::HTTP_REQUESTS, "route" => route, "status" => status, "model" => model).increment(1);
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);
+    }
+    if let Some(v) = echo.and_then(|c| HeaderValue::from_str(&c).ok()) {
+        response.headers_mut().insert(CLIENT_ID_HEADERS[0], v);
     }
     response
 }

@@ -45,6 +45,7 @@ pub async fn handle(
     let g = &request.generation;
     let ask = Ask {
         request_id: &request_id.id,
+        client_request_id: request_id.client.as_deref(),
         endpoint: "responses",
         prompts: &[g.prompt.len()],
         max_completion_each: g.max_tokens as u64,
@@ -498,6 +499,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, meter: Meter) -> Result
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {
+                e.mid_stream();
                 let mut failed = meta.object(std::mem::take(&mut ev.output), None, Some("stop"));
                 failed["status"] = json!("failed");
                 failed["completed_at"] = Value::Null;

@@ -48,6 +48,14 @@ impl Sender {
         }
     }
 
+    /// The error that ends a chat or completions stream already under way: logged and
+    /// counted (`ApiError::mid_stream`), sent as an error object, then `[DONE]`.
+    pub async fn fail(&self, e: &super::error::ApiError) -> Result<(), Gone> {
+        e.mid_stream();
+        self.data(&e.body()).await?;
+        self.done().await
+    }
+
     pub async fn done(&self) -> Result<(), Gone> {
         self.send(Event::default().data("[DONE]")).await
     }

@@ -44,6 +44,8 @@ pub enum Admission {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct UsageRecord {
     pub request_id: String,
+    /// The client's own id for the request, when it gave one (`X-Client-Request-Id`).
+    pub client_request_id: Option<String>,
     pub org_id: String,
     pub key_id: String,
     pub model: String,
@@ -66,6 +68,7 @@ impl UsageRecord {
     pub fn unused(request_id: &str, org_id: &str) -> Self {
         Self {
             request_id: request_id.into(),
+            client_request_id: None,
             org_id: org_id.into(),
             key_id: String::new(),
             model: String::new(),
@@ -86,8 +89,8 @@ impl UsageRecord {
 /// The columns `usage_from_row` reads; a macro so queries stay static strings.
 macro_rules! usage_columns {
     () => {
-        "request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
-         reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at"
+        "request_id, client_request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
+         completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at"
     };
 }
 
@@ -361,8 +364,8 @@ impl Ledger {
         let u = UsageRecord { cost_micros: cost as u64, org_id: org, funding, ..usage.clone() };
         sqlx::query(
             "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
-             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at, \
+             client_request_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
         )
         .bind(&u.request_id)
         .bind(&u.org_id)
@@ -378,6 +381,7 @@ impl Ledger {
         .bind(u.multiplier_bp as i64)
         .bind(&u.finish_reason)
         .bind(crate::limits::now_us())
+        .bind(&u.client_request_id)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -547,6 +551,7 @@ fn usage_from_row(r: &sqlx::any::AnyRow) -> Result<UsageRecord, LedgerError> {
     let n = |c: &str| -> Result<u64, LedgerError> { Ok(r.try_get::<i64, _>(c)?.max(0) as u64) };
     Ok(UsageRecord {
         request_id: r.try_get("request_id")?,
+        client_request_id: r.try_get("client_request_id")?,
         org_id: r.try_get("org_id")?,
         key_id: r.try_get("key_id")?,
         model: r.try_get("model")?,

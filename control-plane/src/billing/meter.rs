@@ -45,6 +45,8 @@ pub struct Billing {
 pub struct Ask<'a> {
     /// The id the usage record is kept under (the request's `x-request-id`).
     pub request_id: &'a str,
+    /// The client's own id for it, recorded beside.
+    pub client_request_id: Option<&'a str>,
     pub endpoint: &'static str,
     pub prompts: &'a [usize],
     pub max_completion_each: u64,
@@ -124,6 +126,7 @@ impl Billing {
             key_id: key.id.clone(),
             model: model.into(),
             endpoint: ask.endpoint.into(),
+            client_request_id: ask.client_request_id.map(str::to_string),
             ..UsageRecord::unused(ask.request_id, &key.org_id)
         };
         let prompts = ask.prompts.iter().map(|&p| p as u64).collect();
@@ -234,6 +237,11 @@ impl Meter {
     /// The organization the request is billed to.
     pub fn org_id(&self) -> String {
         self.0.pending.lock().unwrap_or_else(|e| e.into_inner()).record.org_id.clone()
+    }
+
+    /// The request's id (the key of its hold and usage record).
+    pub fn request_id(&self) -> String {
+        self.0.pending.lock().unwrap_or_else(|e| e.into_inner()).record.request_id.clone()
     }
 }
 

@@ -164,7 +164,9 @@ async fn assignments(client: &mut Client, node: &str) -> Result<(BTreeMap<String
             Ok(a) => {
                 assigned.insert(a.replica.clone(), a);
             }
-            Err(e) => eprintln!("ignoring an unreadable assignment at {:?}: {e}", String::from_utf8_lossy(kv.key())),
+            Err(e) => {
+                tracing::warn!("ignoring an unreadable assignment at {:?}: {e}", String::from_utf8_lossy(kv.key()))
+            }
         }
     }
     Ok((assigned, revision))
@@ -185,7 +187,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     };
     let ttl = config.lease_ttl_secs.max(2);
     let mut reg = Registration::new(client.clone(), node, ttl).await?;
-    eprintln!("tessera-worker agent: node {} registered ({} devices)", config.node_id, reg.node.devices.len());
+    tracing::info!("node {} registered ({} devices)", config.node_id, reg.node.devices.len());
     let (changes, mut changed) = mpsc::unbounded_channel();
     let template = EngineTemplate {
         device,
@@ -233,7 +235,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     if !leaving {
                         match assignments(&mut watcher, &config.node_id).await {
                             Ok((now, at)) => (assigned, revision) = (now, revision.max(at)),
-                            Err(e) => eprintln!("reading the node's assignments: {e:#}"),
+                            Err(e) => tracing::warn!("reading the node's assignments: {e:#}"),
                         }
                         replicas.reconcile(&assigned).await;
                     }
@@ -269,18 +271,18 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     }
                 };
                 if let Err(e) = published {
-                    eprintln!("publishing replica {id}: {e:#}");
+                    tracing::warn!("publishing replica {id}: {e:#}");
                 }
                 if leaving && replicas.is_empty() {
                     break;
                 }
             }
             _ = terminate.recv(), if !leaving => {
-                eprintln!("tessera-worker agent: draining node {}", config.node_id);
+                tracing::info!("draining node {}", config.node_id);
                 leaving = true;
                 reg.node.state = NodeState::Draining;
                 if let Err(e) = reg.put_node().await {
-                    eprintln!("marking the node draining: {e:#}");
+                    tracing::warn!("marking the node draining: {e:#}");
                 }
                 replicas.drain_all();
                 if replicas.is_empty() {
@@ -289,23 +291,23 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             }
         }
         if lease_lost {
-            eprintln!("tessera-worker agent: the lease was lost; registering again");
+            tracing::info!("the lease was lost; registering again");
             match reg.register(&replicas.records()).await {
                 Ok(()) => match reg.client.lease_keep_alive(reg.lease).await {
                     Ok((k, s)) => {
                         (keeper, kept) = (k, s);
                         confirmed = Instant::now();
                     }
-                    Err(e) => eprintln!("keeping the new lease alive: {e:#}"),
+                    Err(e) => tracing::warn!("keeping the new lease alive: {e:#}"),
                 },
                 Err(e) => {
-                    eprintln!("registering again: {e:#}");
+                    tracing::warn!("registering again: {e:#}");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
         }
     }
     reg.leave().await?;
-    eprintln!("tessera-worker agent: node {} left", config.node_id);
+    tracing::info!("node {} left", config.node_id);
     Ok(())
 }

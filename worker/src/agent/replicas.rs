@@ -102,14 +102,14 @@ impl Replicas {
         let listener = match tokio::net::TcpListener::bind((self.host.as_str(), 0)).await {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("replica {}: cannot listen on {}: {e}", a.replica, self.host);
+                tracing::error!("replica {}: cannot listen on {}: {e}", a.replica, self.host);
                 return;
             }
         };
         let addr = match listener.local_addr() {
             Ok(addr) => addr.to_string(),
             Err(e) => {
-                eprintln!("replica {}: {e}", a.replica);
+                tracing::warn!("replica {}: {e}", a.replica);
                 return;
             }
         };
@@ -206,7 +206,7 @@ async fn run(
             tokio::select! {
                 served = serve::serve(service, listener, shutdown) => served.err().map(|e| format!("{e:#}")),
                 _ = cut_off => {
-                    eprintln!("replica {id}: drain deadline passed; cutting off its requests");
+                    tracing::warn!("replica {id}: drain deadline passed; cutting off its requests");
                     None
                 }
             }
@@ -216,7 +216,7 @@ async fn run(
     };
     match failure {
         Some(why) if !*stop.borrow() => {
-            eprintln!("replica {id}: {why}");
+            tracing::warn!("replica {id}: {why}");
             record.state = ReplicaState::Failed;
             let _ = changes.send((id, Some(record)));
         }

@@ -112,8 +112,8 @@ impl<B: Backend> DraftProposer<B> {
             failed: None,
         };
         draft.warm_up()?;
-        eprintln!(
-            "tessera-worker: draft model timed: {:.1} ms a drafting forward, {:.2} ms a token caught up",
+        tracing::info!(
+            "draft model timed: {:.1} ms a drafting forward, {:.2} ms a token caught up",
             draft.step_seconds * 1e3,
             draft.token_seconds * 1e3
         );
@@ -319,7 +319,7 @@ impl<B: Backend> Proposer for DraftProposer<B> {
             Err(e) => {
                 // The target serves on without speculation: a draft's failure (its
                 // memory, its device) costs speed, never an answer.
-                eprintln!("tessera-worker: the draft model failed ({e}); speculation is off from here");
+                tracing::error!("the draft model failed ({e}); speculation is off from here");
                 for p in seqs {
                     self.release(p.id);
                 }
