@@ -17,6 +17,9 @@ pub struct Cli {
     /// API request answered, and where console e-mail went).
     #[arg(long, global = true, value_enum, env = "TESSERA_LOG_FORMAT", default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Traces over OTLP: this process's, and its local workers'.
+    #[command(flatten)]
+    pub traces: tessera_worker::telemetry::TraceConfig,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

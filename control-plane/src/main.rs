@@ -8,21 +8,20 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // The built-in worker starts the runtimes it needs itself.
     if let Command::Worker(command) = cli.command {
-        return tessera_worker::cli::run(command);
+        return tessera_worker::cli::run(command, &cli.traces);
     }
     tokio::runtime::Runtime::new()?.block_on(control_plane(cli))
 }
 
 async fn control_plane(cli: Cli) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| "warn,tessera_control_plane::api=info,tessera_control_plane::console=info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().init(),
-    }
+    let _telemetry = tessera_worker::telemetry::init(
+        cli.log_format == LogFormat::Json,
+        "warn,tessera_control_plane::api=info,tessera_control_plane::console=info",
+        &cli.traces,
+        "tessera",
+    )?;
     match cli.command {
-        Command::Serve(config) => serve::run(config, cli.log_format).await,
+        Command::Serve(config) => serve::run(config, cli.log_format, cli.traces.clone()).await,
         Command::ControlPlane(config) => cluster::control_plane::run(config).await,
         Command::Orgs(cmd) => ops::orgs(cmd).await,
         Command::Keys(cmd) => ops::keys(cmd).await,

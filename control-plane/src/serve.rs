@@ -23,7 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// `log_format`: this process's, which its workers log in too.
-pub async fn run(config: ServeConfig, log_format: crate::config::LogFormat) -> Result<()> {
+/// `traces`: where this process's traces go, and its workers' too.
+pub async fn run(
+    config: ServeConfig,
+    log_format: crate::config::LogFormat,
+    traces: tessera_worker::telemetry::TraceConfig,
+) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
@@ -32,6 +37,7 @@ pub async fn run(config: ServeConfig, log_format: crate::config::LogFormat) -> R
 
     let worker = workers::WorkerCommand {
         json_logs: log_format == crate::config::LogFormat::Json,
+        traces,
         ..workers::worker_command(config.worker_bin.as_deref())?
     };
     let mut local = Vec::new();

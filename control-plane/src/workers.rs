@@ -5,6 +5,7 @@ use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use tessera_proto::speculative::SpecConfig;
+use tessera_worker::telemetry::TraceConfig;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -41,13 +42,20 @@ pub struct WorkerCommand {
     /// Workers log JSON lines, relayed as they are (each names its request), rather
     /// than text lines prefixed with the worker's weights.
     pub json_logs: bool,
+    /// Where the workers' traces go (the control plane's collector).
+    pub traces: TraceConfig,
 }
 
 /// The worker: as configured, else the `tessera-worker` beside this executable, else
 /// the worker built into this binary (`tessera worker`), so that `cargo run --bin
 /// tessera` alone, which builds no other binary, serves.
 pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
-    let own = |program: PathBuf| WorkerCommand { program, prefix: Vec::new(), json_logs: false };
+    let own = |program: PathBuf| WorkerCommand {
+        program,
+        prefix: Vec::new(),
+        json_logs: false,
+        traces: TraceConfig::default(),
+    };
     if let Some(p) = configured {
         return Ok(own(p.to_path_buf()));
     }
@@ -55,7 +63,7 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
     let sibling = exe.parent().map(|d| d.join("tessera-worker"));
     Ok(match sibling {
         Some(p) if p.is_file() => own(p),
-        _ => WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false },
+        _ => WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false, traces: TraceConfig::default() },
     })
 }
 
@@ -71,6 +79,10 @@ pub async fn start(
 ) -> Result<LocalWorker> {
     let mut cmd = Command::new(&worker.program);
     cmd.env("TESSERA_LOG_FORMAT", if worker.json_logs { "json" } else { "text" });
+    if let Some(endpoint) = &worker.traces.endpoint {
+        cmd.env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint);
+        cmd.env("TESSERA_OTLP_TRACES_SAMPLE_RATIO", worker.traces.sample_ratio.to_string());
+    }
     cmd.args(&worker.prefix).args(["serve", "--model", weights, "--listen", "127.0.0.1:0", "--replica-id", replica]);
     if !metrics {
         cmd.arg("--no-metrics");
@@ -134,14 +146,19 @@ mod tests {
         let configured = worker_command(Some(Path::new("/opt/w/tessera-worker"))).unwrap();
         assert_eq!(
             configured,
-            WorkerCommand { program: "/opt/w/tessera-worker".into(), prefix: vec![], json_logs: false }
+            WorkerCommand {
+                program: "/opt/w/tessera-worker".into(),
+                prefix: vec![],
+                json_logs: false,
+                traces: TraceConfig::default()
+            }
         );
         // A test binary has no tessera-worker beside it (target/*/deps).
         let exe = std::env::current_exe().unwrap();
         assert!(!exe.parent().unwrap().join("tessera-worker").exists());
         assert_eq!(
             worker_command(None).unwrap(),
-            WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false }
+            WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false, traces: TraceConfig::default() }
         );
     }
 }

@@ -6,6 +6,7 @@
 pub mod block_hash;
 pub mod chat_template;
 pub mod cluster;
+pub mod errors;
 pub mod image;
 pub mod speculative;
 pub mod text;
@@ -15,10 +16,6 @@ pub mod vision;
 /// Hugging Face tokenizer (4.8 MB for Qwen2's 151k-token vocabulary), over tonic's
 /// 4 MiB default.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-
-/// How the worker's INVALID_ARGUMENT for a request's grammar begins; the control plane
-/// answers it as a 400 naming the parameter the grammar came from.
-pub const GRAMMAR_REFUSED: &str = "the grammar does not compile: ";
 
 /// Generated from proto/worker.proto.
 pub mod worker {

@@ -37,9 +37,13 @@ pub fn serve_worker() -> (Process, String) {
         .expect("starting tessera-worker");
     let stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
     let worker = Process(child);
-    for line in stderr.lines() {
+    let mut lines = stderr.lines();
+    while let Some(line) = lines.next() {
         let line = line.expect("reading the worker's output");
         if let Some(addr) = line.strip_prefix("tessera-worker serving ").and_then(|l| l.split(" on ").nth(1)) {
+            // The worker logs each request: its log is read to the end, so that the pipe
+            // never fills.
+            std::thread::spawn(move || lines.for_each(drop));
             return (worker, addr.to_string());
         }
     }

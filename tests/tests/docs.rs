@@ -46,21 +46,21 @@ fn links(text: &str) -> Vec<String> {
     found
 }
 
+/// The lines of a Markdown text outside fenced code blocks.
+fn unfenced(text: &str) -> Vec<&str> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|line| {
+            let fence = line.trim_start().starts_with("```");
+            fenced ^= fence;
+            !fence && !fenced
+        })
+        .collect()
+}
+
 /// The lines of a Markdown text outside fenced code blocks, with code spans removed.
 fn prose(text: &str) -> Vec<String> {
-    let mut fenced = false;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if !fenced {
-            let parts: Vec<&str> = line.split('`').collect();
-            out.push(parts.iter().step_by(2).copied().collect::<Vec<_>>().join(""));
-        }
-    }
-    out
+    unfenced(text).into_iter().map(|line| line.split('`').step_by(2).collect::<Vec<_>>().join("")).collect()
 }
 
 /// The code spans of a text (what sits between single backticks on a line).
@@ -166,16 +166,7 @@ fn anchor(heading: &str) -> String {
 }
 
 fn anchors(text: &str) -> BTreeSet<String> {
-    let mut fenced = false;
-    let mut out = BTreeSet::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-        } else if !fenced && line.starts_with('#') {
-            out.insert(anchor(line.trim_start_matches('#')));
-        }
-    }
-    out
+    unfenced(text).into_iter().filter(|l| l.starts_with('#')).map(|l| anchor(l.trim_start_matches('#'))).collect()
 }
 
 /// The bases (relative to the root) a path named in `file` may be relative to: the

@@ -3,6 +3,7 @@
 //! the same, built into the control plane's binary for `tessera serve`.
 
 use crate::device::{self, Device, Opened};
+use crate::telemetry::{self, TraceConfig};
 use crate::{generate, load, model_cache};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -14,6 +15,8 @@ use tessera_proto::chat_template::{ChatTemplate, Message};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub traces: TraceConfig,
 }
 
 #[derive(Subcommand)]
@@ -52,26 +55,19 @@ pub struct GenerateArgs {
     device: Device,
 }
 
-/// Log lines on standard error as `tessera` writes them: text, or one JSON object a
-/// line with TESSERA_LOG_FORMAT=json (which `tessera serve` passes on to its workers);
-/// the level is RUST_LOG's, by default warnings and each request's end. A subscriber
-/// already set (a test's, or a process running the worker in it) stays.
-fn init_logs() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,tessera_worker=info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
-    let _ = if json { logs.json().try_init() } else { logs.try_init() };
-}
-
 /// Runs one command to its end (each starts the async runtime it needs, so this is
-/// called outside any).
-pub fn run(command: Command) -> Result<()> {
-    init_logs();
+/// called outside any), logging and tracing as `traces` and TESSERA_LOG_FORMAT say.
+pub fn run(command: Command, traces: &TraceConfig) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    // The trace exporter's channel runs on this runtime, which serves the requests too.
+    let _telemetry = {
+        let _inside = runtime.enter();
+        telemetry::init(telemetry::json_from_env(), "warn,tessera_worker=info", traces, "tessera-worker")?
+    };
     match command {
         Command::Generate(args) => run_generate(args),
-        Command::Serve(config) => run_serve(config),
-        Command::Agent(config) => tokio::runtime::Runtime::new()?.block_on(crate::agent::run(config)),
+        Command::Serve(config) => run_serve(&runtime, config),
+        Command::Agent(config) => runtime.block_on(crate::agent::run(config)),
         Command::Fetch { name } => {
             println!("{}", model_cache::resolve(&name)?.display());
             Ok(())
@@ -79,9 +75,8 @@ pub fn run(command: Command) -> Result<()> {
     }
 }
 
-fn run_serve(config: crate::serve::ServeConfig) -> Result<()> {
+fn run_serve(runtime: &tokio::runtime::Runtime, config: crate::serve::ServeConfig) -> Result<()> {
     let service = crate::serve::build_service(&config)?;
-    let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&config.listen)
             .await

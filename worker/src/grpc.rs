@@ -15,25 +15,35 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use tessera_proto::errors;
 use tessera_proto::worker as pb;
+use tessera_proto::worker::ErrorKind;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::Stream;
+use tonic::Code;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 pub use pb::worker_server::WorkerServer;
 
 impl From<EngineError> for Status {
     fn from(e: EngineError) -> Self {
-        match e {
-            EngineError::InvalidRequest(m) => Status::invalid_argument(m),
-            EngineError::ContextLength(m) => Status::out_of_range(m),
-            EngineError::DuplicateId(_) => Status::already_exists(e.to_string()),
-            EngineError::Stopped => Status::unavailable(e.to_string()),
+        let (code, kind) = match &e {
+            EngineError::InvalidRequest(_) => (Code::InvalidArgument, ErrorKind::InvalidRequest),
+            EngineError::ContextLength(_) => (Code::OutOfRange, ErrorKind::ContextLength),
+            EngineError::DuplicateId(_) => (Code::AlreadyExists, ErrorKind::DuplicateId),
+            EngineError::Stopped => (Code::Unavailable, ErrorKind::Stopping),
             EngineError::Model(_) | EngineError::Detokenize(_) | EngineError::Config(_) => {
-                Status::internal(e.to_string())
+                (Code::Internal, ErrorKind::Internal)
             }
-        }
+        };
+        errors::status(code, kind, e.to_string())
     }
+}
+
+/// A fault of the worker's own.
+fn internal(message: String) -> Status {
+    errors::status(Code::Internal, ErrorKind::Internal, message)
 }
 
 /// Client request ids of live requests → engine ids.
@@ -77,17 +87,17 @@ impl WorkerService {
             return Ok(None);
         }
         let Some(encoder) = self.images.clone() else {
-            return Err(Status::invalid_argument(format!(
-                "{} reads no images: its weights have no vision encoder",
-                self.card.model
-            )));
+            let why = format!("{} reads no images: its weights have no vision encoder", self.card.model);
+            return Err(errors::status(Code::InvalidArgument, ErrorKind::ImageRefused, why));
         };
         let inputs = images
             .into_iter()
             .enumerate()
             .map(|(i, image)| {
-                let sha256 = <[u8; 32]>::try_from(image.sha256.as_slice())
-                    .map_err(|_| Status::invalid_argument(format!("images[{i}]: sha256 is not 32 bytes")))?;
+                let sha256 = <[u8; 32]>::try_from(image.sha256.as_slice()).map_err(|_| {
+                    let why = format!("images[{i}]: sha256 is not 32 bytes");
+                    errors::status(Code::InvalidArgument, ErrorKind::InvalidRequest, why)
+                })?;
                 let usage = if image.frame { Use::Frame } else { Use::Image { split: image.split } };
                 Ok(ImageInput { data: image.data, sha256, usage })
             })
@@ -95,12 +105,12 @@ impl WorkerService {
         let prompt = prompt.to_vec();
         tokio::task::spawn_blocking(move || encoder.place(&prompt, &inputs))
             .await
-            .map_err(|e| Status::internal(format!("image encoding: {e}")))?
+            .map_err(|e| internal(format!("image encoding: {e}")))?
             .map(|placed| Some(Arc::new(placed)))
             .map_err(|e| match e {
                 // The encoder's own failure, not the request's.
-                ImageError::Encoder { .. } => Status::internal(e.to_string()),
-                _ => Status::invalid_argument(e.to_string()),
+                ImageError::Encoder { .. } => errors::status(Code::Internal, ErrorKind::Internal, e.to_string()),
+                _ => errors::status(Code::InvalidArgument, ErrorKind::ImageRefused, e.to_string()),
             })
     }
 
@@ -127,9 +137,9 @@ impl WorkerService {
         let grammars = self.grammars.clone();
         tokio::task::spawn_blocking(move || grammars.matcher(&spec))
             .await
-            .map_err(|e| Status::internal(format!("grammar compilation: {e}")))?
+            .map_err(|e| internal(format!("grammar compilation: {e}")))?
             .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("{}{e}", tessera_proto::GRAMMAR_REFUSED)))
+            .map_err(|e| errors::status(Code::InvalidArgument, ErrorKind::GrammarRefused, e))
     }
 }
 
@@ -239,6 +249,10 @@ struct RequestLog {
     finished: usize,
     n: usize,
     failed: Option<String>,
+    /// The request's span (`llm_request`), closed with the stream.
+    span: tracing::Span,
+    /// When it reached each stage, from its last output.
+    timeline: Option<Box<crate::metrics::Timeline>>,
 }
 
 impl RequestLog {
@@ -247,6 +261,9 @@ impl RequestLog {
             Ok(o) => {
                 self.output_tokens += usize::from(o.token.is_some());
                 self.finished += usize::from(o.finish.is_some());
+                if o.timeline.is_some() {
+                    self.timeline = o.timeline.clone();
+                }
             }
             Err(e) => self.failed = Some(e.to_string()),
         }
@@ -255,12 +272,30 @@ impl RequestLog {
     fn write(&self, request_id: &str) {
         let ms = self.started.elapsed().as_millis() as u64;
         let (prompt_tokens, output_tokens) = (self.prompt_tokens, self.output_tokens);
+        let _in = self.span.enter();
+        self.span.record("gen_ai.usage.output_tokens", output_tokens);
+        if let Some(t) = &self.timeline {
+            let queued = t.prefill.first().map_or(t.ended, |step| step.0).duration_since(t.arrived);
+            self.span.record("gen_ai.latency.time_in_queue", queued.as_secs_f64());
+            if let Some(first) = t.first_token {
+                self.span.record("gen_ai.latency.time_to_first_token", first.duration_since(t.arrived).as_secs_f64());
+            }
+            self.span.record("tessera.preemptions", t.preemptions);
+            crate::telemetry::stages(&self.span, t);
+        }
         match &self.failed {
-            Some(e) => tracing::error!(request_id, prompt_tokens, output_tokens, ms, "request failed: {e}"),
+            Some(e) => {
+                self.span.record("tessera.outcome", "failed");
+                tracing::error!(request_id, prompt_tokens, output_tokens, ms, "request failed: {e}")
+            }
             None if self.finished < self.n => {
+                self.span.record("tessera.outcome", "cancelled");
                 tracing::info!(request_id, prompt_tokens, output_tokens, ms, "request cancelled by its client")
             }
-            None => tracing::info!(request_id, prompt_tokens, output_tokens, ms, "request finished"),
+            None => {
+                self.span.record("tessera.outcome", "finished");
+                tracing::info!(request_id, prompt_tokens, output_tokens, ms, "request finished")
+            }
         }
     }
 }
@@ -273,7 +308,7 @@ impl Stream for OutputStream {
         if let Poll::Ready(Some(ev)) = &polled {
             self.log.saw(ev);
         }
-        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(Status::internal)))
+        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(internal)))
     }
 }
 
@@ -285,10 +320,10 @@ impl Drop for OutputStream {
 }
 
 impl WorkerService {
-    /// Starts request `r` on the engine; its stream answers it.
-    async fn start(&self, mut r: pb::GenerateRequest) -> Result<Response<OutputStream>, Status> {
+    /// Starts request `r` on the engine; its stream answers it, in `span`.
+    async fn start(&self, mut r: pb::GenerateRequest, span: tracing::Span) -> Result<Response<OutputStream>, Status> {
         if r.request_id.is_empty() {
-            return Err(Status::invalid_argument("request_id is empty"));
+            return Err(errors::status(Code::InvalidArgument, ErrorKind::InvalidRequest, "request_id is empty"));
         }
         let grammar = self.constraint(r.grammar.take()).await?;
         let images = self.images(&r.prompt_token_ids, std::mem::take(&mut r.images)).await?;
@@ -297,7 +332,8 @@ impl WorkerService {
         {
             let mut live = self.live.lock().expect("live ids lock");
             if live.contains_key(&client_id) {
-                return Err(Status::already_exists(format!("request {client_id} is already running")));
+                let why = format!("request {client_id} is already running");
+                return Err(errors::status(Code::AlreadyExists, ErrorKind::DuplicateId, why));
             }
             live.insert(client_id.clone(), id);
         }
@@ -308,6 +344,8 @@ impl WorkerService {
             finished: 0,
             n: r.n.max(1) as usize,
             failed: None,
+            span,
+            timeline: None,
         };
         let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone(), log };
         let request = match to_engine(id, r, grammar, images) {
@@ -333,12 +371,30 @@ impl pb::worker_server::Worker for WorkerService {
     type WatchLoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadReport, Status>> + Send>>;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<OutputStream>, Status> {
-        let request_id = req.get_ref().request_id.clone();
+        let r = req.get_ref();
+        // The request's span, a child of the control plane's when it sent its context:
+        // open while the stream is, its figures recorded when it ends.
+        let span = tracing::info_span!(
+            "llm_request",
+            otel.kind = "server",
+            request_id = %r.request_id,
+            gen_ai.request.max_tokens = r.max_tokens,
+            gen_ai.usage.input_tokens = r.prompt_token_ids.len(),
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            tessera.completions = r.n.max(1),
+            tessera.outcome = tracing::field::Empty,
+            tessera.preemptions = tracing::field::Empty,
+            gen_ai.latency.time_in_queue = tracing::field::Empty,
+            gen_ai.latency.time_to_first_token = tracing::field::Empty,
+        );
+        crate::telemetry::adopt(&span, &req.metadata().clone().into_headers());
         let refused = |s: Status| {
-            tracing::warn!(request_id, code = ?s.code(), "request refused: {}", s.message());
+            tracing::warn!(code = ?s.code(), "request refused: {}", s.message());
+            span.record("tessera.outcome", "refused");
             s
         };
-        self.start(req.into_inner()).await.map_err(refused)
+        let started = self.start(req.into_inner(), span.clone()).instrument(span.clone()).await;
+        started.map_err(|s| span.in_scope(|| refused(s)))
     }
 
     async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {

@@ -14,5 +14,6 @@ pub mod model;
 pub mod model_cache;
 pub mod pypi;
 pub mod serve;
+pub mod telemetry;
 pub mod tokenizer;
 pub mod vision;

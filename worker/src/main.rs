@@ -4,5 +4,6 @@ use clap::Parser;
 use tessera_worker::cli::{Cli, run};
 
 fn main() -> anyhow::Result<()> {
-    run(Cli::parse().command)
+    let cli = Cli::parse();
+    run(cli.command, &cli.traces)
 }

@@ -117,11 +117,53 @@ struct Times {
     scheduled: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// The steps that computed its prompt, each's start and end.
+    prefill: Vec<(Instant, Instant)>,
+    preemptions: u32,
+}
+
+/// When a request reached each stage, for its trace: handed to the gRPC layer with its
+/// last output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeline {
+    pub arrived: Instant,
+    /// Each step that computed part of its prompt (the last one samples its first
+    /// token): start and end.
+    pub prefill: Vec<(Instant, Instant)>,
+    pub first_token: Option<Instant>,
+    pub ended: Instant,
+    /// Times it was sent back to the queue to make room.
+    pub preemptions: u32,
 }
 
 impl RequestTimes {
     pub fn arrived(&mut self, request: u64, at: Instant) {
-        self.by_request.insert(request, Times { arrived: at, scheduled: None, first_token: None, last_token: None });
+        let times = Times {
+            arrived: at,
+            scheduled: None,
+            first_token: None,
+            last_token: None,
+            prefill: Vec::new(),
+            preemptions: 0,
+        };
+        self.by_request.insert(request, times);
+    }
+
+    /// A step from `began` to `ended` computed part of `request`: part of its prompt,
+    /// when it has no token yet.
+    pub fn stepped(&mut self, request: u64, began: Instant, ended: Instant) {
+        if let Some(t) = self.by_request.get_mut(&request)
+            && t.first_token.is_none()
+        {
+            t.prefill.push((began, ended));
+        }
+    }
+
+    /// `request` went back to the queue to make room.
+    pub fn preempted(&mut self, request: u64) {
+        if let Some(t) = self.by_request.get_mut(&request) {
+            t.preemptions += 1;
+        }
     }
 
     /// A step that began at `at` computed part of `request`.
@@ -150,14 +192,28 @@ impl RequestTimes {
         t.last_token = Some(at);
     }
 
-    /// `request` ended at `at` for `reason`, with a prompt of `prompt_tokens`.
-    pub fn finished(&mut self, request: u64, at: Instant, reason: &'static str, prompt_tokens: usize) {
+    /// `request` ended at `at` for `reason`, with a prompt of `prompt_tokens`: its
+    /// timeline.
+    pub fn finished(
+        &mut self,
+        request: u64,
+        at: Instant,
+        reason: &'static str,
+        prompt_tokens: usize,
+    ) -> Option<Timeline> {
         metrics::counter!(REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
         self.prompt.increment(prompt_tokens as u64);
-        let Some(t) = self.by_request.remove(&request) else { return };
+        let t = self.by_request.remove(&request)?;
         self.e2e.record(at.duration_since(t.arrived).as_secs_f64());
         if let (Some(first), Some(last)) = (t.first_token, t.last_token) {
             self.decode.record(last.duration_since(first).as_secs_f64());
         }
+        Some(Timeline {
+            arrived: t.arrived,
+            prefill: t.prefill,
+            first_token: t.first_token,
+            ended: at,
+            preemptions: t.preemptions,
+        })
     }
 }

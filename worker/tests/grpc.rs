@@ -162,6 +162,9 @@ async fn bad_requests_are_refused_with_a_reason() {
         let Err(status) = client.generate(req).await else { panic!("refused") };
         let code = if long { tonic::Code::OutOfRange } else { tonic::Code::InvalidArgument };
         assert_eq!(status.code(), code, "{status:?}");
+        // The kind the control plane answers by travels in the details.
+        let kind = if long { pb::ErrorKind::ContextLength } else { pb::ErrorKind::InvalidRequest };
+        assert_eq!(tessera_proto::errors::kind(&status), kind, "{status:?}");
         assert!(status.message().contains(want), "{} should mention {want:?}", status.message());
     }
 }

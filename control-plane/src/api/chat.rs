@@ -60,9 +60,11 @@ pub async fn handle(
         max_completion_each: g.max_tokens as u64 * g.n as u64,
     };
     let meter = app.billing.admit(&key, &model, ask).await?;
+    super::trace::admitted("chat.completions", &model.entry.id, &meter.org_id(), g);
     let probe = app.status.probe(&model.entry.id, "chat.completions", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
+    super::trace::responding(&meta.id);
     if request.stream {
         let response = sse::respond(move |tx| async move {
             // Gone: the client left; dropping `out` aborts the generation, and dropping
@@ -75,6 +77,7 @@ pub async fn handle(
     let scores = choices.first().map(|c| c.prompt_scores.clone()).unwrap_or_default();
     let first = choices.first().map(|c| finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool));
     meter.finish(first.unwrap_or("stop"), usage.reasoning_tokens);
+    super::trace::finished(first.unwrap_or("stop"), &usage);
     meter.settle().await;
     let choices: Vec<Value> = choices
         .iter()
@@ -328,6 +331,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, 
     usage.reasoning_tokens = parsers.iter().map(|p| p.reasoning_tokens()).sum();
     // The bill is final before the client hears the end.
     meter.finish(last_reason, usage.reasoning_tokens);
+    super::trace::finished(last_reason, &usage);
     meter.settle().await;
     if request.include_usage {
         let mut last = meta.chunk(json!([]), true);

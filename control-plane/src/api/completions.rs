@@ -60,6 +60,8 @@ pub async fn handle(
         max_completion_each: t.max_tokens as u64 * n as u64,
     };
     let meter = app.billing.admit(&key, &model, ask).await?;
+    super::trace::admitted("completions", &model.entry.id, &meter.org_id(), t);
+    super::trace::responding(&id);
     // One generation per prompt, all at once; choice index = prompt × n + completion.
     let mut outputs = Vec::new();
     for (slot, p) in request.prompts.iter().enumerate() {
@@ -125,7 +127,9 @@ pub async fn handle(
     let mut reply = base;
     reply["choices"] = json!(choices);
     reply["usage"] = usage_json(&usage);
-    meter.finish(choices.first().and_then(|c| c["finish_reason"].as_str()).unwrap_or("stop"), 0);
+    let finish = choices.first().and_then(|c| c["finish_reason"].as_str()).unwrap_or("stop");
+    meter.finish(finish, 0);
+    super::trace::finished(finish, &usage);
     meter.settle().await;
     Ok(Json(reply).into_response())
 }
@@ -327,6 +331,7 @@ async fn stream(
         }
     }
     meter.finish(last_finish, 0);
+    super::trace::finished(last_finish, &usage);
     meter.settle().await;
     if request.include_usage {
         usage.cached_tokens = cached.iter().sum();

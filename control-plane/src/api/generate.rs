@@ -7,7 +7,8 @@ use crate::billing::Meter;
 use crate::chat::output::{Reading, Split};
 use crate::router::Pool;
 use crate::status::Probe;
-use tessera_proto::GRAMMAR_REFUSED;
+use tessera_proto::errors;
+use tessera_proto::worker::ErrorKind;
 use tessera_proto::worker::{self as pb};
 use tonic::{Code, Status, Streaming};
 
@@ -106,7 +107,10 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         let Some(dispatch) = pool.choose(&blocks, &tried) else { break };
         let id = dispatch.id().to_string();
         let attempt_id = attempt_id(&request_id, slot, tried.len() + 1);
-        let attempt = pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() };
+        let mut attempt =
+            tonic::Request::new(pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() });
+        // The worker's span for it joins this request's trace.
+        tessera_worker::telemetry::inject(&tracing::Span::current(), attempt.metadata_mut());
         let first = match dispatch.replica().client.clone().generate(attempt).await {
             Ok(stream) => {
                 let mut stream = stream.into_inner();
@@ -193,19 +197,22 @@ impl Output {
 /// `prompt_param`: the one holding a prompt too long for the replica that took it (its
 /// KV cache smaller than the model's context, and than the others' when it joined).
 fn worker_error(s: Status, grammar_param: &str, prompt_param: &'static str) -> ApiError {
-    match s.code() {
-        Code::OutOfRange if !prompt_param.is_empty() => ApiError::ContextLength {
-            param: prompt_param,
-            message: format!(
-                "This request does not fit the model's context on the server that took it: {}. Please reduce the \
+    match (errors::kind(&s), s.code()) {
+        // (Unspecified: a worker from before kinds, during a rolling upgrade.)
+        (ErrorKind::ContextLength | ErrorKind::Unspecified, Code::OutOfRange) if !prompt_param.is_empty() => {
+            ApiError::ContextLength {
+                param: prompt_param,
+                message: format!(
+                    "This request does not fit the model's context on the server that took it: {}. Please reduce the \
                  length of the {prompt_param} or completion.",
-                s.message()
-            ),
-        },
-        Code::InvalidArgument if s.message().starts_with(GRAMMAR_REFUSED) && !grammar_param.is_empty() => {
-            ApiError::invalid_value(grammar_param, format!("Invalid schema: {}", &s.message()[GRAMMAR_REFUSED.len()..]))
+                    s.message()
+                ),
+            }
         }
-        Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => ApiError::Overloaded,
+        (ErrorKind::GrammarRefused, _) if !grammar_param.is_empty() => {
+            ApiError::invalid_value(grammar_param, format!("Invalid schema: {}", s.message()))
+        }
+        (_, Code::Unavailable | Code::ResourceExhausted | Code::Cancelled) => ApiError::Overloaded,
         _ => ApiError::Internal(format!("worker: {s}")),
     }
 }
@@ -315,10 +322,18 @@ mod tests {
             worker_error(Status::invalid_argument("x"), "response_format", "messages"),
             ApiError::Internal(_)
         ));
-        let refused = Status::invalid_argument(format!("{GRAMMAR_REFUSED}unknown type 'frob'"));
+        // By the kind in the details, whatever the message says.
+        let refused = errors::status(Code::InvalidArgument, ErrorKind::GrammarRefused, "unknown type 'frob'");
         let e = worker_error(refused, "response_format", "messages");
         assert_eq!(e, ApiError::invalid_value("response_format", "Invalid schema: unknown type 'frob'"));
-        let e = worker_error(Status::out_of_range("the prompt has 2000 tokens; the context is 1456"), "", "prompt");
+        let posing = Status::invalid_argument("the grammar does not compile: unknown type 'frob'");
+        assert!(matches!(worker_error(posing, "response_format", "messages"), ApiError::Internal(_)));
+        let long = errors::status(
+            Code::OutOfRange,
+            ErrorKind::ContextLength,
+            "the prompt has 2000 tokens; the context is 1456",
+        );
+        let e = worker_error(long, "", "prompt");
         assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
         assert_eq!(e.body()["error"]["param"], "prompt");
         assert!(e.body()["error"]["message"].as_str().unwrap().contains("the context is 1456"), "{:?}", e.body());

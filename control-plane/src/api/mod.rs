@@ -14,6 +14,7 @@ pub mod params;
 pub mod responses;
 pub mod sse;
 pub mod status;
+pub mod trace;
 
 use crate::accounts::Store;
 use crate::metrics as m;
@@ -177,8 +178,10 @@ async fn observe(mut request: Request, next: Next) -> Response {
     let echo = request_id.client.clone();
     request.extensions_mut().insert(request_id);
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
-    // Every line logged while serving it (streams' tasks included) names the request.
-    let span = tracing::info_span!("request", request_id = %id, client_request_id = tracing::field::Empty);
+    // Every line logged while serving it (streams' tasks included) names the request,
+    // and its trace continues the client's when it sent one.
+    let span = trace::request_span(&id, request.method().as_str(), &route);
+    tessera_worker::telemetry::adopt(&span, request.headers());
     if let Some(client) = &echo {
         span.record("client_request_id", client.as_str());
     }
@@ -187,6 +190,7 @@ async fn observe(mut request: Request, next: Next) -> Response {
         Err(refused) => refused.into_response(),
     };
     let status = response.status().as_u16();
+    span.record("http.response.status_code", status);
     let model = model.get().cloned().unwrap_or_default();
     let took = start.elapsed();
     span.in_scope(|| tracing::info!(%route, status, %model, ms = took.as_millis() as u64, "answered"));

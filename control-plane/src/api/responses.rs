@@ -51,9 +51,11 @@ pub async fn handle(
         max_completion_each: g.max_tokens as u64,
     };
     let meter = app.billing.admit(&key, &model, ask).await?;
+    super::trace::admitted("responses", &model.entry.id, &meter.org_id(), g);
     let probe = app.status.probe(&model.entry.id, "responses", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
+    super::trace::responding(&meta.id);
     if meta.request.stream {
         let response = sse::respond(move |tx| async move {
             let _: Result<(), Gone> = stream(tx, out, meta, meter).await;
@@ -63,6 +65,7 @@ pub async fn handle(
     let (choices, usage) = generate::gather(out, 1, &meta.request.reading).await?;
     let c = choices.into_iter().next().unwrap_or_default();
     meter.finish(c.finish_reason, usage.reasoning_tokens);
+    super::trace::finished(c.finish_reason, &usage);
     meter.settle().await;
     let status = if c.finish_reason == "length" { "incomplete" } else { "completed" };
     let split = &c.split;
@@ -525,6 +528,7 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, meter: Meter) -> Result
     }
     usage.reasoning_tokens = parser.reasoning_tokens();
     meter.finish(finish, usage.reasoning_tokens);
+    super::trace::finished(finish, &usage);
     meter.settle().await;
     let status = if finish == "length" { "incomplete" } else { "completed" };
     if ev.output.is_empty() && matches!(ev.open, Open::Nothing) {

@@ -175,6 +175,9 @@ pub struct Output {
     /// The prompt's tokens after its first, scored: on the request's first output, when
     /// it asked for them.
     pub prompt_logprobs: Vec<PromptScore>,
+    /// When the request reached each stage: on its last output, from the runner (which
+    /// keeps the times).
+    pub timeline: Option<Box<crate::metrics::Timeline>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -299,6 +302,8 @@ pub struct StepSummary {
     pub tokens: usize,
     /// The requests it computed part of (each once).
     pub requests: Vec<SeqId>,
+    /// The requests it sent back to the queue to make room.
+    pub preempted: Vec<SeqId>,
 }
 
 impl<B: Backend + 'static> EngineCore<B> {
@@ -609,6 +614,7 @@ impl<B: Backend> EngineCore<B> {
                     prompt_tokens: seq.prompt_len,
                     cached_prompt_tokens: seq.num_cached_prompt,
                     prompt_logprobs: Vec::new(),
+                    timeline: None,
                 })
             })
             .collect()
@@ -704,7 +710,8 @@ impl<B: Backend> EngineCore<B> {
             step.scheduled.iter().filter_map(|s| self.requests.get(&s.id).map(|r| r.request)).collect();
         requests.sort_unstable();
         requests.dedup();
-        self.last_step = StepSummary { tokens: step.scheduled.iter().map(|s| s.len).sum(), requests };
+        let preempted = step.preempted.iter().filter_map(|id| self.requests.get(id).map(|r| r.request)).collect();
+        self.last_step = StepSummary { tokens: step.scheduled.iter().map(|s| s.len).sum(), requests, preempted };
         step
     }
 
@@ -976,6 +983,7 @@ impl<B: Backend> EngineCore<B> {
                     prompt_tokens: seq.prompt_len,
                     cached_prompt_tokens: seq.num_cached_prompt,
                     prompt_logprobs: Vec::new(),
+                    timeline: None,
                 })
             })
             .collect()
@@ -1001,6 +1009,7 @@ impl<B: Backend> EngineCore<B> {
                 prompt_tokens: seq.prompt_len,
                 cached_prompt_tokens: seq.num_cached_prompt,
                 prompt_logprobs,
+                timeline: None,
             });
         }
         let token = s.token;
@@ -1047,6 +1056,7 @@ impl<B: Backend> EngineCore<B> {
             prompt_tokens,
             cached_prompt_tokens,
             prompt_logprobs,
+            timeline: None,
         })
     }
 }

@@ -230,17 +230,21 @@ impl<B: Backend> Loop<B> {
         }
         for &request in &summary.requests {
             self.times.scheduled(request, began);
+            self.times.stepped(request, began, now);
+        }
+        for &request in &summary.preempted {
+            self.times.preempted(request);
         }
         match stepped {
             Ok(outputs) => {
-                for out in outputs {
+                for mut out in outputs {
                     self.tokens += out.token.is_some() as u64;
                     if out.token.is_some() {
                         self.times.token(out.id, now);
                     }
                     if out.last {
                         let reason = out.finish.map_or("abort", |f| f.as_str());
-                        self.times.finished(out.id, now, reason, out.prompt_tokens);
+                        out.timeline = self.times.finished(out.id, now, reason, out.prompt_tokens).map(Box::new);
                     }
                     // A client gone meanwhile is aborted before the next step.
                     let (id, last) = (out.id, out.last);
