@@ -387,7 +387,7 @@ impl pb::worker_server::Worker for WorkerService {
             gen_ai.latency.time_in_queue = tracing::field::Empty,
             gen_ai.latency.time_to_first_token = tracing::field::Empty,
         );
-        crate::telemetry::adopt(&span, &req.metadata().clone().into_headers());
+        crate::telemetry::adopt_call(&span, req.metadata());
         let refused = |s: Status| {
             tracing::warn!(code = ?s.code(), "request refused: {}", s.message());
             span.record("tessera.outcome", "refused");

@@ -18,6 +18,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use std::time::Duration;
+use tonic::metadata::{AsciiMetadataKey, AsciiMetadataValue, KeyRef, MetadataMap};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::Layer;
 use tracing_subscriber::filter::{LevelFilter, Targets};
@@ -150,18 +151,6 @@ pub fn stages(span: &tracing::Span, t: &crate::metrics::Timeline) {
     }
 }
 
-struct Headers<'a>(&'a mut HeaderMap);
-
-impl Injector for Headers<'_> {
-    fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) =
-            (axum::http::HeaderName::from_bytes(key.as_bytes()), axum::http::HeaderValue::from_str(&value))
-        {
-            self.0.insert(name, value);
-        }
-    }
-}
-
 struct ReadHeaders<'a>(&'a HeaderMap);
 
 impl Extractor for ReadHeaders<'_> {
@@ -174,34 +163,61 @@ impl Extractor for ReadHeaders<'_> {
     }
 }
 
+struct ReadMetadata<'a>(&'a MetadataMap);
+
+impl Extractor for ReadMetadata<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        let ascii = |k| match k {
+            KeyRef::Ascii(k) => Some(k.as_str()),
+            KeyRef::Binary(_) => None,
+        };
+        self.0.keys().filter_map(ascii).collect()
+    }
+}
+
+struct WriteMetadata<'a>(&'a mut MetadataMap);
+
+impl Injector for WriteMetadata<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(key), Ok(value)) =
+            (AsciiMetadataKey::from_bytes(key.as_bytes()), AsciiMetadataValue::try_from(&value))
+        {
+            self.0.insert(key, value);
+        }
+    }
+}
+
 /// Names `span` anew in its trace (its `otel.name` is read only when it starts).
 pub fn rename(span: &tracing::Span, name: String) {
     use opentelemetry::trace::TraceContextExt;
     span.context().span().update_name(name);
 }
 
-/// Makes `span` a child of the trace context in `headers` (a client's `traceparent`,
-/// or the control plane's in a worker call's metadata), if they carry one.
+/// Makes `span` a child of the trace context a client's HTTP `headers` carry
+/// (`traceparent`), if any.
 pub fn adopt(span: &tracing::Span, headers: &HeaderMap) {
-    let parent = TraceContextPropagator::new().extract(&ReadHeaders(headers));
+    join(span, &ReadHeaders(headers));
+}
+
+/// Makes `span` a child of the trace context a worker call's `metadata` carries.
+pub fn adopt_call(span: &tracing::Span, metadata: &MetadataMap) {
+    join(span, &ReadMetadata(metadata));
+}
+
+fn join(span: &tracing::Span, carrier: &dyn Extractor) {
+    let parent = TraceContextPropagator::new().extract(carrier);
     // Fails only when no trace layer is installed: nothing to join then.
     let _ = span.set_parent(parent);
 }
 
 /// `span`'s trace context, as `traceparent` (and `tracestate`), into `metadata`: the
 /// worker's span for the call becomes its child.
-pub fn inject(span: &tracing::Span, metadata: &mut tonic::metadata::MetadataMap) {
-    let mut headers = HeaderMap::new();
-    TraceContextPropagator::new().inject_context(&span.context(), &mut Headers(&mut headers));
-    for (name, value) in &headers {
-        if let (Ok(key), Ok(value)) = (
-            tonic::metadata::AsciiMetadataKey::from_bytes(name.as_str().as_bytes()),
-            value.to_str().map(tonic::metadata::AsciiMetadataValue::try_from),
-        ) && let Ok(value) = value
-        {
-            metadata.insert(key, value);
-        }
-    }
+pub fn inject(span: &tracing::Span, metadata: &mut MetadataMap) {
+    TraceContextPropagator::new().inject_context(&span.context(), &mut WriteMetadata(metadata));
 }
 
 #[cfg(test)]
