@@ -13,10 +13,11 @@ use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tessera_control_plane::accounts::{BillingMode, NewKey, Store};
+use tessera_control_plane::accounts::{BillingMode, NewKey};
 use tessera_control_plane::billing::ledger::{NewHold, UsageRecord};
 use tessera_control_plane::billing::payments::{DEV_CARD, DevProcessor};
 use tessera_control_plane::billing::plans::Plan;
+use tessera_control_plane::db::Db;
 use tessera_control_plane::limits::{RateConfig, now_us};
 
 #[derive(clap::Args)]
@@ -64,8 +65,9 @@ fn usage(request_id: String, org: &str) -> UsageRecord {
     }
 }
 
-async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
-    let store = Store::open(url).await?;
+async fn bench(name: &str, url: &str, args: &Args) -> Result<()> {
+    let db = Db::open(url).await?;
+    let store = db.accounts();
     let org = store.create_org("bench").await?;
     let new = NewKey {
         org_id: &org.id,
@@ -75,9 +77,9 @@ async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
         created_by: None,
     };
     let (_, secret) = store.create_key(new).await?;
-    let ledger = store.ledger();
+    let ledger = db.ledger();
     ledger.grant(&org.id, 1 << 50, "benchmark").await?;
-    let limiter = store.rate_limiter(RateConfig::default());
+    let limiter = db.rate_limiter(RateConfig::default());
     limiter.set_org_rpm(&org.id, Some(u32::MAX)).await?;
 
     let (mut holds, mut settles) = (Vec::new(), Vec::new());
@@ -96,7 +98,7 @@ async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
     // The same for a personal key on a plan: its hold checks the month, both windows
     // and the plan's concurrency on the subscription's row.
     let user = store.create_user("bench@example.com").await?;
-    let subscriptions = store.subscriptions(Arc::new(DevProcessor::default()));
+    let subscriptions = db.subscriptions(Arc::new(DevProcessor::default()));
     subscriptions.start(&user.id, Plan::Max, DEV_CARD, now_us()).await?;
     let (mut sub_holds, mut sub_settles) = (Vec::new(), Vec::new());
     for i in 0..args.iterations {
@@ -147,7 +149,7 @@ async fn bench(db: &str, url: &str, args: &Args) -> Result<()> {
         "{}",
         json!({
             "bench": "billing",
-            "db": db,
+            "db": name,
             "iterations": args.iterations,
             "hold_p50_us": round(percentile(&holds, 0.5)),
             "hold_p99_us": round(percentile(&holds, 0.99)),

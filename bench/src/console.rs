@@ -13,9 +13,10 @@ use axum::http::{Request, StatusCode, header};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
-use tessera_control_plane::accounts::{BillingMode, NewKey, Role, Store};
+use tessera_control_plane::accounts::{BillingMode, NewKey, Role};
 use tessera_control_plane::console::session::SESSION_COOKIE;
 use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer, password};
+use tessera_control_plane::db::Db;
 use tower::ServiceExt;
 
 #[derive(clap::Args)]
@@ -62,8 +63,9 @@ pub fn run(args: Args) -> Result<()> {
 
 async fn pages(args: Args) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let db = format!("sqlite://{}", dir.path().join("bench.db").display());
-    let store = Store::open(&db).await?;
+    let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let db = Db::open(&url).await?;
+    let store = db.accounts();
     let owner = store.create_user("owner@bench.test").await?;
     let org = store.create_org_owned_by("Bench Org", &owner.id).await?;
     for k in 0..20 {
@@ -86,7 +88,8 @@ async fn pages(args: Args) -> Result<()> {
     }
     let console = Console {
         store: store.clone(),
-        billing: store.billing(Arc::new(tessera_control_plane::billing::payments::DevProcessor::default())),
+        billing: db.billing(Arc::new(tessera_control_plane::billing::payments::DevProcessor::default())),
+        capacity: db.capacity_requests(),
         api: None,
         mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox"))?,
         config: ConsoleConfig::at("http://bench.test"),
@@ -141,7 +144,7 @@ async fn pages(args: Args) -> Result<()> {
     // The usage views of an organization with many records.
     let keys: Vec<String> = store.list_keys(&org.id).await?.into_iter().map(|k| k.id).collect();
     let began = Instant::now();
-    write_usage(&db, &org.id, &keys, args.usage_records).await?;
+    write_usage(&url, &org.id, &keys, args.usage_records).await?;
     let write_s = began.elapsed().as_secs_f64();
     let views = [
         ("page_30_days", format!("/o/{}/usage", org.id)),

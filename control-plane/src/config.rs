@@ -231,6 +231,19 @@ pub struct ApiArgs {
     pub console: ConsoleArgs,
 }
 
+impl ApiArgs {
+    /// Every setting at its default (and the environment's `TESSERA_*`): for an API
+    /// embedded in another program, or a test's.
+    pub fn defaults() -> Self {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            api: ApiArgs,
+        }
+        Only::parse_from(["tessera"]).api
+    }
+}
+
 /// How image parts are fetched and what they may be (docs/api.md, Images).
 #[derive(Args, Clone, Debug)]
 pub struct ImageArgs {

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod cluster;
 pub mod config;
 pub mod console;
+pub mod db;
 pub mod images;
 pub mod limits;
 pub mod metrics;

@@ -1,7 +1,7 @@
 //! Operator commands: organizations, keys, credit and usage straight in the store, JSON
 //! with `--json`.
 
-use crate::accounts::{NewKey, Store};
+use crate::accounts::NewKey;
 use crate::billing::cost::{usd, usd_to_micros};
 use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
@@ -9,14 +9,15 @@ use crate::config::{
     CapacityCommand, CreditsCommand, KeysCommand, OrgsCommand, PlansCommand, StoreArgs, SupplyCommand, UsageCommand,
     UsersCommand,
 };
+use crate::db::Db;
 use crate::limits::now_us;
 use anyhow::Result;
 use serde_json::json;
 use std::sync::Arc;
 
-async fn open(store: &StoreArgs) -> Result<Store> {
+async fn open(store: &StoreArgs) -> Result<Db> {
     std::fs::create_dir_all(&store.data_dir)?;
-    Ok(Store::open(&store.database_url()).await?)
+    Ok(Db::open(&store.database_url()).await?)
 }
 
 /// Prints `value` as JSON with `--json`, else the line for people.
@@ -31,14 +32,15 @@ pub(crate) fn print(json_out: bool, value: serde_json::Value, human: String) {
 pub async fn orgs(cmd: OrgsCommand) -> Result<()> {
     match cmd {
         OrgsCommand::Create { name, store, json } => {
-            let org = open(&store).await?.create_org(&name).await?;
+            let org = open(&store).await?.accounts().create_org(&name).await?;
             print(json, json!(org), format!("created organization {} ({})", org.id, org.name));
         }
         OrgsCommand::SetRateLimit { org, rpm, default: _, store, json } => {
             anyhow::ensure!(rpm != Some(0), "--rpm must be at least 1");
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = store.find_org(&org).await?;
-            store.rate_limiter(Default::default()).set_org_rpm(&org.id, rpm).await?;
+            db.rate_limiter(Default::default()).set_org_rpm(&org.id, rpm).await?;
             let human = match rpm {
                 Some(r) => format!("{}: {r} requests per minute", org.id),
                 None => format!("{}: the server's default rate limit", org.id),
@@ -53,7 +55,7 @@ pub async fn keys(cmd: KeysCommand) -> Result<()> {
     match cmd {
         KeysCommand::Create { org, name, billing_mode, fallback_to_credits, store, json } => {
             let new = NewKey { org_id: &org, name: &name, billing_mode, fallback_to_credits, created_by: None };
-            let (key, secret) = open(&store).await?.create_key(new).await?;
+            let (key, secret) = open(&store).await?.accounts().create_key(new).await?;
             let mut value = json!(key);
             value["secret"] = json!(secret);
             print(
@@ -63,12 +65,12 @@ pub async fn keys(cmd: KeysCommand) -> Result<()> {
             );
         }
         KeysCommand::Revoke { key_id, store, json } => {
-            let revoked = open(&store).await?.revoke_key(&key_id).await?;
+            let revoked = open(&store).await?.accounts().revoke_key(&key_id).await?;
             let human = if revoked { format!("revoked {key_id}") } else { format!("{key_id} was already revoked") };
             print(json, json!({"id": key_id, "revoked": true, "was_active": revoked}), human);
         }
         KeysCommand::List { org, store, json } => {
-            let keys = open(&store).await?.list_keys(&org).await?;
+            let keys = open(&store).await?.accounts().list_keys(&org).await?;
             let human = keys
                 .iter()
                 .map(|k| {
@@ -86,20 +88,22 @@ pub async fn keys(cmd: KeysCommand) -> Result<()> {
 pub async fn credits(cmd: CreditsCommand) -> Result<()> {
     match cmd {
         CreditsCommand::Grant { org, usd: dollars, memo, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = store.find_org(&org).await?;
             let micros = usd_to_micros(dollars)?;
-            let ledger = store.ledger();
+            let ledger = db.ledger();
             ledger.grant(&org.id, micros, &memo).await?;
             let balance = ledger.balance(&org.id).await?;
             let human = format!("granted {} to {}; balance {}", usd(micros as i64), org.id, usd(balance));
             print(json, json!({"org_id": org.id, "granted_micros": micros, "balance_micros": balance}), human);
         }
         CreditsCommand::Buy { org, usd: dollars, payment_method, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = store.find_org(&org).await?;
             let micros = usd_to_micros(dollars)?;
-            let ledger = store.ledger();
+            let ledger = db.ledger();
             let reference = ledger.purchase(&DevProcessor::default(), &org.id, micros, &payment_method).await?;
             let balance = ledger.balance(&org.id).await?;
             let human = format!("{} bought {} ({reference}); balance {}", org.id, usd(micros as i64), usd(balance));
@@ -108,9 +112,10 @@ pub async fn credits(cmd: CreditsCommand) -> Result<()> {
             print(json, value, human);
         }
         CreditsCommand::Show { org, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = store.find_org(&org).await?;
-            let ledger = store.ledger();
+            let ledger = db.ledger();
             let (balance, held) = (ledger.balance(&org.id).await?, ledger.held(&org.id).await?);
             let human = format!("{}: balance {}, held by requests in flight {}", org.id, usd(balance), usd(held));
             print(json, json!({"org_id": org.id, "balance_micros": balance, "held_micros": held}), human);
@@ -122,9 +127,10 @@ pub async fn credits(cmd: CreditsCommand) -> Result<()> {
 pub async fn usage(cmd: UsageCommand) -> Result<()> {
     match cmd {
         UsageCommand::List { org, limit, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = store.find_org(&org).await?;
-            let records = store.ledger().usage(&org.id, limit).await?;
+            let records = db.ledger().usage(&org.id, limit).await?;
             let human = records
                 .iter()
                 .map(|u| {
@@ -154,12 +160,13 @@ pub async fn capacity(cmd: CapacityCommand) -> Result<()> {
     };
     match cmd {
         CapacityCommand::List { org, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let org = match org {
                 Some(o) => Some(store.find_org(&o).await?.id),
                 None => None,
             };
-            let requests = store.capacity_requests().list(org.as_deref()).await?;
+            let requests = db.capacity_requests().list(org.as_deref()).await?;
             let human = if requests.is_empty() {
                 "no capacity requests".to_string()
             } else {
@@ -168,12 +175,9 @@ pub async fn capacity(cmd: CapacityCommand) -> Result<()> {
             print(json, json!(requests), human);
         }
         CapacityCommand::Show { id, store, json } => {
-            let store = open(&store).await?;
-            let r = store
-                .capacity_requests()
-                .get(&id)
-                .await?
-                .ok_or_else(|| anyhow::anyhow!("no capacity request {id:?}"))?;
+            let db = open(&store).await?;
+            let r =
+                db.capacity_requests().get(&id).await?.ok_or_else(|| anyhow::anyhow!("no capacity request {id:?}"))?;
             let w = &r.wanted;
             let human = format!(
                 "{}\nstatus: {}\norganization: {}\nrequested by: {}\nwhat: {}\ncontact: {} <{}>\nnotes: {}\nsent: {}\nupdated: {}",
@@ -191,8 +195,8 @@ pub async fn capacity(cmd: CapacityCommand) -> Result<()> {
             print(json, json!(r), human);
         }
         CapacityCommand::SetStatus { id, status, store, json } => {
-            let store = open(&store).await?;
-            anyhow::ensure!(store.capacity_requests().set_status(&id, status).await?, "no capacity request {id:?}");
+            let db = open(&store).await?;
+            anyhow::ensure!(db.capacity_requests().set_status(&id, status).await?, "no capacity request {id:?}");
             print(json, json!({"id": id, "status": status}), format!("{id} is now {}", status.as_str()));
         }
     }
@@ -202,12 +206,13 @@ pub async fn capacity(cmd: CapacityCommand) -> Result<()> {
 pub async fn users(cmd: UsersCommand) -> Result<()> {
     match cmd {
         UsersCommand::Create { email, store, json } => {
-            let user = open(&store).await?.create_user(&email).await?;
+            let user = open(&store).await?.accounts().create_user(&email).await?;
             let human = format!("created user {} ({}); personal organization {}", user.id, user.email, user.org_id);
             print(json, json!(user), human);
         }
         UsersCommand::SetPassword { email, password_stdin, console_url, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let user = store.find_user(&email).await?;
             if password_stdin {
                 let mut password = String::new();
@@ -231,16 +236,17 @@ pub async fn users(cmd: UsersCommand) -> Result<()> {
 }
 
 /// Plans through the development processor: no real payment processor runs here.
-fn plans_of(store: &Store) -> Subscriptions {
-    store.subscriptions(Arc::new(DevProcessor::default()))
+fn plans_of(db: &Db) -> Subscriptions {
+    db.subscriptions(Arc::new(DevProcessor::default()))
 }
 
 pub async fn plans(cmd: PlansCommand) -> Result<()> {
     match cmd {
         PlansCommand::Start { user, plan, payment_method, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let user = store.find_user(&user).await?;
-            let s = plans_of(&store).start(&user.id, plan, &payment_method, now_us()).await?;
+            let s = plans_of(&db).start(&user.id, plan, &payment_method, now_us()).await?;
             let human = format!(
                 "{} is on the {} plan: {} paid, {} of usage included this period",
                 user.email,
@@ -251,17 +257,19 @@ pub async fn plans(cmd: PlansCommand) -> Result<()> {
             print(json, json!(s), human);
         }
         PlansCommand::Change { user, plan, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let user = store.find_user(&user).await?;
-            let plans = plans_of(&store);
+            let plans = plans_of(&db);
             let change = plans.change(&user.id, plan, now_us()).await?;
             let s = plans.get(&user.id).await?;
             print(json, json!({"change": change, "subscription": s}), format!("{}: {change:?}", user.email));
         }
         PlansCommand::Show { user, store, json } => {
-            let store = open(&store).await?;
+            let db = open(&store).await?;
+            let store = db.accounts();
             let user = store.find_user(&user).await?;
-            let s = plans_of(&store).get(&user.id).await?;
+            let s = plans_of(&db).get(&user.id).await?;
             let human = match &s {
                 None => format!("{} has no plan", user.email),
                 Some(s) => format!(
@@ -283,8 +291,8 @@ pub async fn plans(cmd: PlansCommand) -> Result<()> {
 pub async fn supply(cmd: SupplyCommand) -> Result<()> {
     match cmd {
         SupplyCommand::Show { hours, store, json } => {
-            let store = open(&store).await?;
-            let supply = store.supply();
+            let db = open(&store).await?;
+            let supply = db.supply();
             supply.reload().await?;
             let since = now_us() - hours as i64 * 3_600_000_000;
             let mut models = Vec::new();

@@ -11,6 +11,7 @@ use crate::billing::subscriptions::Subscriptions;
 use crate::billing::supply::{Refresher, Supply};
 use crate::catalog::Catalog;
 use crate::config::{ApiArgs, ServeConfig};
+use crate::db::Db;
 use crate::limits::RateConfig;
 use crate::router::{Models, Pool, Replica};
 use crate::status::Status;
@@ -31,8 +32,8 @@ pub async fn run(
 ) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-    let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
-    bootstrap(&store, data_dir, config.dev_credit_usd).await?;
+    let db = Db::open(&config.store.database_url()).await.context("opening the database")?;
+    bootstrap(&db, data_dir, config.dev_credit_usd).await?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
 
     let worker = workers::WorkerCommand {
@@ -60,7 +61,7 @@ pub async fn run(
         pools.insert(weights.clone(), pool.expect("at least one replica"));
     }
     let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
-    serve_api(store, Arc::new(models), None, &config.api, data_dir).await?;
+    serve_api(db, Arc::new(models), None, &config.api, data_dir).await?;
     drop(local);
     Ok(())
 }
@@ -69,36 +70,13 @@ pub async fn run(
 /// work (heartbeat, stale holds, plan renewals, supply states) beside it; requests still
 /// open are settled before it returns.
 pub async fn serve_api(
-    store: Store,
+    db: Db,
     models: Arc<Models>,
     cluster: Option<crate::cluster::ClusterView>,
     config: &ApiArgs,
     data_dir: &Path,
 ) -> Result<Arc<AppState>> {
-    // Metrics recorded from here on reach GET /metrics.
-    if !config.no_metrics {
-        crate::metrics::handle();
-    }
-    // No real payment processor can run here: plans and credit purchases go through
-    // the development processor (see billing::payments).
-    let billing = store.billing(Arc::new(DevProcessor::default()));
-    billing.heartbeat(DEAD_AFTER.as_micros() as i64).await?;
-    tokio::spawn(keep_alive(billing.clone()));
-    tokio::spawn(release_stale_holds(store.ledger()));
-    tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
-    billing.supply().reload().await?;
-    let limits = store.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
-    let billing_at_exit = billing.clone();
-    let status = Status::new(store.status_minutes(), Arc::new(crate::limits::now_us));
-    let images = crate::images::Images::new(config.images.config())?;
-    let app =
-        Arc::new(AppState { store, models, billing, limits, cluster, metrics: !config.no_metrics, status, images });
-    let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
-    tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
-    // The first snapshot is ready before the first request.
-    app.status.tick(&app.models.listed(), app.billing.supply()).await;
-    let refresh = Duration::from_secs(config.status_refresh_secs.max(1));
-    tokio::spawn(refresh_status(app.status.clone(), refresh, Arc::downgrade(&app)));
+    let app = app_state(db, models, cluster, config).await?;
 
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
@@ -129,9 +107,54 @@ pub async fn serve_api(
         }
     }
     // Requests still open are settled with what they used, before the process ends.
-    billing_at_exit.shutdown(Duration::from_secs(10)).await;
+    app.billing.shutdown(Duration::from_secs(10)).await;
     // And their /status counts are written.
     app.status.tick(&app.models.listed(), app.billing.supply()).await;
+    Ok(app)
+}
+
+/// The API's state over `models`, with billing's background work (heartbeat, stale
+/// holds, plan renewals, supply states) and GET /status's refresh running beside it
+/// for as long as the state lives. `serve_api` serves it; tests drive `api::router`
+/// over it in-process.
+pub async fn app_state(
+    db: Db,
+    models: Arc<Models>,
+    cluster: Option<crate::cluster::ClusterView>,
+    config: &ApiArgs,
+) -> Result<Arc<AppState>> {
+    // Metrics recorded from here on reach GET /metrics.
+    if !config.no_metrics {
+        crate::metrics::handle();
+    }
+    // No real payment processor can run here: plans and credit purchases go through
+    // the development processor (see billing::payments).
+    let billing = db.billing(Arc::new(DevProcessor::default()));
+    billing.heartbeat(DEAD_AFTER.as_micros() as i64).await?;
+    tokio::spawn(keep_alive(billing.clone()));
+    tokio::spawn(release_stale_holds(db.ledger()));
+    tokio::spawn(renew_subscriptions(billing.subscriptions().clone()));
+    billing.supply().reload().await?;
+    let limits = db.rate_limiter(RateConfig { default_rpm: config.rate_limit_rpm, burst: config.rate_limit_burst });
+    let status = Status::new(db.status_minutes(), Arc::new(crate::limits::now_us));
+    let images = crate::images::Images::new(config.images.config())?;
+    let app = Arc::new(AppState {
+        store: db.accounts(),
+        db,
+        models,
+        billing,
+        limits,
+        cluster,
+        metrics: !config.no_metrics,
+        status,
+        images,
+    });
+    let refresh = Duration::from_secs(config.supply_refresh_secs.max(1));
+    tokio::spawn(refresh_supply(app.billing.supply().clone(), refresh, Arc::downgrade(&app)));
+    // The first snapshot is ready before the first request.
+    app.status.tick(&app.models.listed(), app.billing.supply()).await;
+    let refresh = Duration::from_secs(config.status_refresh_secs.max(1));
+    tokio::spawn(refresh_status(app.status.clone(), refresh, Arc::downgrade(&app)));
     Ok(app)
 }
 
@@ -151,7 +174,8 @@ fn no_delay(
 /// On first start (no organizations yet): a `default` organization with a development
 /// credit grant, and a key for it, written to `<data-dir>/bootstrap.key` (mode 0600) and
 /// printed this once.
-async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Result<()> {
+async fn bootstrap(db: &Db, data_dir: &Path, dev_credit_usd: f64) -> Result<()> {
+    let store = db.accounts();
     if store.count_orgs().await? > 0 {
         return Ok(());
     }
@@ -159,7 +183,7 @@ async fn bootstrap(store: &Store, data_dir: &Path, dev_credit_usd: f64) -> Resul
     store.set_setting("bootstrap_org", &org.id).await?;
     let micros = crate::billing::cost::usd_to_micros(dev_credit_usd)?;
     if micros > 0 {
-        store.ledger().grant(&org.id, micros, "development credit on first start").await?;
+        db.ledger().grant(&org.id, micros, "development credit on first start").await?;
     }
     let new = NewKey {
         org_id: &org.id,
@@ -211,6 +235,7 @@ fn console_state(
     Ok(Arc::new(crate::console::Console {
         store: app.store.clone(),
         billing: app.billing.clone(),
+        capacity: app.db.capacity_requests(),
         mail,
         config,
         api: Some(app.clone()),

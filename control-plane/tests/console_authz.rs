@@ -16,6 +16,7 @@ use tessera_control_plane::billing::payments::DevProcessor;
 use tessera_control_plane::billing::plans::Plan;
 use tessera_control_plane::console::session::{SESSION_COOKIE, csrf_token};
 use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer, password};
+use tessera_control_plane::db::Db;
 use tessera_control_plane::limits::now_us;
 use tower::ServiceExt;
 
@@ -36,6 +37,7 @@ const PASSWORD: &str = "a long and unusual passphrase";
 struct World {
     router: axum::Router,
     store: Store,
+    db: Db,
     _dir: tempfile::TempDir,
     org: String,
     owner: String,
@@ -54,7 +56,8 @@ struct World {
 impl World {
     async fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open("sqlite::memory:").await.unwrap();
+        let db = Db::open("sqlite::memory:").await.unwrap();
+        let store = db.accounts();
         let hash = password::hash(PASSWORD);
         let owner = store.create_user_with_password("owner@acme.test", Some(&hash)).await.unwrap();
         let member = store.create_user_with_password("member@acme.test", Some(&hash)).await.unwrap();
@@ -89,11 +92,12 @@ impl World {
             (Outsider, store.start_session(&outsider.id).await.unwrap()),
         ];
         // The owner's personal organization, on the Basic plan.
-        let billing = store.billing(Arc::new(DevProcessor::default()));
+        let billing = db.billing(Arc::new(DevProcessor::default()));
         billing.subscriptions().start(&owner.id, Plan::Basic, "pm_dev_card", now_us()).await.unwrap();
         let console = Console {
             store: store.clone(),
             billing,
+            capacity: db.capacity_requests(),
             api: None,
             mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox")).unwrap(),
             config: ConsoleConfig {
@@ -104,6 +108,7 @@ impl World {
         Self {
             router: console::router(Arc::new(console)),
             store,
+            db,
             _dir: dir,
             org: org.id,
             owner: owner.id,
@@ -359,16 +364,16 @@ async fn every_route_answers_each_role_as_the_table_says() {
             let globex_invites = world.store.invites(&globex_key.org_id).await.unwrap();
             assert!(globex_invites.iter().all(|i| i.cancelled_at.is_none() && i.expires_at == i.created_at + 3600));
             if *method == "POST" && template.ends_with("/capacity") {
-                let stored = world.store.capacity_requests().list(Some(&world.org)).await.unwrap().len();
+                let stored = world.db.capacity_requests().list(Some(&world.org)).await.unwrap().len();
                 let good = form.contains("{tomorrow}");
                 assert_eq!(stored, usize::from(good && *who == Owner), "{who:?} requesting capacity");
             }
             if *method == "POST" && template.ends_with("/billing/buy/confirm") {
-                let balance = world.store.ledger().balance(&world.org).await.unwrap();
+                let balance = world.db.ledger().balance(&world.org).await.unwrap();
                 assert_eq!(balance, if *who == Owner { 25_000_000 } else { 0 }, "{who:?} buying credits");
             }
             if *method == "POST" && template.starts_with("/o/{personal}/plan/change") {
-                let plan = world.store.subscriptions(Arc::new(DevProcessor::default())).get(&world.owner).await;
+                let plan = world.db.subscriptions(Arc::new(DevProcessor::default())).get(&world.owner).await;
                 assert_eq!(plan.unwrap().unwrap().plan == Plan::Pro, *who == Owner, "{who:?} upgrading");
             }
             if *method == "POST" && template.ends_with("{member}/role") {
@@ -428,14 +433,14 @@ async fn capacity_requests_are_limited_per_organization_and_day() {
     let (status, page, _) = world.send(Owner, "POST", &path, &form).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(page.contains("in the last 24 hours"), "{page}");
-    let stored = world.store.capacity_requests().list(Some(&world.org)).await.unwrap().len() as i64;
+    let stored = world.db.capacity_requests().list(Some(&world.org)).await.unwrap().len() as i64;
     assert_eq!(stored, tessera_control_plane::capacity::PER_ORG_PER_DAY);
 }
 
 #[tokio::test]
 async fn a_past_due_plan_says_what_to_do() {
     let world = World::new().await;
-    let subs = world.store.subscriptions(Arc::new(DevProcessor::default()));
+    let subs = world.db.subscriptions(Arc::new(DevProcessor::default()));
     subs.set_payment_method(&world.owner, "pm_dev_card_declined").await.unwrap();
     let end = subs.get(&world.owner).await.unwrap().unwrap().period_end;
     subs.renew_due(end).await.unwrap();

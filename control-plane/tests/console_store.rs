@@ -6,14 +6,14 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::{
-    Acceptance, InviteState, Lifetimes, LinkPurpose, MemberChange, Role, Store, keys,
-};
+use tessera_control_plane::accounts::{Acceptance, InviteState, Lifetimes, LinkPurpose, MemberChange, Role, keys};
 use tessera_control_plane::capacity::{self, RequestStatus};
+use tessera_control_plane::db::Db;
 
 const LIVE: Lifetimes = Lifetimes { idle: 3600, absolute: 86_400 };
 
-async fn suite(store: Store) {
+async fn suite(db: Db) {
+    let store = db.accounts();
     let owner = store.create_user_with_password("Owner@Example.com", Some("$argon2id$fake")).await.unwrap();
     assert_eq!(owner.email, "owner@example.com", "addresses are kept in lower case");
     let personal = store.memberships(&owner.id).await.unwrap();
@@ -119,7 +119,7 @@ async fn suite(store: Store) {
         ..Default::default()
     };
     let wanted = form.check(tessera_control_plane::calendar::days_from_civil(2098, 12, 1)).unwrap();
-    let requests = store.capacity_requests();
+    let requests = db.capacity_requests();
     let made = requests.create(&acme.id, &bea.id, &wanted).await.unwrap();
     requests.create(&bea.org_id, &bea.id, &wanted).await.unwrap();
     let listed = requests.list(Some(&acme.id)).await.unwrap();
@@ -134,13 +134,13 @@ async fn suite(store: Store) {
 #[tokio::test]
 async fn the_console_store_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
-    suite(Store::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap()).await;
+    suite(Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn the_console_store_on_postgresql() {
     let server = postgres::Server::start();
-    suite(Store::open(&server.url).await.unwrap()).await;
+    suite(Db::open(&server.url).await.unwrap()).await;
 }
 
 /// Two owners demoting each other at once, many times over, on PostgreSQL (where two
@@ -148,7 +148,7 @@ async fn the_console_store_on_postgresql() {
 #[tokio::test]
 async fn concurrent_demotions_never_leave_an_organization_without_owner() {
     let server = postgres::Server::start();
-    let store = Store::open(&server.url).await.unwrap();
+    let store = Db::open(&server.url).await.unwrap().accounts();
     let a = store.create_user("a@example.com").await.unwrap();
     let b = store.create_user("b@example.com").await.unwrap();
     for round in 0..20 {

@@ -11,11 +11,12 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use tessera_control_plane::accounts::{BillingMode, NewKey, Store};
+use tessera_control_plane::accounts::{BillingMode, NewKey};
 use tessera_control_plane::billing::payments::DevProcessor;
 use tessera_control_plane::calendar::days_from_civil;
 use tessera_control_plane::console::session::SESSION_COOKIE;
 use tessera_control_plane::console::{self, Console, ConsoleConfig, mail::Mailer};
+use tessera_control_plane::db::Db;
 use tower::ServiceExt;
 
 const HOUR: i64 = 3_600_000_000;
@@ -65,7 +66,8 @@ struct World {
 
 async fn world(url: &str) -> World {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(url).await.unwrap();
+    let db = Db::open(url).await.unwrap();
+    let store = db.accounts();
     let owner = store.create_user_with_password("owner@usage.test", Some("$argon2id$fake")).await.unwrap();
     let org = store.create_org_owned_by("Usage Co", &owner.id).await.unwrap();
     let mut keys = Vec::new();
@@ -151,7 +153,8 @@ async fn world(url: &str) -> World {
     let token = store.start_session(&owner.id).await.unwrap();
     let console = Console {
         store: store.clone(),
-        billing: store.billing(Arc::new(DevProcessor::default())),
+        billing: db.billing(Arc::new(DevProcessor::default())),
+        capacity: db.capacity_requests(),
         api: None,
         mail: Mailer::new(None, "Tessera <noreply@localhost>", dir.path().join("outbox")).unwrap(),
         config: ConsoleConfig::at("http://console.test"),

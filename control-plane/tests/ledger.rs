@@ -5,8 +5,8 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::Store;
 use tessera_control_plane::billing::ledger::{Admission, NewHold, UsageRecord};
+use tessera_control_plane::db::Db;
 
 fn usage(request_id: &str, cost: u64) -> UsageRecord {
     UsageRecord {
@@ -24,8 +24,9 @@ fn hold(request_id: &str, org: &str, amount: u64) -> NewHold {
     NewHold { request_id: request_id.into(), org_id: org.into(), amount }
 }
 
-async fn settles_exactly_once(store: Store) {
-    let ledger = store.ledger();
+async fn settles_exactly_once(db: Db) {
+    let store = db.accounts();
+    let ledger = db.ledger();
     let org = store.create_org("acme").await.unwrap();
     assert_eq!(ledger.balance(&org.id).await.unwrap(), 0);
     assert_eq!(ledger.hold(&hold("r0", &org.id, 1)).await.unwrap(), Admission::Insufficient { balance: 0 });
@@ -59,9 +60,9 @@ async fn settles_exactly_once(store: Store) {
 
 /// Two stores on one database stand for two control-plane processes: separate
 /// connection pools, one set of rows.
-async fn never_overdraws_under_concurrent_admission(a: Store, b: Store) {
+async fn never_overdraws_under_concurrent_admission(a: Db, b: Db) {
     const WORST: u64 = 7_777;
-    let org = a.create_org("burst").await.unwrap();
+    let org = a.accounts().create_org("burst").await.unwrap();
     a.ledger().grant(&org.id, 50 * WORST + WORST / 2, "covers 50 worst cases").await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..200 {
@@ -99,10 +100,11 @@ async fn never_overdraws_under_concurrent_admission(a: Store, b: Store) {
 /// processor that has forgotten the key (a restart, an expired key), it takes nothing
 /// more; the same name with another amount is refused; a processor that does not
 /// answer grants nothing, and the retry under the same name then buys once.
-async fn purchases_happen_once(store: Store) {
+async fn purchases_happen_once(db: Db) {
+    let store = db.accounts();
     use tessera_control_plane::billing::LedgerError;
     use tessera_control_plane::billing::payments::{DEV_CARD, DEV_CARD_UNREACHABLE, DevProcessor, PaymentError};
-    let ledger = store.ledger();
+    let ledger = db.ledger();
     let org = store.create_org("buyer").await.unwrap();
     let first = ledger.purchase_once(&DevProcessor::default(), &org.id, 5_000_000, DEV_CARD, "p:1").await.unwrap();
     let again = ledger.purchase_once(&DevProcessor::default(), &org.id, 5_000_000, DEV_CARD, "p:1").await.unwrap();
@@ -120,20 +122,19 @@ async fn purchases_happen_once(store: Store) {
 async fn the_ledger_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
-    settles_exactly_once(Store::open(&url).await.unwrap()).await;
-    purchases_happen_once(Store::open(&url).await.unwrap()).await;
-    never_overdraws_under_concurrent_admission(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap())
-        .await;
+    settles_exactly_once(Db::open(&url).await.unwrap()).await;
+    purchases_happen_once(Db::open(&url).await.unwrap()).await;
+    never_overdraws_under_concurrent_admission(Db::open(&url).await.unwrap(), Db::open(&url).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn the_ledger_on_postgresql() {
     let server = postgres::Server::start();
-    settles_exactly_once(Store::open(&server.url).await.unwrap()).await;
-    purchases_happen_once(Store::open(&server.url).await.unwrap()).await;
+    settles_exactly_once(Db::open(&server.url).await.unwrap()).await;
+    purchases_happen_once(Db::open(&server.url).await.unwrap()).await;
     never_overdraws_under_concurrent_admission(
-        Store::open(&server.url).await.unwrap(),
-        Store::open(&server.url).await.unwrap(),
+        Db::open(&server.url).await.unwrap(),
+        Db::open(&server.url).await.unwrap(),
     )
     .await;
 }

@@ -5,14 +5,14 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::Store;
+use tessera_control_plane::db::Db;
 use tessera_control_plane::limits::RateConfig;
 
 const CONFIG: RateConfig = RateConfig { default_rpm: 200, burst: 20 };
 const T0: i64 = 1_800_000_000_000_000;
 
-async fn one_limit_across_processes(a: Store, b: Store) {
-    let org = a.create_org("busy").await.unwrap();
+async fn one_limit_across_processes(a: Db, b: Db) {
+    let org = a.accounts().create_org("busy").await.unwrap();
     let (la, lb) = (a.rate_limiter(CONFIG), b.rate_limiter(CONFIG));
     // 1,000 requests over one minute, alternating between the two control planes.
     let mut allowed = 0;
@@ -29,7 +29,7 @@ async fn one_limit_across_processes(a: Store, b: Store) {
     assert!((200..=200 + 20).contains(&allowed), "{allowed} admitted in a minute");
 
     // A burst from quiet: exactly `burst` at once, then a refusal whose wait is enough.
-    let org = a.create_org("bursty").await.unwrap();
+    let org = a.accounts().create_org("bursty").await.unwrap();
     let t = T0 + 3_600_000_000;
     for i in 0..20 {
         let d = la.check_at(&org.id, t).await.unwrap();
@@ -54,11 +54,11 @@ async fn one_limit_across_processes(a: Store, b: Store) {
 async fn rate_limits_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
-    one_limit_across_processes(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap()).await;
+    one_limit_across_processes(Db::open(&url).await.unwrap(), Db::open(&url).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn rate_limits_on_postgresql() {
     let server = postgres::Server::start();
-    one_limit_across_processes(Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap()).await;
+    one_limit_across_processes(Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap()).await;
 }

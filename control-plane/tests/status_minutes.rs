@@ -4,10 +4,10 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::Store;
+use tessera_control_plane::db::Db;
 use tessera_control_plane::status::Counts;
 
-async fn suite(a: Store, b: Store) {
+async fn suite(a: Db, b: Db) {
     let (a, b) = (a.status_minutes(), b.status_minutes());
     assert_eq!(a.newest().await.unwrap(), None, "nothing written yet");
     assert!(a.sums_since(0).await.unwrap().is_empty());
@@ -44,11 +44,11 @@ async fn suite(a: Store, b: Store) {
 async fn status_minutes_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
-    suite(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap()).await;
+    suite(Db::open(&url).await.unwrap(), Db::open(&url).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn status_minutes_on_postgresql() {
     let server = postgres::Server::start();
-    suite(Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap()).await;
+    suite(Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap()).await;
 }

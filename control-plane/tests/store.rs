@@ -5,9 +5,11 @@
 #[path = "support/postgres.rs"]
 mod postgres;
 
-use tessera_control_plane::accounts::{ApiKey, BillingMode, NewKey, Store, StoreError, keys};
+use tessera_control_plane::accounts::{ApiKey, BillingMode, NewKey, StoreError, keys};
+use tessera_control_plane::db::{Db, DbError};
 
-async fn suite(store: Store) {
+async fn suite(db: Db) {
+    let store = db.accounts();
     // Migrations ran: the store is empty and usable.
     assert_eq!(store.count_orgs().await.unwrap(), 0);
     let acme = store.create_org("acme").await.unwrap();
@@ -92,23 +94,24 @@ async fn suite(store: Store) {
 async fn the_store_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
-    suite(Store::open(&url).await.unwrap()).await;
+    suite(Db::open(&url).await.unwrap()).await;
     // Reopening runs no migration twice and keeps the data.
-    let again = Store::open(&url).await.unwrap();
-    assert_eq!(again.count_orgs().await.unwrap(), 3, "acme, other and ada's own");
+    let again = Db::open(&url).await.unwrap();
+    assert_eq!(again.accounts().count_orgs().await.unwrap(), 3, "acme, other and ada's own");
 }
 
 #[tokio::test]
 async fn the_store_on_postgresql() {
     let server = postgres::Server::start();
-    suite(Store::open(&server.url).await.unwrap()).await;
-    let again = Store::open(&server.url).await.unwrap();
-    assert_eq!(again.count_orgs().await.unwrap(), 3, "acme, other and ada's own");
+    suite(Db::open(&server.url).await.unwrap()).await;
+    let again = Db::open(&server.url).await.unwrap();
+    assert_eq!(again.accounts().count_orgs().await.unwrap(), 3, "acme, other and ada's own");
 }
 
 /// Two stores on one database stand for two control-plane processes: a key revoked
 /// through one is refused by the other on its very next lookup (no cache to go stale).
-async fn revocation_reaches_every_process(a: Store, b: Store) {
+async fn revocation_reaches_every_process(a: Db, b: Db) {
+    let (a, b) = (a.accounts(), b.accounts());
     a.create_org("shared").await.unwrap();
     let new = NewKey {
         org_id: "shared",
@@ -128,13 +131,12 @@ async fn revocation_reaches_every_process(a: Store, b: Store) {
 async fn revocation_across_processes_on_sqlite_and_postgresql() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("t.db").display());
-    revocation_reaches_every_process(Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap()).await;
+    revocation_reaches_every_process(Db::open(&url).await.unwrap(), Db::open(&url).await.unwrap()).await;
     let server = postgres::Server::start();
-    revocation_reaches_every_process(Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap())
-        .await;
+    revocation_reaches_every_process(Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn unsupported_database_urls_are_refused() {
-    assert!(matches!(Store::open("mysql://x").await, Err(StoreError::Url(_))));
+    assert!(matches!(Db::open("mysql://x").await, Err(DbError::Url(_))));
 }

@@ -19,6 +19,7 @@ use tessera_control_plane::billing::subscriptions::{Agreed, Change, PlanError, S
 use tessera_control_plane::billing::supply::{SupplyPoint, SupplyState};
 use tessera_control_plane::billing::{Ask, Billing, Meter};
 use tessera_control_plane::catalog::Prices;
+use tessera_control_plane::db::Db;
 
 /// A dollar a token, so that each token counts in whole dollars.
 const DOLLAR_A_TOKEN: Prices = Prices { input: 1_000_000_000_000, cache_read: None, output: 1_000_000_000_000 };
@@ -48,11 +49,12 @@ struct Fixture {
 }
 
 impl Fixture {
-    async fn new(store: Store, email: &str) -> Self {
+    async fn new(db: Db, email: &str) -> Self {
+        let store = db.accounts();
         let clock = Arc::new(AtomicI64::new(T0));
         let now = clock.clone();
         let processor = Arc::new(DevProcessor::default());
-        let billing = store.billing(processor.clone()).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
+        let billing = db.billing(processor.clone()).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
         let user = store.create_user(email).await.unwrap();
         Self { store, billing, clock, processor, user, model: format!("vendor-t/{email}") }
     }
@@ -80,7 +82,8 @@ impl Fixture {
 
     /// Admits a request of one prompt token that may generate `max` tokens.
     async fn admit(&self, key: &ApiKey, max: u64) -> Result<Meter, ApiError> {
-        self.billing.admit_priced(key, &self.model, DOLLAR_A_TOKEN, ask(&fresh_id(), max)).await
+        // The API's answer to each refusal, as a client would see it.
+        self.billing.admit_priced(key, &self.model, DOLLAR_A_TOKEN, ask(&fresh_id(), max)).await.map_err(ApiError::from)
     }
 
     /// A request that runs and costs `1 + generated` dollars at standard rates.
@@ -106,8 +109,8 @@ fn limited(r: Result<(), ApiError>) -> (String, u64) {
     }
 }
 
-async fn windows_cap_and_reset(store: Store) {
-    let f = Fixture::new(store, "ada@example.com").await;
+async fn windows_cap_and_reset(db: Db) {
+    let f = Fixture::new(db, "ada@example.com").await;
     f.supply(SupplyState::Low, 0).await;
     let key = f.key(false).await;
     // No plan yet: no quota.
@@ -165,8 +168,8 @@ async fn windows_cap_and_reset(store: Store) {
     );
 }
 
-async fn credit_fallback_and_the_locked_discount(store: Store) {
-    let f = Fixture::new(store, "bob@example.com").await;
+async fn credit_fallback_and_the_locked_discount(db: Db) {
+    let f = Fixture::new(db, "bob@example.com").await;
     f.supply(SupplyState::Surplus, 0).await;
     f.billing.subscriptions().start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
     let key = f.key(true).await;
@@ -205,8 +208,8 @@ async fn credit_fallback_and_the_locked_discount(store: Store) {
     ledger.audit().await.unwrap();
 }
 
-async fn concurrency_and_plan_changes(store: Store) {
-    let f = Fixture::new(store, "cy@example.com").await;
+async fn concurrency_and_plan_changes(db: Db) {
+    let f = Fixture::new(db, "cy@example.com").await;
     f.supply(SupplyState::Low, 0).await;
     let subs = f.billing.subscriptions();
     // Plans need a recurring method; one-time methods buy credits only.
@@ -285,8 +288,8 @@ async fn concurrency_and_plan_changes(store: Store) {
     assert_eq!(f.subscription().await, s, "renewed once");
 }
 
-async fn a_declined_renewal_leaves_the_plan_past_due(store: Store) {
-    let f = Fixture::new(store, "dee@example.com").await;
+async fn a_declined_renewal_leaves_the_plan_past_due(db: Db) {
+    let f = Fixture::new(db, "dee@example.com").await;
     let subs = f.billing.subscriptions();
     subs.start(&f.user.id, Plan::Max, DEV_CARD_DECLINED, T0).await.expect_err("declined");
     assert!(subs.get(&f.user.id).await.unwrap().is_none(), "no plan without payment");
@@ -336,8 +339,8 @@ async fn a_declined_renewal_leaves_the_plan_past_due(store: Store) {
 
 /// Cancelled, a plan keeps working to the end of its period, then ends uncharged; the
 /// cancellation can be called off before, and a plan started again after.
-async fn a_cancelled_plan_ends_with_its_period(store: Store) {
-    let f = Fixture::new(store, "cal@example.com").await;
+async fn a_cancelled_plan_ends_with_its_period(db: Db) {
+    let f = Fixture::new(db, "cal@example.com").await;
     f.supply(SupplyState::Low, 0).await;
     let subs = f.billing.subscriptions();
     subs.start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
@@ -370,8 +373,8 @@ async fn a_cancelled_plan_ends_with_its_period(store: Store) {
 
 /// A control plane that dies mid-request leaves holds nobody settles: once its
 /// heartbeat stops, another control plane releases them, freeing the plan's concurrency.
-async fn a_dead_control_plane_frees_its_holds(store: Store) {
-    let f = Fixture::new(store.clone(), "gus@example.com").await;
+async fn a_dead_control_plane_frees_its_holds(db: Db) {
+    let f = Fixture::new(db.clone(), "gus@example.com").await;
     f.supply(SupplyState::Low, 0).await;
     f.billing.subscriptions().start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
     let key = f.key(false).await;
@@ -384,8 +387,7 @@ async fn a_dead_control_plane_frees_its_holds(store: Store) {
     }
     assert!(f.admit(&key, 0).await.is_err(), "both slots taken");
     let now = f.clock.clone();
-    let other =
-        store.billing(Arc::new(DevProcessor::default())).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
+    let other = db.billing(Arc::new(DevProcessor::default())).with_clock(Arc::new(move || now.load(Ordering::SeqCst)));
     f.at(T0 + 30_000_000);
     assert_eq!(other.heartbeat(60_000_000).await.unwrap(), 0, "30 s of silence is not death");
     f.at(T0 + 61_000_000);
@@ -397,14 +399,14 @@ async fn a_dead_control_plane_frees_its_holds(store: Store) {
 
 /// Two upgrades at once: whichever way they interleave, every charge kept is in the
 /// plan's `paid_micros`, and a charge for a change that lost the race is refunded.
-async fn racing_upgrades_keep_only_what_they_apply(store: Store) {
+async fn racing_upgrades_keep_only_what_they_apply(db: Db) {
     for (email, to) in [("fay@example.com", [Plan::Pro, Plan::Max]), ("fin@example.com", [Plan::Pro, Plan::Pro])] {
-        racing_upgrades(store.clone(), email, to).await;
+        racing_upgrades(db.clone(), email, to).await;
     }
 }
 
-async fn racing_upgrades(store: Store, email: &str, to: [Plan; 2]) {
-    let f = Fixture::new(store, email).await;
+async fn racing_upgrades(db: Db, email: &str, to: [Plan; 2]) {
+    let f = Fixture::new(db, email).await;
     let subs = f.billing.subscriptions();
     subs.start(&f.user.id, Plan::Basic, DEV_CARD, T0).await.unwrap();
     let half = T0 + (add_months(T0, 1) - T0) / 2;
@@ -426,7 +428,7 @@ async fn racing_upgrades(store: Store, email: &str, to: [Plan; 2]) {
 
 /// Two control planes (two pools on one PostgreSQL) admit 40 requests of one Max user
 /// at once: exactly its concurrency (4) run; then the 5-hour cap holds exactly.
-async fn exact_across_control_planes(a: Store, b: Store) {
+async fn exact_across_control_planes(a: Db, b: Db) {
     let fa = Fixture::new(a, "eve@example.com").await;
     fa.supply(SupplyState::Low, 0).await;
     fa.billing.subscriptions().start(&fa.user.id, Plan::Max, DEV_CARD, T0).await.unwrap();
@@ -477,13 +479,13 @@ async fn exact_across_control_planes(a: Store, b: Store) {
 }
 
 async fn on(store_url: impl Fn(&str) -> String) {
-    windows_cap_and_reset(Store::open(&store_url("a")).await.unwrap()).await;
-    credit_fallback_and_the_locked_discount(Store::open(&store_url("b")).await.unwrap()).await;
-    concurrency_and_plan_changes(Store::open(&store_url("c")).await.unwrap()).await;
-    a_declined_renewal_leaves_the_plan_past_due(Store::open(&store_url("d")).await.unwrap()).await;
-    racing_upgrades_keep_only_what_they_apply(Store::open(&store_url("e")).await.unwrap()).await;
-    a_dead_control_plane_frees_its_holds(Store::open(&store_url("f")).await.unwrap()).await;
-    a_cancelled_plan_ends_with_its_period(Store::open(&store_url("g")).await.unwrap()).await;
+    windows_cap_and_reset(Db::open(&store_url("a")).await.unwrap()).await;
+    credit_fallback_and_the_locked_discount(Db::open(&store_url("b")).await.unwrap()).await;
+    concurrency_and_plan_changes(Db::open(&store_url("c")).await.unwrap()).await;
+    a_declined_renewal_leaves_the_plan_past_due(Db::open(&store_url("d")).await.unwrap()).await;
+    racing_upgrades_keep_only_what_they_apply(Db::open(&store_url("e")).await.unwrap()).await;
+    a_dead_control_plane_frees_its_holds(Db::open(&store_url("f")).await.unwrap()).await;
+    a_cancelled_plan_ends_with_its_period(Db::open(&store_url("g")).await.unwrap()).await;
 }
 
 #[tokio::test]
@@ -497,6 +499,6 @@ async fn subscriptions_on_postgresql() {
     let server = postgres::Server::start();
     // One database: the users' e-mail addresses keep the four cases apart.
     on(|_| server.url.clone()).await;
-    let (a, b) = (Store::open(&server.url).await.unwrap(), Store::open(&server.url).await.unwrap());
+    let (a, b) = (Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap());
     exact_across_control_planes(a, b).await;
 }

@@ -1,23 +1,17 @@
 //! Accounts in SQL through sqlx's `Any` driver: the same queries on SQLite (the
-//! default, one file) and PostgreSQL (several control planes). Migrations are embedded.
+//! default, one file) and PostgreSQL (several control planes). `crate::db` opens the
+//! database.
 
 use super::keys;
 use serde::Serialize;
-use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Row};
 use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
-
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
-    #[error("database migrations: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-    #[error("unsupported database URL {0:?}: use sqlite://PATH or postgres://…")]
-    Url(String),
     #[error("organization {0:?} not found")]
     NoOrg(String),
     #[error("user {0:?} not found")]
@@ -114,94 +108,9 @@ macro_rules! key_columns {
 }
 
 impl Store {
-    /// The credit ledger in the same database.
-    pub fn ledger(&self) -> crate::billing::Ledger {
-        crate::billing::Ledger::new(self.pool.clone())
-    }
-
-    /// Personal plans in the same database, paid through `processor`.
-    pub fn subscriptions(
-        &self,
-        processor: std::sync::Arc<dyn crate::billing::payments::PaymentProcessor>,
-    ) -> crate::billing::subscriptions::Subscriptions {
-        crate::billing::subscriptions::Subscriptions::new(self.pool.clone(), processor)
-    }
-
-    /// Requests for dedicated capacity, kept in the same database.
-    pub fn capacity_requests(&self) -> crate::capacity::CapacityRequests {
-        crate::capacity::CapacityRequests::new(self.pool.clone())
-    }
-
-    /// Each model's supply state, kept in the same database.
-    pub fn supply(&self) -> crate::billing::supply::Supply {
-        crate::billing::supply::Supply::new(self.pool.clone())
-    }
-
-    /// Billing on this database: credits, plans paid through `processor`, supply.
-    pub fn billing(
-        &self,
-        processor: std::sync::Arc<dyn crate::billing::payments::PaymentProcessor>,
-    ) -> crate::billing::Billing {
-        crate::billing::Billing::new(self.ledger(), self.subscriptions(processor), self.supply())
-    }
-
-    /// Request rate limits kept in the same database.
-    /// GET /status's per-minute aggregates in the same database.
-    pub fn status_minutes(&self) -> crate::status::Minutes {
-        crate::status::Minutes::new(self.pool.clone())
-    }
-
-    /// Closes the connections: later queries fail (tests of a database going away).
-    pub async fn close(&self) {
-        self.pool.close().await;
-    }
-
-    pub fn rate_limiter(&self, config: crate::limits::RateConfig) -> crate::limits::RateLimiter {
-        crate::limits::RateLimiter::new(self.pool.clone(), config)
-    }
-
-    /// Connects (creating a SQLite file if missing) and applies pending migrations.
-    pub async fn open(url: &str) -> Result<Self, StoreError> {
-        sqlx::any::install_default_drivers();
-        let (url, connections) = if let Some(rest) = url.strip_prefix("sqlite:") {
-            // One connection for an in-memory database, which each connection would
-            // otherwise get a fresh copy of.
-            let memory = rest.contains(":memory:");
-            let url = if memory || rest.contains("mode=") {
-                url.to_string()
-            } else {
-                format!("{url}{}mode=rwc", if rest.contains('?') { "&" } else { "?" })
-            };
-            (url, if memory { 1 } else { 4 })
-        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            (url.to_string(), 8)
-        } else {
-            return Err(StoreError::Url(url.to_string()));
-        };
-        let sqlite = url.starts_with("sqlite:");
-        let pool = AnyPoolOptions::new()
-            .max_connections(connections)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    if sqlite {
-                        // Write-ahead logging: readers never wait for the writer, and a
-                        // commit is one append rather than a journal rewrite (an
-                        // application crash loses nothing; a power cut may lose the
-                        // last commits whole, never half of one). Writers queue for
-                        // up to 5 s.
-                        for pragma in
-                            ["PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL", "PRAGMA busy_timeout = 5000"]
-                        {
-                            sqlx::query(pragma).execute(&mut *conn).await?;
-                        }
-                    }
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await?;
-        MIGRATOR.run(&pool).await?;
-        Ok(Self { pool })
+    /// The accounts kept in `db` (`Db::accounts`).
+    pub(crate) fn new(pool: AnyPool) -> Self {
+        Self { pool }
     }
 
     pub async fn create_org(&self, name: &str) -> Result<Org, StoreError> {

@@ -4,14 +4,15 @@ use super::auth::Authed;
 use super::error::ApiError;
 use super::fields::Fields;
 use super::format::{self, Shape};
-use super::generate::{self, Generation, Output};
+use super::generate::{self, Generation};
 use super::sse::{self, Gone, Sender};
+use super::stream::{self, Event, Events, FinishReason};
 use super::{App, RequestId, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading, Split};
 use crate::chat::tools::ToolChoice;
-use crate::chat::vision::Visual;
+use crate::images::Visual;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -63,17 +64,18 @@ pub async fn handle(
     super::trace::admitted("chat.completions", &model.entry.id, &meter.org_id(), g);
     let probe = app.status.probe(&model.entry.id, "chat.completions", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
+    let events = Events::new(out, g.n, &request.reading);
     let meta = Meta { id: new_id("chatcmpl-"), created: unix_now(), model: model.clone() };
     super::trace::responding(&meta.id);
     if request.stream {
         let response = sse::respond(move |tx| async move {
             // Gone: the client left; dropping `out` aborts the generation, and dropping
             // the meter settles what it used.
-            let _: Result<(), Gone> = stream(tx, out, meta, &request, meter).await;
+            let _: Result<(), Gone> = stream(tx, events, meta, &request, meter).await;
         });
         return Ok(super::with_frames(response, frames));
     }
-    let (choices, usage) = generate::gather(out, request.generation.n, &request.reading).await?;
+    let (choices, usage) = stream::gather(events).await?;
     let scores = choices.first().map(|c| c.prompt_scores.clone()).unwrap_or_default();
     let first = choices.first().map(|c| finish_reason(c.finish_reason, c.split.calls.len(), request.named_tool));
     meter.finish(first.unwrap_or("stop"), usage.reasoning_tokens);
@@ -110,7 +112,7 @@ pub async fn handle(
 fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRequest, ApiError> {
     let mut f = Fields::new(body)?;
     f.raw("model");
-    let messages = chat::messages_for(model, f.required("messages")?)?;
+    let messages = super::messages::for_model(model, f.required("messages")?)?;
     let mut sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let (stream, include_usage) = params::stream(&mut f)?;
     let n = params::n(&mut f)?;
@@ -134,7 +136,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRe
             return Err(ApiError::invalid_type("chat_template_kwargs", "an object"));
         }
     };
-    let budget = chat::budget::requested(&mut f, kwargs)?;
+    let budget = params::thinking_budget(&mut f, kwargs)?;
     let mut kwargs = chat::template_kwargs(model, kwargs);
     if let Some(effort) = f.string("reasoning_effort")? {
         const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "max"];
@@ -149,7 +151,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRe
         kwargs.insert("reasoning_effort".into(), json!(effort));
     }
     let caps = &model.entry.capabilities;
-    let tools = chat::tools::parse(&mut f, Shape::Chat, caps.tool_calling, &model.entry.id)?;
+    let tools = super::tools::parse(&mut f, Shape::Chat, caps.tool_calling, &model.entry.id)?;
     // The deprecated single-function API: refused, not ignored.
     for param in ["functions", "function_call"] {
         if f.raw(param).is_some() {
@@ -219,8 +221,8 @@ fn message(split: &Split) -> Value {
 
 /// `tool_calls` when the model called tools of its own choice; a forced named call
 /// ends with `stop`, as OpenAI's does.
-fn finish_reason(reason: &'static str, calls: usize, named_tool: bool) -> &'static str {
-    if reason == "stop" && calls > 0 && !named_tool { "tool_calls" } else { reason }
+fn finish_reason(reason: FinishReason, calls: usize, named_tool: bool) -> &'static str {
+    if reason == FinishReason::Stop && calls > 0 && !named_tool { "tool_calls" } else { reason.as_str() }
 }
 
 /// What every chunk of one response repeats.
@@ -258,7 +260,7 @@ fn append(delta: &mut serde_json::Map<String, Value>, field: &str, text: &str) {
     }
 }
 
-async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, meter: Meter) -> Result<(), Gone> {
+async fn stream(tx: Sender, mut events: Events, meta: Meta, request: &ChatRequest, meter: Meter) -> Result<(), Gone> {
     let usage_key = request.include_usage;
     let role_logprobs = if request.logprobs { json!({"content": [], "refusal": null}) } else { Value::Null };
     for index in 0..request.generation.n {
@@ -266,69 +268,62 @@ async fn stream(tx: Sender, mut out: Output, meta: Meta, request: &ChatRequest, 
         let choice = json!([{"index": index, "delta": delta, "logprobs": role_logprobs, "finish_reason": null}]);
         tx.data(&meta.chunk(choice, usage_key)).await?;
     }
-    let n = request.generation.n as usize;
-    let mut parsers = vec![request.reading.parser(); n];
-    let mut calls = vec![0usize; n];
+    // Calls made so far, per choice (`Events` checked the index).
+    let mut calls = vec![0usize; events.n()];
     let mut last_reason = "stop";
-    let mut usage = generate::Usage::default();
     loop {
-        let r = match tx.unless_gone(out.next()).await? {
-            Ok(Some(r)) => r,
+        let event = match tx.unless_gone(events.next()).await? {
+            Ok(Some(e)) => e,
             Ok(None) => break,
             // After the stream has started an error travels in it, then [DONE].
             Err(e) => return tx.fail(&e).await,
         };
-        usage.record(&r);
-        if request.scores_prompt() && !r.prompt_logprobs.is_empty() {
-            // The prompt's scores arrive once, before its first token: a chunk of their own.
-            let mut c = meta.chunk(json!([]), usage_key);
-            c["prompt_logprobs"] = logprobs::vllm_prompt(&meta.model.replica, &r.prompt_logprobs);
-            tx.data(&c).await?;
-        }
-        let index = r.index as usize;
-        let (Some(parser), Some(called)) = (parsers.get_mut(index), calls.get_mut(index)) else {
-            return tx.fail(&ApiError::Internal(format!("worker sent completion index {index}"))).await;
-        };
-        let finish = generate::finish_reason(r.finish_reason);
-        let mut pieces = parser.push(&r.text, r.tokens.len() as u32);
-        if finish.is_some() {
-            pieces.extend(parser.finish());
-        }
-        // Reasoning and content of this delta in one chunk (with its tokens' logprobs),
-        // then each call it completed: id, type and name first, arguments after.
-        let mut delta = serde_json::Map::new();
-        let mut call_deltas = Vec::new();
-        for piece in pieces {
-            match piece {
-                Piece::Reasoning(t) => append(&mut delta, "reasoning", &t),
-                Piece::Content(t) => append(&mut delta, "content", &t),
-                Piece::ToolCall { name, arguments } => {
-                    let i = *called;
-                    *called += 1;
-                    call_deltas.push(json!([{"index": i, "id": new_id("call_"), "type": "function",
-                                             "function": {"name": name, "arguments": ""}}]));
-                    call_deltas.push(json!([{"index": i, "function": {"arguments": arguments}}]));
+        match event {
+            // The prompt's scores, before its first token: a chunk of their own.
+            Event::PromptScores(scores) if request.scores_prompt() => {
+                let mut c = meta.chunk(json!([]), usage_key);
+                c["prompt_logprobs"] = logprobs::vllm_prompt(&meta.model.replica, &scores);
+                tx.data(&c).await?;
+            }
+            Event::PromptScores(_) => {}
+            // Reasoning and content of this delta in one chunk (with its tokens' logprobs),
+            // then each call it completed: id, type and name first, arguments after.
+            Event::Delta { index, pieces, tokens, .. } => {
+                let mut delta = serde_json::Map::new();
+                let mut call_deltas = Vec::new();
+                for piece in pieces {
+                    match piece {
+                        Piece::Reasoning(t) => append(&mut delta, "reasoning", &t),
+                        Piece::Content(t) => append(&mut delta, "content", &t),
+                        Piece::ToolCall { name, arguments } => {
+                            let i = calls[index];
+                            calls[index] += 1;
+                            call_deltas.push(json!([{"index": i, "id": new_id("call_"), "type": "function",
+                                                     "function": {"name": name, "arguments": ""}}]));
+                            call_deltas.push(json!([{"index": i, "function": {"arguments": arguments}}]));
+                        }
+                    }
+                }
+                if !delta.is_empty() || (request.logprobs && !tokens.is_empty()) {
+                    let lp = if request.logprobs { logprobs::chat(&meta.model.replica, &tokens) } else { Value::Null };
+                    let choice = json!([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": null}]);
+                    tx.data(&meta.chunk(choice, usage_key)).await?;
+                }
+                for tool_calls in call_deltas {
+                    let choice = json!([{"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null,
+                                         "finish_reason": null}]);
+                    tx.data(&meta.chunk(choice, usage_key)).await?;
                 }
             }
-        }
-        if !delta.is_empty() || (request.logprobs && !r.tokens.is_empty()) {
-            let lp = if request.logprobs { logprobs::chat(&meta.model.replica, &r.tokens) } else { Value::Null };
-            let choice = json!([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": null}]);
-            tx.data(&meta.chunk(choice, usage_key)).await?;
-        }
-        for tool_calls in call_deltas {
-            let choice =
-                json!([{"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null, "finish_reason": null}]);
-            tx.data(&meta.chunk(choice, usage_key)).await?;
-        }
-        if let Some(reason) = finish {
-            let reason = finish_reason(reason, *called, request.named_tool);
-            last_reason = reason;
-            let choice = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}]);
-            tx.data(&meta.chunk(choice, usage_key)).await?;
+            Event::Finished { index, reason } => {
+                let reason = finish_reason(reason, calls[index], request.named_tool);
+                last_reason = reason;
+                let choice = json!([{"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}]);
+                tx.data(&meta.chunk(choice, usage_key)).await?;
+            }
         }
     }
-    usage.reasoning_tokens = parsers.iter().map(|p| p.reasoning_tokens()).sum();
+    let usage = events.usage();
     // The bill is final before the client hears the end.
     meter.finish(last_reason, usage.reasoning_tokens);
     super::trace::finished(last_reason, &usage);

@@ -3,8 +3,9 @@
 use super::auth::Authed;
 use super::error::ApiError;
 use super::fields::Fields;
-use super::generate::{self, Generation, Usage};
+use super::generate::{self, Generation};
 use super::sse::{self, Gone, Sender};
+use super::stream::{self, Event, Events, FinishReason, Usage};
 use super::{App, RequestId, logprobs, new_id, params, read_request, unix_now, usage_json};
 use crate::billing::{Ask, Meter};
 use crate::chat;
@@ -72,7 +73,8 @@ pub async fn handle(
             continue;
         }
         let probe = app.status.probe(&model.entry.id, "completions", request_id.received);
-        outputs.push(Some(generate::start(&model.pool, g, &meter, slot, probe).await?));
+        let out = generate::start(&model.pool, g, &meter, slot, probe).await?;
+        outputs.push(Some(Events::new(out, n, &Reading::PLAIN)));
     }
     let base = json!({"id": id, "object": "text_completion", "created": created, "model": model.entry.id, "system_fingerprint": null});
     if request.stream {
@@ -85,13 +87,13 @@ pub async fn handle(
     for (p, (prompt, out)) in request.prompts.iter().zip(outputs).enumerate() {
         usage.prompt_tokens += prompt.tokens.len() as u32;
         let gathered = match out {
-            Some(out) => {
-                let (g, u) = generate::gather(out, n, &Reading::PLAIN).await?;
+            Some(events) => {
+                let (g, u) = stream::gather(events).await?;
                 usage.cached_tokens += u.cached_tokens;
                 usage.completion_tokens += u.completion_tokens;
                 g
             }
-            None => vec![generate::Gathered { finish_reason: "length", ..Default::default() }; n as usize],
+            None => vec![stream::Gathered { finish_reason: FinishReason::Length, ..Default::default() }; n as usize],
         };
         for (i, c) in gathered.into_iter().enumerate() {
             let prefix = if request.echo { prompt.text.as_str() } else { "" };
@@ -116,7 +118,7 @@ pub async fn handle(
                 "index": p * n as usize + i,
                 "text": format!("{prefix}{}", c.text),
                 "logprobs": lp,
-                "finish_reason": c.finish_reason,
+                "finish_reason": c.finish_reason.as_str(),
             });
             if request.prompt_logprobs.is_some() {
                 choice["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &c.prompt_scores);
@@ -236,9 +238,17 @@ fn prompts(v: &Value, model: &ServedModel) -> Result<Vec<Prompt>, ApiError> {
     Ok(prompts)
 }
 
+/// One prompt's stream, merged with the others'.
+enum Item {
+    Event(Event),
+    /// Its end, with what it used.
+    Ended(Usage),
+    Failed(ApiError),
+}
+
 async fn stream(
     tx: Sender,
-    outputs: Vec<Option<generate::Output>>,
+    outputs: Vec<Option<Events>>,
     base: Value,
     model: Arc<ServedModel>,
     request: Arc<CompletionRequest>,
@@ -253,30 +263,32 @@ async fn stream(
         }
         c
     };
+    // Each choice's place in its text, in characters, for logprobs' text offsets.
     let mut offsets = vec![0usize; request.prompts.len() * n];
-    // An echo with log-probabilities waits for the prompt's scores, which come with a
-    // completion's first delta; a plain echo goes out at once.
+    // An echo with log-probabilities waits for the prompt's scores, which come before
+    // its completions' first output; a plain echo goes out at once.
     let echo_scored = request.echo && request.logprobs.is_some();
-    let mut echoed = vec![!request.echo; request.prompts.len() * n];
+    let mut echoed = vec![!echo_scored; request.prompts.len() * n];
     if request.echo && !echo_scored {
         for (p, prompt) in request.prompts.iter().enumerate() {
             for i in 0..n {
                 offsets[p * n + i] = prompt.text.chars().count();
                 tx.data(&chunk(p * n + i, &prompt.text, Value::Null, None)).await?;
-                echoed[p * n + i] = true;
             }
         }
     }
     let mut scores: Vec<Vec<pb::PromptToken>> = vec![Vec::new(); request.prompts.len()];
-    let mut usage =
-        Usage { prompt_tokens: request.prompts.iter().map(|p| p.tokens.len() as u32).sum(), ..Default::default() };
     let mut streams = Vec::new();
     for (p, out) in outputs.into_iter().enumerate() {
         match out {
-            Some(out) => streams.push(
-                futures_util::stream::unfold(out, |mut out| async move {
-                    let item = out.next().await.transpose()?;
-                    Some((item, out))
+            Some(events) => streams.push(
+                futures_util::stream::unfold(Some(events), |events| async move {
+                    let mut events = events?;
+                    match events.next().await {
+                        Ok(Some(e)) => Some((Item::Event(e), Some(events))),
+                        Ok(None) => Some((Item::Ended(events.usage()), None)),
+                        Err(e) => Some((Item::Failed(e), None)),
+                    }
                 })
                 .map(move |r| (p, r))
                 .boxed(),
@@ -289,25 +301,34 @@ async fn stream(
         }
     }
     let mut merged = futures_util::stream::select_all(streams);
-    let mut cached = vec![0u32; request.prompts.len()];
-    let mut last_finish = "stop";
-    while let Some((p, r)) = tx.unless_gone(merged.next()).await? {
-        let r = match r {
-            Ok(r) => r,
-            Err(e) => return tx.fail(&e).await,
+    let mut usage =
+        Usage { prompt_tokens: request.prompts.iter().map(|p| p.tokens.len() as u32).sum(), ..Default::default() };
+    let mut last_finish = FinishReason::Stop;
+    while let Some((p, item)) = tx.unless_gone(merged.next()).await? {
+        let event = match item {
+            Item::Event(e) => e,
+            Item::Ended(used) => {
+                usage.cached_tokens += used.cached_tokens;
+                usage.completion_tokens += used.completion_tokens;
+                continue;
+            }
+            Item::Failed(e) => return tx.fail(&e).await,
         };
-        cached[p] = r.cached_prompt_tokens;
-        usage.completion_tokens += r.tokens.len() as u32;
-        let index = p * n + r.index as usize;
-        let Some(offset) = offsets.get_mut(index) else {
-            return tx.fail(&ApiError::Internal(format!("worker sent completion index {}", r.index))).await;
+        let index = match &event {
+            Event::PromptScores(s) => {
+                // Every choice of the prompt shows them.
+                scores[p] = s.clone();
+                if request.echo || request.prompt_logprobs.is_none() {
+                    continue;
+                }
+                let mut c = chunk(p * n, "", Value::Null, None);
+                c["choices"][0]["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores[p]);
+                tx.data(&c).await?;
+                continue;
+            }
+            Event::Delta { index, .. } | Event::Finished { index, .. } => p * n + index,
         };
-        let finish = generate::finish_reason(r.finish_reason);
-        last_finish = finish.unwrap_or(last_finish);
-        if !r.prompt_logprobs.is_empty() {
-            // One completion of the prompt scored it; each of its choices shows it.
-            scores[p] = r.prompt_logprobs.clone();
-        }
+        let offset = &mut offsets[index];
         if !echoed[index] {
             echoed[index] = true;
             let prompt = &request.prompts[p];
@@ -317,24 +338,28 @@ async fn stream(
                 c["choices"][0]["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores[p]);
             }
             tx.data(&c).await?;
-        } else if request.prompt_logprobs.is_some() && !r.prompt_logprobs.is_empty() {
-            let mut c = chunk(index, "", Value::Null, None);
-            c["choices"][0]["prompt_logprobs"] = logprobs::vllm_prompt(&model.replica, &scores[p]);
-            tx.data(&c).await?;
         }
-        if !r.text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !r.tokens.is_empty()) {
-            let lp = match request.logprobs {
-                Some(_) => logprobs::legacy(&model.replica, &r.tokens, offset),
-                None => Value::Null,
-            };
-            tx.data(&chunk(index, &r.text, lp, finish)).await?;
+        let lp = |tokens: &[pb::GeneratedToken], offset: &mut usize| match request.logprobs {
+            Some(_) => logprobs::legacy(&model.replica, tokens, offset),
+            None => Value::Null,
+        };
+        match event {
+            Event::Delta { text, tokens, .. } => {
+                if !text.is_empty() || (request.logprobs.is_some() && !tokens.is_empty()) {
+                    tx.data(&chunk(index, &text, lp(&tokens, offset), None)).await?;
+                }
+            }
+            Event::Finished { reason, .. } => {
+                last_finish = reason;
+                tx.data(&chunk(index, "", lp(&[], offset), Some(reason.as_str()))).await?;
+            }
+            Event::PromptScores(_) => {}
         }
     }
-    meter.finish(last_finish, 0);
-    super::trace::finished(last_finish, &usage);
+    meter.finish(last_finish.as_str(), 0);
+    super::trace::finished(last_finish.as_str(), &usage);
     meter.settle().await;
     if request.include_usage {
-        usage.cached_tokens = cached.iter().sum();
         let mut last = base.clone();
         last["choices"] = json!([]);
         last["usage"] = usage_json(&usage);

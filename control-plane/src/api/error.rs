@@ -249,6 +249,45 @@ impl ApiError {
     }
 }
 
+/// The layers' errors, each mapped here once: what the client did wrong becomes a 400
+/// naming its parameter, our own failure a 500.
+impl From<crate::chat::ChatError> for ApiError {
+    fn from(e: crate::chat::ChatError) -> Self {
+        use crate::chat::ChatError::*;
+        match &e {
+            NoTemplate { .. } | TemplateRefused(_) => Self::invalid_value("messages", e.to_string()),
+            TextHasImageToken { param, .. } | ImagesNotShown { param, .. } | TooFewTokens { param, .. } => {
+                Self::invalid_value(*param, e.to_string())
+            }
+            Internal(detail) => Self::Internal(detail.clone()),
+        }
+    }
+}
+
+impl From<crate::images::Refused> for ApiError {
+    fn from(e: crate::images::Refused) -> Self {
+        use crate::images::Refused;
+        let message = e.to_string();
+        match e {
+            Refused::Part { param, .. } => Self::InvalidValue { param, message },
+            Refused::TextOnly { param, .. } => Self::Unsupported { param, message },
+        }
+    }
+}
+
+/// A spent quota is a 429 that retrying will not fix; a subscription's window or
+/// concurrency, one to retry after it frees up.
+impl From<crate::billing::AdmitError> for ApiError {
+    fn from(e: crate::billing::AdmitError) -> Self {
+        use crate::billing::AdmitError;
+        match (&e, e.retry_after_us()) {
+            (AdmitError::Failed, _) => Self::Internal(e.to_string()),
+            (_, Some(retry_after_us)) => Self::SubscriptionLimited { message: e.to_string(), retry_after_us },
+            (_, None) => Self::InsufficientQuota { message: e.to_string() },
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let Self::Internal(detail) = &self {

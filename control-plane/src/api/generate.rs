@@ -4,7 +4,6 @@
 
 use super::error::ApiError;
 use crate::billing::Meter;
-use crate::chat::output::{Reading, Split};
 use crate::router::Pool;
 use crate::status::Probe;
 use tessera_proto::errors;
@@ -166,8 +165,9 @@ fn aborted_before_output(r: &pb::GenerateResponse) -> bool {
 }
 
 impl Output {
-    /// The next delta, or None when every completion has finished.
-    pub async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
+    /// The next message of the worker's stream, or None at its end. (Endpoints read
+    /// it as `stream::Events`.)
+    pub(super) async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
         let r = match self.first.take() {
             Some(first) => Some(first),
             None => {
@@ -217,89 +217,6 @@ fn worker_error(s: Status, grammar_param: &str, prompt_param: &'static str) -> A
     }
 }
 
-/// The OpenAI name of a finish reason.
-pub fn finish_reason(code: i32) -> Option<&'static str> {
-    match pb::FinishReason::try_from(code).ok()? {
-        pb::FinishReason::Stop => Some("stop"),
-        pb::FinishReason::Length => Some("length"),
-        pb::FinishReason::Abort | pb::FinishReason::Unspecified => None,
-    }
-}
-
-/// One completion, gathered for a non-streamed reply.
-#[derive(Debug, Default, Clone)]
-pub struct Gathered {
-    pub text: String,
-    /// The text read as the request's reading says: reasoning, content, calls.
-    pub split: Split,
-    pub tokens: Vec<pb::GeneratedToken>,
-    pub finish_reason: &'static str,
-    /// The prompt's tokens after the first, scored, when the generation asked.
-    pub prompt_scores: Vec<pb::PromptToken>,
-}
-
-impl Gathered {
-    fn new() -> Self {
-        // A worker always names a reason; "stop" if one ever did not.
-        Self { finish_reason: "stop", ..Default::default() }
-    }
-}
-
-/// Token counts of a whole request.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    pub cached_tokens: u32,
-    /// Every generated token, reasoning included.
-    pub completion_tokens: u32,
-    /// The completion tokens that were chain-of-thought.
-    pub reasoning_tokens: u32,
-}
-
-impl Usage {
-    /// Counts one delta of a generation (every delta repeats the prompt's counts).
-    pub fn record(&mut self, r: &pb::GenerateResponse) {
-        self.prompt_tokens = r.prompt_tokens;
-        self.cached_tokens = r.cached_prompt_tokens;
-        self.completion_tokens += r.tokens.len() as u32;
-    }
-}
-
-/// Reads every completion to its end, each split as `reading` says.
-pub async fn gather(mut out: Output, n: u32, reading: &Reading) -> Result<(Vec<Gathered>, Usage), ApiError> {
-    let n = n.max(1) as usize;
-    let mut choices = vec![Gathered::new(); n];
-    let mut parsers = vec![reading.parser(); n];
-    let mut usage = Usage::default();
-    while let Some(r) = out.next().await? {
-        usage.record(&r);
-        let i = r.index as usize;
-        let (Some(c), Some(parser)) = (choices.get_mut(i), parsers.get_mut(i)) else {
-            return Err(ApiError::Internal(format!("worker sent completion index {}", r.index)));
-        };
-        if !r.prompt_logprobs.is_empty() {
-            c.prompt_scores = r.prompt_logprobs;
-        }
-        c.text.push_str(&r.text);
-        c.split.add(parser.push(&r.text, r.tokens.len() as u32));
-        c.tokens.extend(r.tokens);
-        if let Some(f) = finish_reason(r.finish_reason) {
-            c.finish_reason = f;
-        }
-    }
-    for (c, parser) in choices.iter_mut().zip(&mut parsers) {
-        c.split.add(parser.finish());
-        usage.reasoning_tokens += parser.reasoning_tokens();
-    }
-    // One completion scored the prompt; every choice shows it.
-    if let Some(scores) = choices.iter().map(|c| c.prompt_scores.clone()).find(|s| !s.is_empty()) {
-        for c in &mut choices {
-            c.prompt_scores = scores.clone();
-        }
-    }
-    Ok((choices, usage))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,10 +230,7 @@ mod tests {
     }
 
     #[test]
-    fn finish_reasons_take_their_openai_names() {
-        assert_eq!(finish_reason(pb::FinishReason::Stop as i32), Some("stop"));
-        assert_eq!(finish_reason(pb::FinishReason::Length as i32), Some("length"));
-        assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), None);
+    fn worker_errors_are_answered_by_their_kind() {
         assert!(matches!(worker_error(Status::unavailable("gone"), "", "messages"), ApiError::Overloaded));
         assert!(matches!(
             worker_error(Status::invalid_argument("x"), "response_format", "messages"),

@@ -9,11 +9,14 @@ pub mod fields;
 pub mod format;
 pub mod generate;
 pub mod logprobs;
+pub mod messages;
 pub mod models;
 pub mod params;
 pub mod responses;
 pub mod sse;
 pub mod status;
+pub mod stream;
+pub mod tools;
 pub mod trace;
 
 use crate::accounts::Store;
@@ -29,11 +32,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use error::ApiError;
-use generate::Usage;
 use rand::Rng;
 use serde_json::{Value, json};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use stream::Usage;
 use tracing::Instrument;
 
 /// Enough for the longest context in the catalog (about 4 bytes a token) with room
@@ -41,6 +44,8 @@ use tracing::Instrument;
 const MAX_BODY_BYTES: usize = 64 << 20;
 
 pub struct AppState {
+    /// The database every service below keeps its state in.
+    pub db: crate::db::Db,
     pub store: Store,
     pub models: Arc<Models>,
     pub billing: crate::billing::Billing,
@@ -295,14 +300,14 @@ pub async fn visuals(
     model: &ServedModel,
     list: &Value,
     name: &str,
-) -> Result<Vec<crate::chat::vision::Visual>, ApiError> {
-    let parts = crate::chat::messages::image_parts(list, name);
+) -> Result<Vec<crate::images::Visual>, ApiError> {
+    let parts = messages::image_parts(list, name);
     if parts.is_empty() || !model.entry.capabilities.image_input {
         return Ok(Vec::new());
     }
     match model.vision() {
-        None => app.images.refuse_unseen(&parts, &model.entry).await.map(|()| Vec::new()),
-        Some(v) => app.images.visuals(&parts, v.takes_video(&model.entry.capabilities)).await,
+        None => Ok(app.images.refuse_unseen(&parts, &model.entry).await.map(|()| Vec::new())?),
+        Some(v) => Ok(app.images.visuals(&parts, v.takes_video(&model.entry.capabilities)).await?),
     }
 }
 

@@ -3,7 +3,7 @@
 use super::error::ApiError;
 use super::fields::{Fields, check_range};
 use crate::router::ServedModel;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tessera_proto::worker::{self as pb};
 
 /// Sampling controls common to chat, completions and responses.
@@ -250,6 +250,42 @@ pub fn max_tokens(
     Ok(asked.unwrap_or(context - prompt_tokens) as u32)
 }
 
+/// The budget a request names; None when it names none or `-1` (the model's default).
+pub fn thinking_budget<'a>(f: &mut Fields<'a>, kwargs: Option<&Map<String, Value>>) -> Result<Option<u32>, ApiError> {
+    let mut named: Option<(String, i64)> = None;
+    let top = [
+        ("thinking_token_budget", f.integer("thinking_token_budget", Some(-1), None)?),
+        ("thinking_budget", f.integer("thinking_budget", Some(-1), None)?),
+    ];
+    let in_kwargs = match kwargs.and_then(|k| k.get("thinking_budget")) {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_i64() {
+            Some(b) if b >= -1 => Some(b),
+            _ => {
+                return Err(ApiError::invalid_value(
+                    "chat_template_kwargs.thinking_budget",
+                    format!(
+                        "Invalid value: {v}. The thinking budget is a number of tokens, or -1 for the model's default."
+                    ),
+                ));
+            }
+        },
+    };
+    for (param, value) in top.into_iter().chain([("chat_template_kwargs.thinking_budget", in_kwargs)]) {
+        let Some(value) = value else { continue };
+        match &named {
+            Some((first, v)) if *v != value => {
+                return Err(ApiError::Combination {
+                    param: param.into(),
+                    message: format!("'{param}' ({value}) and '{first}' ({v}) name different thinking budgets."),
+                });
+            }
+            _ => named = Some((param.into(), value)),
+        }
+    }
+    Ok(named.and_then(|(_, v)| u32::try_from(v).ok()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,5 +414,30 @@ mod tests {
         assert_eq!(count(json!({})).unwrap(), 1);
         assert_eq!(code(count(json!({"n": 0})).unwrap_err()), "integer_below_min_value");
         assert_eq!(code(count(json!({"n": 129})).unwrap_err()), "integer_above_max_value");
+    }
+
+    fn budget(body: Value) -> Result<Option<u32>, ApiError> {
+        let mut f = Fields::new(&body).unwrap();
+        let kwargs = body.get("chat_template_kwargs").and_then(Value::as_object).cloned();
+        f.raw("chat_template_kwargs");
+        let r = thinking_budget(&mut f, kwargs.as_ref());
+        f.finish()?;
+        r
+    }
+
+    #[test]
+    fn each_name_of_the_budget_is_read_and_minus_one_is_the_default() {
+        assert_eq!(budget(json!({})).unwrap(), None);
+        assert_eq!(budget(json!({"thinking_token_budget": 64})).unwrap(), Some(64));
+        assert_eq!(budget(json!({"thinking_budget": 0})).unwrap(), Some(0));
+        assert_eq!(budget(json!({"chat_template_kwargs": {"thinking_budget": 12}})).unwrap(), Some(12));
+        assert_eq!(budget(json!({"thinking_budget": -1})).unwrap(), None);
+        assert_eq!(budget(json!({"thinking_budget": 5, "thinking_token_budget": 5})).unwrap(), Some(5));
+        let e = budget(json!({"thinking_budget": 5, "thinking_token_budget": 6})).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "thinking_budget", "{:?}", e.body());
+        let e = budget(json!({"thinking_budget": -2})).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "thinking_budget");
+        let e = budget(json!({"chat_template_kwargs": {"thinking_budget": "lots"}})).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "chat_template_kwargs.thinking_budget");
     }
 }

@@ -4,14 +4,15 @@ use super::auth::Authed;
 use super::error::ApiError;
 use super::fields::Fields;
 use super::format::{self, Shape};
-use super::generate::{self, Generation, Output, Usage};
+use super::generate::{self, Generation};
 use super::sse::{self, Gone, Sender};
+use super::stream::{self, Event, Events, FinishReason, Usage};
 use super::{App, RequestId, new_id, params, read_request, unix_now};
 use crate::billing::{Ask, Meter};
 use crate::chat;
 use crate::chat::output::{Piece, Reading};
 use crate::chat::tools::{ToolChoice, Tools};
-use crate::chat::vision::Visual;
+use crate::images::Visual;
 use crate::router::ServedModel;
 use axum::Json;
 use axum::body::Bytes;
@@ -54,20 +55,21 @@ pub async fn handle(
     super::trace::admitted("responses", &model.entry.id, &meter.org_id(), g);
     let probe = app.status.probe(&model.entry.id, "responses", request_id.received);
     let out = generate::start(&model.pool, g.clone(), &meter, 0, probe).await?;
+    let events = Events::new(out, 1, &request.reading);
     let meta = Meta { id: new_id("resp_"), created_at: unix_now(), model, request };
     super::trace::responding(&meta.id);
     if meta.request.stream {
         let response = sse::respond(move |tx| async move {
-            let _: Result<(), Gone> = stream(tx, out, meta, meter).await;
+            let _: Result<(), Gone> = stream(tx, events, meta, meter).await;
         });
         return Ok(super::with_frames(response, frames));
     }
-    let (choices, usage) = generate::gather(out, 1, &meta.request.reading).await?;
+    let (choices, usage) = stream::gather(events).await?;
     let c = choices.into_iter().next().unwrap_or_default();
-    meter.finish(c.finish_reason, usage.reasoning_tokens);
-    super::trace::finished(c.finish_reason, &usage);
+    meter.finish(c.finish_reason.as_str(), usage.reasoning_tokens);
+    super::trace::finished(c.finish_reason.as_str(), &usage);
     meter.settle().await;
-    let status = if c.finish_reason == "length" { "incomplete" } else { "completed" };
+    let status = status(c.finish_reason);
     let split = &c.split;
     let mut output = Vec::new();
     if !split.reasoning.is_empty() {
@@ -82,6 +84,14 @@ pub async fn handle(
     Ok(super::with_frames(Json(meta.object(output, Some(&usage), Some(c.finish_reason))).into_response(), frames))
 }
 
+/// An item's and the response's status once the output has ended.
+fn status(finish: FinishReason) -> &'static str {
+    match finish {
+        FinishReason::Length => "incomplete",
+        FinishReason::Stop => "completed",
+    }
+}
+
 fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ResponsesRequest, ApiError> {
     let mut f = Fields::new(body)?;
     f.raw("model");
@@ -94,7 +104,8 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
         }
     };
     // Checked on their own, so that errors name the client's own input items.
-    messages = chat::messages_for(model, &Value::Array(messages)).map_err(|e| rename_param(e, "messages", "input"))?;
+    messages =
+        super::messages::for_model(model, &Value::Array(messages)).map_err(|e| rename_param(e, "messages", "input"))?;
     if let Some(i) = &instructions {
         // A vision model's template reads parts everywhere.
         let content = if model.vision().is_some() { json!([{"type": "text", "text": i}]) } else { json!(i) };
@@ -102,10 +113,10 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
     }
     let sampling = params::sampling(&mut f, model.replica.vocab_size())?;
     let stream = f.bool("stream", false)?;
-    let budget = chat::budget::requested(&mut f, None)?;
+    let budget = params::thinking_budget(&mut f, None)?;
     let max_output_tokens = f.integer("max_output_tokens", Some(1), None)?;
     let caps = &model.entry.capabilities;
-    let tools = chat::tools::parse(&mut f, Shape::Responses, caps.tool_calling, &model.entry.id)?;
+    let tools = super::tools::parse(&mut f, Shape::Responses, caps.tool_calling, &model.entry.id)?;
     let format = match f.raw("text") {
         None => None,
         Some(Value::Object(text)) => text.get("format"),
@@ -305,11 +316,11 @@ fn reasoning_text(text: &str) -> Value {
 
 impl Meta {
     /// The Response object; `finish` is None while in progress.
-    fn object(&self, output: Vec<Value>, usage: Option<&Usage>, finish: Option<&str>) -> Value {
+    fn object(&self, output: Vec<Value>, usage: Option<&Usage>, finish: Option<FinishReason>) -> Value {
         let (status, incomplete) = match finish {
             None => ("in_progress", Value::Null),
-            Some("length") => ("incomplete", json!({"reason": "max_output_tokens"})),
-            Some(_) => ("completed", Value::Null),
+            Some(FinishReason::Length) => ("incomplete", json!({"reason": "max_output_tokens"})),
+            Some(FinishReason::Stop) => ("completed", Value::Null),
         };
         let s = &self.request.generation.sampling;
         let tools = &self.request.tools;
@@ -370,14 +381,14 @@ enum Open {
 }
 
 /// Named events with their sequence numbers, and the output items as they complete.
-struct Events {
+struct Wire {
     tx: Sender,
     seq: u64,
     output: Vec<Value>,
     open: Open,
 }
 
-impl Events {
+impl Wire {
     async fn send(&mut self, name: &str, mut payload: Value) -> Result<(), Gone> {
         payload["type"] = json!(name);
         payload["sequence_number"] = json!(self.seq);
@@ -490,54 +501,51 @@ fn item_id(open: &Open) -> &str {
 /// Named events, each with its sequence number, in the order the SDK's stream helper
 /// requires; no `[DONE]`. Items open as the output's kind changes: reasoning, message
 /// text, calls.
-async fn stream(tx: Sender, mut out: Output, meta: Meta, meter: Meter) -> Result<(), Gone> {
-    let mut ev = Events { tx, seq: 0, output: Vec::new(), open: Open::Nothing };
+async fn stream(tx: Sender, mut events: Events, meta: Meta, meter: Meter) -> Result<(), Gone> {
+    let mut ev = Wire { tx, seq: 0, output: Vec::new(), open: Open::Nothing };
     ev.send("response.created", json!({"response": meta.object(vec![], None, None)})).await?;
     ev.send("response.in_progress", json!({"response": meta.object(vec![], None, None)})).await?;
-    let mut parser = meta.request.reading.parser();
-    let mut usage = Usage::default();
-    let mut finish = "stop";
+    let mut finish = FinishReason::Stop;
     loop {
-        let r = match ev.tx.unless_gone(out.next()).await? {
-            Ok(Some(r)) => r,
+        let event = match ev.tx.unless_gone(events.next()).await? {
+            Ok(Some(e)) => e,
             Ok(None) => break,
             Err(e) => {
                 e.mid_stream();
-                let mut failed = meta.object(std::mem::take(&mut ev.output), None, Some("stop"));
+                let mut failed = meta.object(std::mem::take(&mut ev.output), None, Some(FinishReason::Stop));
                 failed["status"] = json!("failed");
                 failed["completed_at"] = Value::Null;
                 failed["error"] = json!({"code": "server_error", "message": e.object()["message"]});
                 return ev.send("response.failed", json!({"response": failed})).await;
             }
         };
-        usage.record(&r);
-        let mut pieces = parser.push(&r.text, r.tokens.len() as u32);
-        if let Some(f) = generate::finish_reason(r.finish_reason) {
-            finish = f;
-            pieces.extend(parser.finish());
-        }
-        for piece in pieces {
-            match piece {
-                Piece::Reasoning(t) => ev.text(true, t).await?,
-                // Whitespace between calls is not a message.
-                Piece::Content(t) if t.trim().is_empty() && !matches!(ev.open, Open::Message { .. }) => {}
-                Piece::Content(t) => ev.text(false, t).await?,
-                Piece::ToolCall { name, arguments } => ev.call(&name, &arguments).await?,
+        match event {
+            Event::PromptScores(_) => {}
+            Event::Delta { pieces, .. } => {
+                for piece in pieces {
+                    match piece {
+                        Piece::Reasoning(t) => ev.text(true, t).await?,
+                        // Whitespace between calls is not a message.
+                        Piece::Content(t) if t.trim().is_empty() && !matches!(ev.open, Open::Message { .. }) => {}
+                        Piece::Content(t) => ev.text(false, t).await?,
+                        Piece::ToolCall { name, arguments } => ev.call(&name, &arguments).await?,
+                    }
+                }
             }
+            Event::Finished { reason, .. } => finish = reason,
         }
     }
-    usage.reasoning_tokens = parser.reasoning_tokens();
-    meter.finish(finish, usage.reasoning_tokens);
-    super::trace::finished(finish, &usage);
+    let usage = events.usage();
+    meter.finish(finish.as_str(), usage.reasoning_tokens);
+    super::trace::finished(finish.as_str(), &usage);
     meter.settle().await;
-    let status = if finish == "length" { "incomplete" } else { "completed" };
     if ev.output.is_empty() && matches!(ev.open, Open::Nothing) {
         // An answer with nothing else has a message, even an empty one.
         ev.text(false, String::new()).await?;
     }
-    ev.close(status).await?;
+    ev.close(status(finish)).await?;
     let output = std::mem::take(&mut ev.output);
-    let terminal = if finish == "length" { "response.incomplete" } else { "response.completed" };
+    let terminal = if finish == FinishReason::Length { "response.incomplete" } else { "response.completed" };
     ev.send(terminal, json!({"response": meta.object(output, Some(&usage), Some(finish))})).await
 }
 

@@ -6,7 +6,8 @@
 //! The span is the request's own (`observe` opens it, a client's `traceparent` its
 //! parent); these record into it from wherever the request is being served.
 
-use super::generate::{Generation, Usage};
+use super::generate::Generation;
+use super::stream::Usage;
 use tracing::Span;
 
 /// A request's span, with the fields the functions below fill declared empty.

@@ -14,7 +14,6 @@ use super::ledger::{Admission, Ledger, LedgerError, NewHold, UsageRecord};
 use super::subscriptions::{Refusal, Subscriptions};
 use super::supply::Supply;
 use crate::accounts::{ApiKey, BillingMode};
-use crate::api::error::ApiError;
 use crate::catalog::Prices;
 use crate::router::ServedModel;
 use std::collections::HashMap;
@@ -63,6 +62,41 @@ pub enum Funding {
     },
 }
 
+/// Why a request is not admitted. The words are billing's; the API decides what each
+/// is on the wire (`api::error`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AdmitError {
+    /// The organization's credit does not cover the request's worst case.
+    #[error(
+        "You exceeded your current quota: the organization's credit balance is {} and this request may cost up to \
+         {}. Add credits, or lower max_tokens.",
+        usd(*balance),
+        usd(*worst)
+    )]
+    Credit { balance: i64, worst: i64 },
+    /// The key's subscription cannot pay now (`now`: when it was asked, for when its
+    /// window resets).
+    #[error("{}", subscription_message(refusal, *now))]
+    Subscription { refusal: Refusal, now: i64 },
+    /// The ledger could not take the hold.
+    #[error("billing hold failed")]
+    Failed,
+}
+
+impl AdmitError {
+    /// When retrying may help: a subscription's window or concurrency that frees up,
+    /// or a renewal tried again. None: retrying will not help as things stand.
+    pub fn retry_after_us(&self) -> Option<u64> {
+        let Self::Subscription { refusal, now } = self else { return None };
+        match refusal {
+            Refusal::NoPlan | Refusal::PastDue => None,
+            Refusal::Renewing => Some(60_000_000),
+            Refusal::Concurrency { .. } => Some(1_000_000),
+            Refusal::Exhausted { resets_at, .. } => Some((resets_at - now).max(1) as u64),
+        }
+    }
+}
+
 /// Why a request could not be funded.
 enum Refused {
     Credit { balance: i64 },
@@ -108,7 +142,7 @@ impl Billing {
     }
 
     /// Holds the request's worst-case cost, or refuses it before anything runs.
-    pub async fn admit(&self, key: &ApiKey, model: &ServedModel, ask: Ask<'_>) -> Result<Meter, ApiError> {
+    pub async fn admit(&self, key: &ApiKey, model: &ServedModel, ask: Ask<'_>) -> Result<Meter, AdmitError> {
         self.admit_priced(key, &model.entry.id, model.entry.prices, ask).await
     }
 
@@ -119,7 +153,7 @@ impl Billing {
         model: &str,
         prices: Prices,
         ask: Ask<'_>,
-    ) -> Result<Meter, ApiError> {
+    ) -> Result<Meter, AdmitError> {
         let worst: u64 =
             ask.prompts.iter().map(|&p| worst_case_micros(&prices, p as u64, ask.max_completion_each)).sum();
         let record = UsageRecord {
@@ -145,16 +179,9 @@ impl Billing {
         });
         match rx.await {
             Ok(Ok(meter)) => Ok(meter),
-            Ok(Err(Refused::Credit { balance })) => Err(ApiError::InsufficientQuota {
-                message: format!(
-                    "You exceeded your current quota: the organization's credit balance is {} and this request may \
-                     cost up to {}. Add credits, or lower max_tokens.",
-                    usd(balance),
-                    usd(worst as i64)
-                ),
-            }),
-            Ok(Err(Refused::Subscription(refusal))) => Err(refusal_error(refusal, now)),
-            Ok(Err(Refused::Failed)) | Err(_) => Err(ApiError::Internal("billing hold failed".into())),
+            Ok(Err(Refused::Credit { balance })) => Err(AdmitError::Credit { balance, worst: worst as i64 }),
+            Ok(Err(Refused::Subscription(refusal))) => Err(AdmitError::Subscription { refusal, now }),
+            Ok(Err(Refused::Failed)) | Err(_) => Err(AdmitError::Failed),
         }
     }
 
@@ -324,45 +351,28 @@ fn discounted(micros: u64, multiplier_bp: i64, round_up: bool) -> u64 {
     (if round_up { scaled.div_ceil(10_000) } else { (scaled + 5_000) / 10_000 }) as u64
 }
 
-/// A subscription that cannot pay, as the client sees it: a rate limit until the
-/// window resets, or no quota at all without an active plan.
-fn refusal_error(refusal: Refusal, now: i64) -> ApiError {
+/// A subscription that cannot pay, in words: what is spent, and what to do.
+fn subscription_message(refusal: &Refusal, now: i64) -> String {
     match refusal {
-        Refusal::NoPlan => ApiError::InsufficientQuota {
-            message: "This key is billed to a subscription, and its account has no active plan. Start a plan, or \
-                      use a key with credit fallback."
-                .into(),
-        },
-        Refusal::PastDue => ApiError::InsufficientQuota {
-            message: "This key is billed to a subscription whose renewal payment failed. Update the payment method \
-                      and start the plan again, or use a key with credit fallback."
-                .into(),
-        },
-        Refusal::Renewing => ApiError::SubscriptionLimited {
-            message: "Your plan's new period could not be paid for yet (the payment processor did not answer); it \
-                      is tried again with your next request."
-                .into(),
-            retry_after_us: 60_000_000,
-        },
-        Refusal::Concurrency { limit } => ApiError::SubscriptionLimited {
-            message: format!(
-                "Your plan runs at most {limit} requests at once, and {limit} are running. Retry when one finishes."
-            ),
-            retry_after_us: 1_000_000,
-        },
-        Refusal::Exhausted { window, left, asked, resets_at } => {
-            let wait = (resets_at - now).max(1) as u64;
-            ApiError::SubscriptionLimited {
-                message: format!(
-                    "Your subscription's {window} usage limit is reached: {} left, and this request may use up to {}. \
-                     It resets in {}; lower max_tokens, or use a key with credit fallback.",
-                    usd(left),
-                    usd(asked),
-                    crate::limits::go_duration(wait)
-                ),
-                retry_after_us: wait,
-            }
-        }
+        Refusal::NoPlan => "This key is billed to a subscription, and its account has no active plan. Start a plan, \
+                            or use a key with credit fallback."
+            .into(),
+        Refusal::PastDue => "This key is billed to a subscription whose renewal payment failed. Update the payment \
+                             method and start the plan again, or use a key with credit fallback."
+            .into(),
+        Refusal::Renewing => "Your plan's new period could not be paid for yet (the payment processor did not \
+                              answer); it is tried again with your next request."
+            .into(),
+        Refusal::Concurrency { limit } => format!(
+            "Your plan runs at most {limit} requests at once, and {limit} are running. Retry when one finishes."
+        ),
+        Refusal::Exhausted { window, left, asked, resets_at } => format!(
+            "Your subscription's {window} usage limit is reached: {} left, and this request may use up to {}. It \
+             resets in {}; lower max_tokens, or use a key with credit fallback.",
+            usd(*left),
+            usd(*asked),
+            crate::limits::go_duration((resets_at - now).max(1) as u64)
+        ),
     }
 }
 
@@ -436,13 +446,13 @@ impl Drop for Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::accounts::Store;
+    use crate::db::Db;
 
     const PRICES: Prices = Prices { input: 1_000_000, cache_read: None, output: 2_000_000 };
 
-    async fn held_request(billing: &Billing, store: &Store, org: &str, id: &str) -> Meter {
+    async fn held_request(billing: &Billing, db: &Db, org: &str, id: &str) -> Meter {
         let hold = NewHold { request_id: id.into(), org_id: org.into(), amount: 1_000 };
-        assert_eq!(store.ledger().hold(&hold).await.unwrap(), Admission::Held);
+        assert_eq!(db.ledger().hold(&hold).await.unwrap(), Admission::Held);
         let record = UsageRecord { key_id: "key_t".into(), ..UsageRecord::unused(id, org) };
         let pending = Pending { record, prompts: vec![10], outputs: vec![Counted::default()] };
         billing.meter(PRICES, Funding::Credits, pending)
@@ -451,26 +461,26 @@ mod tests {
     #[tokio::test]
     async fn every_way_a_request_ends_settles_it_once() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
-        let org = store.create_org("o").await.unwrap().id;
-        let ledger = store.ledger();
+        let db = Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
+        let org = db.accounts().create_org("o").await.unwrap().id;
+        let ledger = db.ledger();
         ledger.grant(&org, 10_000, "t").await.unwrap();
-        let billing = store.billing(Arc::new(crate::billing::payments::DevProcessor::default()));
+        let billing = db.billing(Arc::new(crate::billing::payments::DevProcessor::default()));
 
         // Settled by the endpoint: 10 prompt tokens at $1/M and 5 completion tokens at $2/M.
-        let done = held_request(&billing, &store, &org, "r-done").await;
+        let done = held_request(&billing, &db, &org, "r-done").await;
         done.started(0);
         done.record(0, 0, 5);
         done.finish("stop", 0);
         done.settle().await;
         drop(done);
         // Dropped mid-stream (client gone): settled by the drop, for what it used.
-        let gone = held_request(&billing, &store, &org, "r-gone").await;
+        let gone = held_request(&billing, &db, &org, "r-gone").await;
         gone.started(0);
         gone.record(0, 0, 2);
         drop(gone);
         // Still open at shutdown: settled by it.
-        let open = held_request(&billing, &store, &org, "r-open").await;
+        let open = held_request(&billing, &db, &org, "r-open").await;
         open.started(0);
         open.record(0, 0, 1);
         billing.shutdown(Duration::from_secs(5)).await;

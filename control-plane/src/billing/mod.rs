@@ -14,4 +14,4 @@ pub mod supply;
 pub mod usage;
 
 pub use ledger::{Ledger, LedgerError, UsageRecord};
-pub use meter::{Ask, Billing, Clock, Funding, Meter};
+pub use meter::{AdmitError, Ask, Billing, Clock, Funding, Meter};

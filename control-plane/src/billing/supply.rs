@@ -310,8 +310,7 @@ mod tests {
     #[tokio::test]
     async fn each_slot_is_recorded_once_and_all_control_planes_read_it() {
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            crate::accounts::Store::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
+        let store = crate::db::Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
         let slot = Duration::from_secs(600);
         let slot_us = 600_000_000;
         let (a, b) = (store.supply(), store.supply());

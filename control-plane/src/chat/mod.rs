@@ -3,7 +3,6 @@
 
 pub mod budget;
 pub mod grammar;
-pub mod messages;
 pub mod output;
 pub mod reasoning;
 pub mod schema;
@@ -11,7 +10,7 @@ pub mod shortest;
 pub mod tools;
 pub mod vision;
 
-use crate::api::error::ApiError;
+use crate::images::Visual;
 use crate::router::ServedModel;
 use output::Reading;
 use reasoning::Thinking;
@@ -21,7 +20,32 @@ use tessera_proto::block_hash::{ImageSpan, image_spans};
 use tessera_proto::chat_template::Rendered;
 use tessera_proto::worker as pb;
 use tools::Tools;
-use vision::{Expanded, Visual};
+use vision::{ExpandError, Expanded};
+
+/// Why a chat-shaped request cannot be made ready. The API answers each (`api::error`);
+/// all but `Internal` are the request's doing.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ChatError {
+    #[error("{model} has no chat template; use /v1/completions")]
+    NoTemplate { model: String },
+    /// A template's `raise_exception`: about the request's messages or its kwargs.
+    #[error("The chat template refused this request: {0}")]
+    TemplateRefused(String),
+    #[error("Invalid content: the text contains {token}, the model's image placeholder; send images as image parts.")]
+    TextHasImageToken { param: &'static str, token: String },
+    #[error("Invalid content: {model}'s chat template does not show images where this request puts them.")]
+    ImagesNotShown { param: &'static str, model: String },
+    /// A constrained output whose shortest valid answer cannot fit `max_tokens`.
+    #[error(
+        "'{param}' is {max_tokens}, too few for any valid answer: the shortest the requested format allows takes \
+         {floor} tokens{}.",
+        if *must_close > 0 { format!(", after the {must_close} that end the reasoning") } else { String::new() }
+    )]
+    TooFewTokens { param: &'static str, max_tokens: u32, floor: usize, must_close: usize },
+    /// Our own failure (a tokenizer error, images that do not add up).
+    #[error("{0}")]
+    Internal(String),
+}
 
 /// A chat-shaped request made ready for a worker: its prompt, the grammar its output
 /// is decoded under, and how that output is read back.
@@ -62,7 +86,7 @@ pub fn prepare(
     kwargs: &Map<String, Value>,
     format: Option<(pb::Grammar, &'static str)>,
     shown: Shown<'_>,
-) -> Result<Prepared, ApiError> {
+) -> Result<Prepared, ChatError> {
     let callable = tools.filter(|t| t.callable());
     let rendered = render(model, messages, callable.map(Tools::for_template).as_ref(), kwargs)?;
     let (prompt, images, image_spans, frames) = with_visuals(model, &rendered.text, shown)?;
@@ -85,12 +109,12 @@ pub fn prepare(
 /// The rendered prompt's tokens with each visual's placeholder expanded, and the images
 /// the worker fills them with. Videos whose frames do not fit the context are sampled
 /// down, all to the same most frames that fit (docs/api.md, Video).
-fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<WithVisuals, ApiError> {
+fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<WithVisuals, ChatError> {
     if shown.visuals.is_empty() {
         return Ok((tokenize(model, text)?, Vec::new(), Vec::new(), None));
     }
     let Some(vision) = model.vision() else {
-        return Err(ApiError::Internal(format!("{} was handed images but reads none", model.entry.id)));
+        return Err(ChatError::Internal(format!("{} was handed images but reads none", model.entry.id)));
     };
     let frames: Vec<usize> = shown
         .visuals
@@ -101,22 +125,15 @@ fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<Wit
         })
         .collect();
     let sent: usize = frames.iter().sum();
-    let expand = |most: usize| -> Result<(Vec<u32>, Expanded), ApiError> {
+    let expand = |most: usize| -> Result<(Vec<u32>, Expanded), ChatError> {
         let keep: Vec<Vec<usize>> = frames.iter().map(|&n| vision::sample(n, most)).collect();
-        // Either way it is the request's own doing: its text spells the token, or its
-        // images sit where the model's template shows none.
-        let expanded = vision.expand(text, shown.visuals, &keep).map_err(|e| {
-            let message = match e.as_str() {
-                vision::TEXT_HAS_TOKEN => format!(
-                    "Invalid content: the text contains {}, the model's image placeholder; send images as image parts.",
-                    vision.image_token()
-                ),
-                _ => format!(
-                    "Invalid content: {}'s chat template does not show images where this request puts them.",
-                    model.entry.id
-                ),
-            };
-            ApiError::invalid_value(shown.param, message)
+        let expanded = vision.expand(text, shown.visuals, &keep).map_err(|e| match e {
+            ExpandError::TextHasToken => {
+                ChatError::TextHasImageToken { param: shown.param, token: vision.image_token().to_string() }
+            }
+            ExpandError::TemplateDrops => {
+                ChatError::ImagesNotShown { param: shown.param, model: model.entry.id.clone() }
+            }
         })?;
         Ok((tokenize(model, &expanded.text)?, expanded))
     };
@@ -144,7 +161,7 @@ fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<Wit
         .map(|(&n, i)| (n, i.sha256.as_slice().try_into().unwrap_or([0; 32])))
         .collect();
     let spans = image_spans(&prompt, vision.image_token_id(), &counted).ok_or_else(|| {
-        ApiError::Internal(format!("{}: the prompt's image tokens do not match its images", model.entry.id))
+        ChatError::Internal(format!("{}: the prompt's image tokens do not match its images", model.entry.id))
     })?;
     let kept = expanded.images.iter().filter(|i| i.frame).count();
     Ok((prompt, expanded.images, spans, (!frames.is_empty()).then_some((kept, sent))))
@@ -152,16 +169,6 @@ fn with_visuals(model: &ServedModel, text: &str, shown: Shown<'_>) -> Result<Wit
 
 /// A prompt's tokens, its images, where they sit, and its video frames kept of sent.
 type WithVisuals = (Vec<u32>, Vec<pb::ImageInput>, Vec<ImageSpan>, Option<(usize, usize)>);
-
-/// The request's messages as the model's template reads them: parts for a vision
-/// model's, text for others.
-pub fn messages_for(model: &ServedModel, messages: &Value) -> Result<Vec<Value>, ApiError> {
-    let (caps, id) = (&model.entry.capabilities, &model.entry.id);
-    match model.vision() {
-        Some(v) => messages::for_vision_template(messages, caps, id, v.takes_video(caps)),
-        None => messages::for_template(messages, caps, id),
-    }
-}
 
 /// The catalog's `chat_template_kwargs` for the model with the request's merged over
 /// them (unknown keys are passed along and ignored by templates that do not read them).
@@ -182,20 +189,16 @@ fn render(
     messages: &[Value],
     tools: Option<&Value>,
     kwargs: &Map<String, Value>,
-) -> Result<Rendered, ApiError> {
-    let template = model.template.as_ref().ok_or_else(|| {
-        ApiError::invalid_value("messages", format!("{} has no chat template; use /v1/completions", model.entry.id))
-    })?;
-    let rendered = template
+) -> Result<Rendered, ChatError> {
+    let template = model.template.as_ref().ok_or_else(|| ChatError::NoTemplate { model: model.entry.id.clone() })?;
+    template
         .render_json(&Value::Array(messages.to_vec()), tools, true, kwargs)
-        // A template's raise_exception is about the request: its messages or its kwargs.
-        .map_err(|e| ApiError::invalid_value("messages", format!("The chat template refused this request: {e}")))?;
-    Ok(rendered)
+        .map_err(|e| ChatError::TemplateRefused(e.to_string()))
 }
 
-pub fn tokenize(model: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
+pub fn tokenize(model: &ServedModel, text: &str) -> Result<Vec<u32>, ChatError> {
     let encoding =
-        model.replica.tokenizer.encode(text, false).map_err(|e| ApiError::Internal(format!("tokenizing: {e}")))?;
+        model.replica.tokenizer.encode(text, false).map_err(|e| ChatError::Internal(format!("tokenizing: {e}")))?;
     Ok(encoding.get_ids().to_vec())
 }
 

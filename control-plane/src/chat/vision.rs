@@ -9,38 +9,9 @@
 //! processor prompts one, frames at its sampling rate, and when the prompt does not fit
 //! the context its frames are sampled uniformly down to the most that fit.
 
-use crate::images::LoadedImage;
+use crate::images::{Detail, LoadedImage, Visual};
 use tessera_proto::vision::{Idefics3Geometry, Idefics3Markers, llava_next_tokens};
 use tessera_proto::worker as pb;
-
-/// How a part asked to be seen: Idefics3 tiles an image unless told `low`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Detail {
-    Auto,
-    Low,
-    High,
-}
-
-impl Detail {
-    pub fn parse(value: Option<&str>) -> Self {
-        match value {
-            Some("low") => Self::Low,
-            Some("high") => Self::High,
-            _ => Self::Auto,
-        }
-    }
-
-    fn split(self) -> bool {
-        self != Self::Low
-    }
-}
-
-/// What one place of the prompt shows: an image, or a video's frames.
-#[derive(Debug, Clone)]
-pub enum Visual {
-    Image { image: LoadedImage, detail: Detail },
-    Video { frames: Vec<LoadedImage> },
-}
 
 /// The model's way with images, from its worker's card.
 #[derive(Debug, Clone, PartialEq)]
@@ -132,7 +103,7 @@ impl Vision {
 
     /// `rendered` with each image and video token replaced, in order, by its visual's
     /// text; `keep[v]` are the frames of video `v` that stay (indices into its frames).
-    pub fn expand(&self, rendered: &str, visuals: &[Visual], keep: &[Vec<usize>]) -> Result<Expanded, String> {
+    pub fn expand(&self, rendered: &str, visuals: &[Visual], keep: &[Vec<usize>]) -> Result<Expanded, ExpandError> {
         let image = self.card.image_token.as_str();
         let video = self.video_token();
         let mut out = String::with_capacity(rendered.len());
@@ -143,9 +114,9 @@ impl Vision {
         for visual in visuals {
             let token = match visual {
                 Visual::Image { .. } => image,
-                Visual::Video { .. } => video.ok_or(TEMPLATE_DROPS)?,
+                Visual::Video { .. } => video.ok_or(ExpandError::TemplateDrops)?,
             };
-            let at = rest.find(token).ok_or(TEMPLATE_DROPS)?;
+            let at = rest.find(token).ok_or(ExpandError::TemplateDrops)?;
             out.push_str(&rest[..at]);
             rest = &rest[at + token.len()..];
             match visual {
@@ -165,7 +136,7 @@ impl Vision {
             }
         }
         if rest.contains(image) || video.is_some_and(|v| rest.contains(v)) {
-            return Err(TEXT_HAS_TOKEN.into());
+            return Err(ExpandError::TextHasToken);
         }
         out.push_str(rest);
         Ok(Expanded { text: out, images: inputs, tokens })
@@ -187,14 +158,20 @@ pub struct Expanded {
     pub tokens: Vec<usize>,
 }
 
-/// `expand`'s complaint when the prompt has image tokens no image part put there: the
-/// request's own text spells the token (the client's mistake, unlike a template that
-/// places too few).
-pub const TEXT_HAS_TOKEN: &str = "the prompt has more image tokens than the request has images";
-
-/// `expand`'s complaint when the template showed fewer images than the request has: it
-/// leaves out the messages (or roles) some of them are in.
-pub const TEMPLATE_DROPS: &str = "the chat template placed fewer image tokens than the request has images";
+/// Why a prompt's placeholders do not match the request's visuals. Either way it is the
+/// request's doing: its text spells the token, or its images sit where the model's
+/// template shows none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ExpandError {
+    /// The prompt has image tokens no image part put there: the request's own text
+    /// spells the token.
+    #[error("the prompt has more image tokens than the request has images")]
+    TextHasToken,
+    /// The template showed fewer images than the request has: it leaves out the
+    /// messages (or roles) some of them are in.
+    #[error("the chat template placed fewer image tokens than the request has images")]
+    TemplateDrops,
+}
 
 fn input(image: &LoadedImage, split: bool, frame: bool) -> pb::ImageInput {
     pb::ImageInput { data: image.bytes.clone(), sha256: image.sha256.to_vec(), split, frame }
@@ -329,8 +306,8 @@ mod tests {
         assert!(text.contains("\nFrame from 00:03:") && text.ends_with("\n\nC"), "{text}");
         assert_eq!(inputs.len(), 3);
         assert_eq!((inputs[0].split, inputs[1].frame, inputs[2].sha256[0]), (false, true, 13));
-        assert_eq!(v.expand("A B", &visuals, &[]).unwrap_err(), TEMPLATE_DROPS);
-        assert_eq!(v.expand("<image><image>", &visuals[..1], &[]).unwrap_err(), TEXT_HAS_TOKEN);
+        assert_eq!(v.expand("A B", &visuals, &[]).unwrap_err(), ExpandError::TemplateDrops);
+        assert_eq!(v.expand("<image><image>", &visuals[..1], &[]).unwrap_err(), ExpandError::TextHasToken);
     }
 
     #[test]

@@ -8,7 +8,6 @@
 use super::ClusterView;
 use super::leader::{self, LeaderConfig};
 use super::table::{ReplicaTable, Table};
-use crate::accounts::Store;
 use crate::catalog::Catalog;
 use crate::config::ClusterConfig;
 use crate::router::choice::Routing;
@@ -25,7 +24,7 @@ use tokio::sync::watch;
 pub async fn run(config: ClusterConfig) -> Result<()> {
     let data_dir = &config.store.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-    let store = Store::open(&config.store.database_url()).await.context("opening the database")?;
+    let db = crate::db::Db::open(&config.store.database_url()).await.context("opening the database")?;
     let catalog = Catalog::load(config.api.catalog.as_deref())?.default_thinking_budget(config.api.thinking_budget);
     let client = Client::connect([config.etcd.clone()], Some(etcd_options()))
         .await
@@ -49,7 +48,7 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
     let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| (m.id.clone(), m.name.clone()))));
     tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
     let view = ClusterView { table: table.subscribe(), leading: leading_rx };
-    crate::serve::serve_api(store, models, Some(view), &config.api, &config.store.data_dir).await?;
+    crate::serve::serve_api(db, models, Some(view), &config.api, &config.store.data_dir).await?;
     Ok(())
 }
 

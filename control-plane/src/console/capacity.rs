@@ -66,8 +66,7 @@ async fn show(
 ) -> Result<Response> {
     let org = membership.org.id.clone();
     let requests = console
-        .store
-        .capacity_requests()
+        .capacity
         .list(Some(&org))
         .await?
         .into_iter()
@@ -127,7 +126,7 @@ pub async fn submit(
         Ok(w) => w,
         Err(problems) => return show(&console, &viewer, membership, form, problems, None, None).await,
     };
-    let requests = console.store.capacity_requests();
+    let requests = &console.capacity;
     let day_ago = crate::limits::now_us() - crate::billing::usage::DAY_US;
     if requests.count_since(&org, day_ago).await? >= PER_ORG_PER_DAY {
         let why = format!(

@@ -71,7 +71,7 @@ async fn show(
             key,
         })
         .collect();
-    let balance = console.store.ledger().balance(&org).await?;
+    let balance = console.billing.ledger().balance(&org).await?;
     let status = match (&created, &error) {
         (Some(_), _) => StatusCode::CREATED,
         (None, Some(_)) => StatusCode::BAD_REQUEST,

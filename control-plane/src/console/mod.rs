@@ -73,6 +73,8 @@ pub struct Console {
     /// Credits, plans and their payment processor, supply, usage sums: the same the
     /// API bills with.
     pub billing: crate::billing::Billing,
+    /// Requests for dedicated capacity.
+    pub capacity: crate::capacity::CapacityRequests,
     pub mail: mail::Mailer,
     pub config: ConsoleConfig,
     /// The API this process serves, which the playground calls (None: a console

@@ -91,7 +91,7 @@ async fn show_dashboard(
     let org = membership.org.id.clone();
     let members = console.store.members(&org).await?.len();
     let active_keys = console.store.list_keys(&org).await?.iter().filter(|k| k.revoked_at.is_none()).count();
-    let micros = console.store.ledger().balance(&org).await?;
+    let micros = console.billing.ledger().balance(&org).await?;
     let page = Dashboard {
         frame: viewer.frame(console, membership.org.name.clone(), Some(&org)).await?,
         offers: Offers::for_role(membership.role),

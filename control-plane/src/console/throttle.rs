@@ -78,7 +78,7 @@ mod tests {
 
     #[tokio::test]
     async fn failures_throttle_unknown_browsers_but_not_the_owners_own() {
-        let store = Store::open("sqlite::memory:").await.unwrap();
+        let store = crate::db::Db::open("sqlite::memory:").await.unwrap().accounts();
         let limits = Limits { per_address: 5, per_account: 3, window: 900 };
         let ada = "ada@example.com";
         for _ in 0..3 {

@@ -193,7 +193,7 @@ impl Resolve for Guarded {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{ImageConfig, ImageError, Images};
+    use super::super::{ImageConfig, ImageError, Images, Refused};
     use axum::Router;
     use axum::body::Body;
     use axum::extract::Path;
@@ -310,9 +310,10 @@ mod tests {
         let parts: Vec<(String, String)> =
             (0..3).map(|i| (format!("messages[0].content[{i}]"), inline.clone())).collect();
         assert_eq!(images.load_all(&parts[..2]).await.unwrap().len(), 2);
-        let e = images.load_all(&parts).await.unwrap_err().body();
-        assert_eq!(e["error"]["param"], "messages[0].content[2]");
-        assert!(e["error"]["message"].as_str().unwrap().contains("together are larger"), "{e}");
+        let e = images.load_all(&parts).await.unwrap_err();
+        let Refused::Part { param, error: ImageError::TooLargeTogether(_) } = &e else { panic!("{e:?}") };
+        assert_eq!(param, "messages[0].content[2]");
+        assert!(e.to_string().contains("together are larger"), "{e}");
     }
 
     #[test]
@@ -361,12 +362,12 @@ mod tests {
         };
         assert_eq!(images.load_all(&parts(&["/cat.png", "/hop/1"])).await.unwrap().len(), 2);
         let e = images.load_all(&parts(&["/cat.png", "/notes.txt"])).await.unwrap_err();
-        let body = e.body();
-        assert_eq!(body["error"]["param"], "messages[0].content[1].image_url");
-        assert_eq!(body["error"]["type"], "invalid_request_error");
-        assert!(body["error"]["message"].as_str().unwrap().contains("not an image"), "{body}");
+        let Refused::Part { param, error: ImageError::Decode(_) } = &e else { panic!("{e:?}") };
+        assert_eq!(param, "messages[0].content[1].image_url");
+        assert!(e.to_string().contains("not an image"), "{e}");
         let e = images.load_all(&parts(&["/cat.png", "/cat.png", "/cat.png"])).await.unwrap_err();
-        assert_eq!(e.body()["error"]["param"], "messages[0].content[2].image_url");
-        assert!(e.body()["error"]["message"].as_str().unwrap().contains("at most 2 images"));
+        let Refused::Part { param, error: ImageError::TooMany(2) } = &e else { panic!("{e:?}") };
+        assert_eq!(param, "messages[0].content[2].image_url");
+        assert!(e.to_string().contains("at most 2 images"));
     }
 }

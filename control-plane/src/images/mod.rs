@@ -1,17 +1,16 @@
-//! Images in requests: their bytes fetched (`fetch`: data URIs, and http(s) under
-//! limits and guarded against server-side request forgery by `address`), then decoded
-//! (`tessera_proto::image`) so that every bad image is refused here, by the part that
-//! named it, before a worker sees the request.
+//! An image in a request, from the part that names it (`ImagePart`, found by
+//! `api::messages::image_parts`) to what the prompt shows (`Visual`): its bytes fetched
+//! (`fetch`: data URIs, and http(s) under limits and guarded against server-side
+//! request forgery by `address`), then decoded (`tessera_proto::image`) so that every
+//! bad image is refused here, by the part that named it, before a worker sees the
+//! request. (`chat::vision` places what is loaded in a vision model's prompt.)
 
 mod address;
 mod fetch;
 
 pub use fetch::Fetcher;
 
-use crate::api::error::ApiError;
 use crate::catalog::CatalogModel;
-use crate::chat::messages::ImagePart;
-use crate::chat::vision::{Detail, Visual};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,11 +80,64 @@ fn size_words(bytes: usize) -> String {
     if bytes >= 1_000_000 { format!("{} MB", bytes / 1_000_000) } else { format!("{bytes} bytes") }
 }
 
+/// Why a request's images cannot be shown to its model, naming the part at fault
+/// (`messages[0].content[1].image_url`).
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    #[error("Invalid image: {error}.")]
+    Part { param: String, error: ImageError },
+    #[error(
+        "Image input for {model} needs vision weights: this deployment serves it from '{weights}', a text-only \
+         model, so it cannot see images. Serve a vision model directory under this id to accept them."
+    )]
+    TextOnly { param: String, model: String, weights: String },
+}
+
 impl ImageError {
-    /// A 400 naming the part, e.g. `messages[0].content[1].image_url`.
-    pub fn at(self, param: &str) -> ApiError {
-        ApiError::invalid_value(param, format!("Invalid image: {self}."))
+    fn at(self, param: &str) -> Refused {
+        Refused::Part { param: param.to_string(), error: self }
     }
+}
+
+/// An image part of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImagePart {
+    /// Where it is: `messages[0].content[1].image_url`.
+    pub param: String,
+    pub url: String,
+    pub detail: Option<String>,
+    /// It comes right after another image part of the same content (a video's frames
+    /// do).
+    pub follows: bool,
+}
+
+/// How a part asked to be seen: Idefics3 tiles an image unless told `low`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detail {
+    Auto,
+    Low,
+    High,
+}
+
+impl Detail {
+    pub fn parse(value: Option<&str>) -> Self {
+        match value {
+            Some("low") => Self::Low,
+            Some("high") => Self::High,
+            _ => Self::Auto,
+        }
+    }
+
+    pub(crate) fn split(self) -> bool {
+        self != Self::Low
+    }
+}
+
+/// What one place of the prompt shows: an image, or a video's frames.
+#[derive(Debug, Clone)]
+pub enum Visual {
+    Image { image: LoadedImage, detail: Detail },
+    Video { frames: Vec<LoadedImage> },
 }
 
 /// An image ready for a vision model: its bytes (what travels to the worker, which
@@ -118,7 +170,7 @@ impl Images {
 
     /// Each `(param, url)` loaded, fetches at once, or the first part (in request
     /// order) that fails, as a 400 naming it.
-    pub async fn load_all(&self, parts: &[(String, String)]) -> Result<Vec<LoadedImage>, ApiError> {
+    pub async fn load_all(&self, parts: &[(String, String)]) -> Result<Vec<LoadedImage>, Refused> {
         if let Some((param, _)) = parts.get(self.config.max_images) {
             return Err(ImageError::TooMany(self.config.max_images).at(param));
         }
@@ -140,26 +192,18 @@ impl Images {
         Ok(loaded)
     }
 
-    /// A request's images (`chat::messages::image_parts`) loaded, so that a bad one is
-    /// named, then refused: no worker of this deployment encodes images for `model`,
-    /// whose weights are text-only.
-    pub async fn refuse_unseen(&self, parts: &[ImagePart], model: &CatalogModel) -> Result<(), ApiError> {
+    /// A request's images loaded, so that a bad one is named, then refused: no worker
+    /// of this deployment encodes images for `model`, whose weights are text-only.
+    pub async fn refuse_unseen(&self, parts: &[ImagePart], model: &CatalogModel) -> Result<(), Refused> {
         let Some(first) = parts.first().map(|p| p.param.clone()) else { return Ok(()) };
         self.load_all(&pairs(parts)).await?;
-        Err(ApiError::Unsupported {
-            param: first.clone(),
-            message: format!(
-                "Image input for {} needs vision weights: this deployment serves it from '{}', a text-only model, \
-                 so it cannot see images. Serve a vision model directory under this id to accept them.",
-                model.id, model.weights
-            ),
-        })
+        Err(Refused::TextOnly { param: first, model: model.id.clone(), weights: model.weights.clone() })
     }
 
     /// A vision model's request images loaded and grouped as the prompt shows them:
     /// where the model takes `video`, a run of parts that follow one another is one
     /// video's frames; otherwise each part is an image.
-    pub async fn visuals(&self, parts: &[ImagePart], video: bool) -> Result<Vec<Visual>, ApiError> {
+    pub async fn visuals(&self, parts: &[ImagePart], video: bool) -> Result<Vec<Visual>, Refused> {
         let loaded = self.load_all(&pairs(parts)).await?;
         let mut out: Vec<Visual> = Vec::with_capacity(parts.len());
         for (part, image) in parts.iter().zip(loaded) {

@@ -217,7 +217,7 @@ mod tests {
         assert_eq!(crate::calendar::rfc3339(T), "2026-11-23T12:00:30Z");
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store = crate::accounts::Store::open(&url).await.unwrap();
+        let store = crate::db::Db::open(&url).await.unwrap();
         let now = Arc::new(AtomicI64::new(T));
         let clock: Clock = {
             let now = now.clone();

@@ -212,8 +212,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_flush_keeps_its_counts_for_the_next() {
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            crate::accounts::Store::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
+        let store = crate::db::Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
         let minutes = store.status_minutes();
         let r = recorder();
         r.add("m", &Counts { requests: 2, ..Default::default() });
@@ -221,8 +220,7 @@ mod tests {
         assert!(r.flush(&minutes, &["m".into()]).await.is_err());
         assert_eq!(pending(&r)[&(5, "m".to_string())].requests, 2, "kept");
 
-        let store =
-            crate::accounts::Store::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
+        let store = crate::db::Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
         let minutes = store.status_minutes();
         r.flush(&minutes, &["m".into(), "idle".into()]).await.unwrap();
         r.flush(&minutes, &["m".into()]).await.unwrap();

@@ -2,11 +2,23 @@
 //! checked and reduced to what chat templates read: role and text content, plus tool
 //! calls and tool-call ids passed through.
 
-use crate::api::error::ApiError;
+use super::error::ApiError;
 use crate::catalog::Capabilities;
+use crate::images::ImagePart;
+use crate::router::ServedModel;
 use serde_json::{Map, Value, json};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// The request's messages as the model's template reads them: parts for a vision
+/// model's, text for others.
+pub fn for_model(model: &ServedModel, messages: &Value) -> Result<Vec<Value>, ApiError> {
+    let (caps, id) = (&model.entry.capabilities, &model.entry.id);
+    match model.vision() {
+        Some(v) => for_vision_template(messages, caps, id, v.takes_video(caps)),
+        None => for_template(messages, caps, id),
+    }
+}
 
 /// The messages for the template, or the first problem found. A message with images
 /// keeps its parts, as Hugging Face's vision templates read them (`{"type": "text"}`,
@@ -279,18 +291,6 @@ fn image_url(part: &Value) -> Option<(&str, Option<&Value>)> {
         Value::Object(o) => Some((o.get("url")?.as_str()?, o.get("detail"))),
         _ => None,
     }
-}
-
-/// An image part of a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ImagePart {
-    /// Where it is: `messages[0].content[1].image_url`.
-    pub param: String,
-    pub url: String,
-    pub detail: Option<String>,
-    /// It comes right after another image part of the same content (a video's frames
-    /// do).
-    pub follows: bool,
 }
 
 /// Every image part of the request's list `name` (`messages`, or the responses

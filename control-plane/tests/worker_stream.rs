@@ -1,0 +1,410 @@
+//! The API in-process against a scripted worker: a real tonic `Worker` on port 0 whose
+//! every answer the test writes, so that what a real engine rarely does on cue — fail in
+//! the middle of a stream, lag, send a choice that was not asked for, refuse a grammar,
+//! end a stream early — is checked against what the client sees and what is billed.
+//! (The worker is scripted because no engine fails on demand; the control plane, its
+//! database, billing and gRPC client are the real ones.)
+
+use axum::body::Body;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tessera_control_plane::accounts::{BillingMode, NewKey};
+use tessera_control_plane::api::{self, App};
+use tessera_control_plane::catalog::Catalog;
+use tessera_control_plane::config::ApiArgs;
+use tessera_control_plane::db::Db;
+use tessera_control_plane::router::choice::Routing;
+use tessera_control_plane::router::{Models, Pool, Replica};
+use tessera_proto::errors;
+use tessera_proto::worker::worker_server::{Worker, WorkerServer};
+use tessera_proto::worker::{self as pb, ErrorKind};
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Request, Response, Status};
+use tower::ServiceExt;
+
+/// What the worker does for one Generate call, in order.
+enum Step {
+    Send(pb::GenerateResponse),
+    Fail(Status),
+    /// Waits for the test's word.
+    Wait(Arc<Notify>),
+    /// Keeps the stream open until the client goes away, then says so.
+    HoldUntilCancelled(Arc<Notify>),
+}
+
+#[derive(Default, Clone)]
+struct Scripted {
+    scripts: Arc<Mutex<VecDeque<Vec<Step>>>>,
+    /// Each Generate call's request, in order.
+    seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
+}
+
+type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+#[tonic::async_trait]
+impl Worker for Scripted {
+    type GenerateStream = GenerateStream;
+    type WatchLoadStream = ReceiverStream<Result<pb::LoadReport, Status>>;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        self.seen.lock().unwrap().push(request.into_inner());
+        let script = self.scripts.lock().unwrap().pop_front().ok_or_else(|| Status::internal("no script left"))?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            for step in script {
+                match step {
+                    Step::Send(r) => {
+                        if tx.send(Ok(r)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Step::Fail(s) => {
+                        let _ = tx.send(Err(s)).await;
+                        return;
+                    }
+                    Step::Wait(go) => go.notified().await,
+                    Step::HoldUntilCancelled(told) => {
+                        tx.closed().await;
+                        told.notify_one();
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn abort(&self, _: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        Ok(Response::new(pb::AbortResponse { found: false }))
+    }
+
+    async fn get_model_card(&self, _: Request<pb::ModelCardRequest>) -> Result<Response<pb::ModelCard>, Status> {
+        Ok(Response::new(pb::ModelCard {
+            model: "scripted".into(),
+            tokenizer_json: TOKENIZER.into(),
+            chat_template: "{% for m in messages %}{{ m.content }} {% endfor %}".into(),
+            eos_token_ids: vec![0],
+            eos_token: "<unk>".into(),
+            context_length: 4096,
+            kv_block_size: 16,
+            vocab_size: 4,
+            ..Default::default()
+        }))
+    }
+
+    async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse { ready: true }))
+    }
+
+    async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut report = pb::LoadReport { kv_blocks_total: 1000, snapshot: true, ..Default::default() };
+            // Reports keep coming, as a live worker's do, until the pool stops listening.
+            while tx.send(Ok(report.clone())).await.is_ok() {
+                report.snapshot = false;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A word-level tokenizer: the scripted worker ignores prompts, but the control plane
+/// tokenizes them.
+const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+"model":{"type":"WordLevel","vocab":{"<unk>":0,"hello":1,"world":2,"again":3},"unk_token":"<unk>"}}"#;
+
+const CATALOG: &str = r#"
+[[models]]
+id = "test/scripted"
+name = "Scripted"
+context_length = 4096
+quantization = "none"
+weights = "scripted"
+prices = { input = 1_000_000, output = 2_000_000 }
+capabilities = { image_input = false, video_input = false, tool_calling = true, structured_output = true }
+reasoning = { default = "off", control = "none" }
+"#;
+
+/// A delta of choice `index`: `text` as one token (id 1), ending as `finish` says.
+fn delta(index: u32, text: &str, finish: pb::FinishReason) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        index,
+        text: text.into(),
+        tokens: vec![pb::GeneratedToken { token_id: 1, logprob: Some(-0.5), top_logprobs: vec![] }],
+        finish_reason: finish as i32,
+        prompt_tokens: 2,
+        cached_prompt_tokens: 0,
+        prompt_logprobs: vec![],
+    }
+}
+
+fn more(index: u32, text: &str) -> Step {
+    Step::Send(delta(index, text, pb::FinishReason::Unspecified))
+}
+
+fn last(index: u32, text: &str, finish: pb::FinishReason) -> Step {
+    Step::Send(delta(index, text, finish))
+}
+
+struct Harness {
+    app: App,
+    worker: Scripted,
+    key: String,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        let worker = Scripted::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let serving = WorkerServer::new(worker.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(serving)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let replica = Arc::new(Replica::connect(&addr).await.unwrap());
+        let pool = Arc::new(Pool::new(&replica.card.model, Routing::CacheAware));
+        pool.add(&addr, replica.clone()).unwrap();
+        let catalog = Catalog::parse(CATALOG, "test").unwrap();
+        let pools = BTreeMap::from([("scripted".to_string(), (replica, pool))]);
+        let models = Arc::new(Models::new(&catalog, &pools).unwrap());
+
+        let db = Db::open("sqlite::memory:").await.unwrap();
+        let store = db.accounts();
+        let org = store.create_org("scripted").await.unwrap();
+        db.ledger().grant(&org.id, 10_000_000, "test credit").await.unwrap();
+        let new = NewKey {
+            org_id: &org.id,
+            name: "test",
+            billing_mode: BillingMode::Credits,
+            fallback_to_credits: false,
+            created_by: None,
+        };
+        let (_, key) = store.create_key(new).await.unwrap();
+        let app = tessera_control_plane::serve::app_state(db, models, None, &ApiArgs::defaults()).await.unwrap();
+        Self { app, worker, key }
+    }
+
+    fn script(&self, steps: Vec<Step>) {
+        self.worker.scripts.lock().unwrap().push_back(steps);
+    }
+
+    async fn post(&self, path: &str, body: Value) -> axum::response::Response {
+        let request = axum::http::Request::post(path)
+            .header("authorization", format!("Bearer {}", self.key))
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        api::router(self.app.clone()).oneshot(request).await.unwrap()
+    }
+
+    /// Status, request id and the whole body as JSON.
+    async fn json(&self, path: &str, body: Value) -> (u16, String, Value) {
+        let response = self.post(path, body).await;
+        let status = response.status().as_u16();
+        let id = request_id(&response);
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        (status, id, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    /// Status, request id and each event's data (JSON, or `[DONE]` as a string).
+    async fn events(&self, path: &str, body: Value) -> (u16, String, Vec<Value>) {
+        let response = self.post(path, body).await;
+        let status = response.status().as_u16();
+        let id = request_id(&response);
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        (status, id, data_lines(std::str::from_utf8(&bytes).unwrap()))
+    }
+}
+
+fn request_id(response: &axum::response::Response) -> String {
+    response.headers()["x-request-id"].to_str().unwrap().to_string()
+}
+
+fn data_lines(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|_| json!(d)))
+        .collect()
+}
+
+fn chat(stream: bool) -> Value {
+    json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}],
+           "max_tokens": 8, "stream": stream})
+}
+
+/// What the chat chunks of one choice say, joined.
+fn content_of(chunks: &[Value], index: u64) -> String {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"].as_array())
+        .flatten()
+        .filter(|c| c["index"] == index)
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect()
+}
+
+fn finish_of(chunks: &[Value], index: u64) -> Vec<String> {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"].as_array())
+        .flatten()
+        .filter(|c| c["index"] == index)
+        .filter_map(|c| c["finish_reason"].as_str().map(String::from))
+        .collect()
+}
+
+/// Settlements run in the background once a request ends: waits (a bounded while) for
+/// the record to appear.
+async fn settled(h: &Harness, request_id: &str) -> tessera_control_plane::billing::ledger::UsageRecord {
+    let wait = async {
+        loop {
+            if let Some(r) = h.app.db.ledger().usage_record(request_id).await.unwrap() {
+                return r;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), wait).await.expect("the request settles")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_stream_as_clients_and_the_bill_see_it() {
+    let h = Harness::start().await;
+
+    // Two choices, interleaved, each with its own end: each reaches its own index.
+    h.script(vec![
+        more(1, "b1 "),
+        more(0, "a1 "),
+        last(1, "b2", pb::FinishReason::Length),
+        last(0, "a2", pb::FinishReason::Stop),
+    ]);
+    let body = json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}],
+                      "max_tokens": 8, "n": 2, "stream": true, "stream_options": {"include_usage": true}});
+    let (status, id, chunks) = h.events("/v1/chat/completions", body).await;
+    assert_eq!(status, 200);
+    assert_eq!((content_of(&chunks, 0), content_of(&chunks, 1)), ("a1 a2".into(), "b1 b2".into()));
+    assert_eq!((finish_of(&chunks, 0), finish_of(&chunks, 1)), (vec!["stop".into()], vec!["length".into()]));
+    assert_eq!(chunks.last().unwrap(), "[DONE]");
+    let usage = &chunks[chunks.len() - 2]["usage"];
+    assert_eq!((usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()), (Some(2), Some(4)));
+    let seen = h.worker.seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!((seen.request_id.as_str(), seen.n), (id.as_str(), 2), "the worker knows the request by its id");
+    let bill = settled(&h, &id).await;
+    assert_eq!((bill.completion_tokens, bill.finish_reason.as_str()), (4, "stop"));
+
+    // The same, whole: both choices gathered.
+    h.script(vec![
+        more(0, "a1 "),
+        more(1, "b1"),
+        last(0, "a2", pb::FinishReason::Stop),
+        last(1, "", pb::FinishReason::Stop),
+    ]);
+    let body = json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}],
+                      "max_tokens": 8, "n": 2});
+    let (status, _, reply) = h.json("/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], "a1 a2");
+    assert_eq!(reply["choices"][1]["message"]["content"], "b1");
+    assert_eq!(reply["usage"]["completion_tokens"], 4);
+
+    // Failure in the middle of a stream: what was sent stays, an error object ends the
+    // stream (without the worker's words), the tokens generated are billed.
+    h.script(vec![more(0, "Hel"), Step::Fail(Status::internal("engine state 0xdeadbeef"))]);
+    let (status, id, chunks) = h.events("/v1/chat/completions", chat(true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(content_of(&chunks, 0), "Hel");
+    let error = &chunks[chunks.len() - 2]["error"];
+    assert_eq!(error["type"], "server_error", "{chunks:?}");
+    assert!(!error.to_string().contains("deadbeef"), "internal detail leaked: {error}");
+    assert_eq!(chunks.last().unwrap(), "[DONE]");
+    let bill = settled(&h, &id).await;
+    assert_eq!(bill.completion_tokens, 1, "the token generated before the failure is billed");
+    assert!(bill.cost_micros > 0);
+
+    // The Responses stream ends in response.failed.
+    h.script(vec![more(0, "Hel"), Step::Fail(Status::internal("engine state 0xdeadbeef"))]);
+    let body = json!({"model": "test/scripted", "input": "hello", "stream": true});
+    let (status, _, events) = h.events("/v1/responses", body).await;
+    assert_eq!(status, 200);
+    let end = events.last().unwrap();
+    assert_eq!((end["type"].as_str(), end["response"]["status"].as_str()), (Some("response.failed"), Some("failed")));
+    assert!(events.iter().any(|e| e["type"] == "response.output_text.delta" && e["delta"] == "Hel"));
+
+    // A choice the request did not ask for: an internal error, in a stream and out.
+    h.script(vec![more(0, "a"), more(3, "z")]);
+    let (status, _, chunks) = h.events("/v1/chat/completions", chat(true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(chunks[chunks.len() - 2]["error"]["type"], "server_error", "{chunks:?}");
+    h.script(vec![more(3, "z")]);
+    let (status, _, reply) = h.json("/v1/chat/completions", chat(false)).await;
+    assert_eq!((status, reply["error"]["type"].as_str()), (500, Some("server_error")), "{reply}");
+
+    // Output after a choice finished, and a stream that ends before its choice did.
+    h.script(vec![last(0, "a", pb::FinishReason::Stop), more(0, "b")]);
+    let (status, _, _) = h.json("/v1/chat/completions", chat(false)).await;
+    assert_eq!(status, 500);
+    h.script(vec![more(0, "a")]);
+    let (status, _, reply) = h.json("/v1/chat/completions", chat(false)).await;
+    assert_eq!(status, 500, "{reply}");
+
+    // Legacy completions: the same events in their own wire format.
+    h.script(vec![more(0, "one "), last(0, "two", pb::FinishReason::Length)]);
+    let body = json!({"model": "test/scripted", "prompt": "hello", "max_tokens": 2, "stream": true});
+    let (status, _, chunks) = h.events("/v1/completions", body).await;
+    assert_eq!(status, 200);
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    let finishes: Vec<&str> = chunks.iter().filter_map(|c| c["choices"][0]["finish_reason"].as_str()).collect();
+    assert_eq!((text.as_str(), finishes), ("one two", vec!["length"]));
+
+    // The worker refuses the grammar: a 400 naming the client's parameter, by the kind
+    // the status carries; nothing is billed.
+    h.script(vec![Step::Fail(errors::status(Code::InvalidArgument, ErrorKind::GrammarRefused, "unknown type 'frob'"))]);
+    let mut body = chat(false);
+    body["response_format"] =
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
+    let (status, id, reply) = h.json("/v1/chat/completions", body).await;
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["param"], "response_format");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("unknown type 'frob'"), "{reply}");
+    assert!(h.worker.seen.lock().unwrap().last().unwrap().grammar.is_some(), "the grammar reached the worker");
+    let bill = settled(&h, &id).await;
+    assert_eq!((bill.completion_tokens, bill.cost_micros), (0, 0));
+
+    // A lagging worker: its first token reaches the client before the second exists;
+    // a client that leaves meanwhile cancels the worker's call, and pays for what was
+    // generated.
+    let go = Arc::new(Notify::new());
+    let cancelled = Arc::new(Notify::new());
+    h.script(vec![more(0, "first"), Step::Wait(go.clone()), Step::HoldUntilCancelled(cancelled.clone())]);
+    let response = h.post("/v1/chat/completions", chat(true)).await;
+    let id = request_id(&response);
+    let mut body = response.into_body().into_data_stream();
+    let mut seen = String::new();
+    let read = async {
+        while !seen.contains("first") {
+            seen.push_str(&String::from_utf8_lossy(&body.next().await.unwrap().unwrap()));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await.expect("the first token arrives while the worker lags");
+    drop(body);
+    go.notify_one();
+    tokio::time::timeout(Duration::from_secs(10), cancelled.notified()).await.expect("the worker's call is cancelled");
+    let bill = settled(&h, &id).await;
+    assert_eq!(bill.completion_tokens, 1, "{bill:?}");
+    assert!(bill.cost_micros > 0);
+
+    // The only replica is gone before the first token: 503. (Last: the replica is out
+    // of routing until its load stream reports again.)
+    h.script(vec![Step::Fail(Status::unavailable("stopping"))]);
+    let (status, _, reply) = h.json("/v1/chat/completions", chat(false)).await;
+    assert_eq!(status, 503, "{reply}");
+}
