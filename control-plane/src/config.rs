@@ -143,16 +143,15 @@ pub enum Speculative {
 }
 
 impl Speculative {
-    fn parse(s: &str) -> Result<Self, String> {
+    fn parse(s: &str) -> anyhow::Result<Self> {
         match s {
             "catalog" => Ok(Speculative::Catalog),
             "off" => Ok(Speculative::Off),
-            "draft" => {
-                Err("draft speculation names a draft model per model: set `speculative = { method = \"draft\", \
-                            draft = \"<model>\" }` in the catalog and use --speculative catalog"
-                    .into())
-            }
-            method => method.parse().map(Speculative::Every).map_err(|e| format!("{e}; or catalog, or off")),
+            "draft" => anyhow::bail!(
+                "draft speculation names a draft model per model: set `speculative = {{ method = \"draft\", \
+                 draft = \"<model>\" }}` in the catalog and use --speculative catalog"
+            ),
+            method => method.parse().map(Speculative::Every).map_err(|e| anyhow::anyhow!("{e}; or catalog, or off")),
         }
     }
 
@@ -640,8 +639,8 @@ mod tests {
         // A draft model replaced by n-grams for the whole server: the draft goes too.
         let draft = SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: Some("small".into()) };
         assert_eq!(every.apply(Some(draft)).unwrap().draft, None);
-        assert!(Speculative::parse("draft").unwrap_err().contains("in the catalog"));
-        let err = Speculative::parse("eagle").unwrap_err();
+        assert!(Speculative::parse("draft").unwrap_err().to_string().contains("in the catalog"));
+        let err = Speculative::parse("eagle").unwrap_err().to_string();
         assert!(err.contains("unknown speculative method") && err.contains("off"), "{err}");
     }
 }

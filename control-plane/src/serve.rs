@@ -60,7 +60,7 @@ pub async fn run(
         }
         pools.insert(weights.clone(), pool.expect("at least one replica"));
     }
-    let models = Models::new(&catalog, &pools).map_err(anyhow::Error::msg)?;
+    let models = Models::new(&catalog, &pools)?;
     serve_api(db, Arc::new(models), None, &config.api, data_dir).await?;
     drop(local);
     Ok(())

@@ -18,6 +18,22 @@ pub mod vision;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Generated from proto/worker.proto.
+/// A name outside a fixed set: what parsing a named enum refuses (on the command line,
+/// in the catalog, in the database, in a query).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {value:?} (known: {})", known.join(", "))]
+pub struct UnknownName {
+    pub what: &'static str,
+    pub value: String,
+    pub known: Vec<&'static str>,
+}
+
+impl UnknownName {
+    pub fn new(what: &'static str, value: &str, known: impl IntoIterator<Item = &'static str>) -> Self {
+        Self { what, value: value.to_string(), known: known.into_iter().collect() }
+    }
+}
+
 pub mod worker {
     #![allow(clippy::all, clippy::pedantic)]
     tonic::include_proto!("tessera.worker.v1");

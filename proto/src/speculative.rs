@@ -40,20 +40,27 @@ pub enum SpecMethod {
     Draft,
 }
 
+/// Why speculative settings cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("speculative max_tokens is {0}; it must be 1 to {MAX_SPEC_TOKENS}")]
+    MaxTokens(usize),
+    #[error("speculative method \"draft\" needs its draft model: draft = \"<model>\"")]
+    NoDraft,
+    #[error("speculative method {0:?} takes no draft model (only \"draft\" does)")]
+    DraftNotTaken(&'static str),
+}
+
 impl SpecConfig {
     /// Why the settings cannot work, if they cannot.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), SpecError> {
         if !(1..=MAX_SPEC_TOKENS).contains(&self.max_tokens) {
-            return Err(format!("speculative max_tokens is {}; it must be 1 to {MAX_SPEC_TOKENS}", self.max_tokens));
+            return Err(SpecError::MaxTokens(self.max_tokens));
         }
         match (self.method, self.draft.as_deref()) {
-            (SpecMethod::Draft, None | Some("")) => {
-                Err("speculative method \"draft\" needs its draft model: draft = \"<model>\"".into())
-            }
+            (SpecMethod::Draft, None | Some("")) => Err(SpecError::NoDraft),
             (SpecMethod::Draft, Some(_)) | (_, None) => Ok(()),
-            (method, Some(_)) => {
-                Err(format!("speculative method {:?} takes no draft model (only \"draft\" does)", method.as_str()))
-            }
+            (method, Some(_)) => Err(SpecError::DraftNotTaken(method.as_str())),
         }
     }
 }
@@ -71,13 +78,13 @@ impl SpecMethod {
 }
 
 impl std::str::FromStr for SpecMethod {
-    type Err = String;
+    type Err = crate::UnknownName;
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| {
-            let known: Vec<&str> = Self::ALL.iter().map(|m| m.as_str()).collect();
-            format!("unknown speculative method {s:?} (known: {})", known.join(", "))
-        })
+    fn from_str(s: &str) -> Result<Self, crate::UnknownName> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| crate::UnknownName::new("speculative method", s, Self::ALL.map(Self::as_str)))
     }
 }
 
@@ -94,12 +101,13 @@ mod tests {
         let draft =
             |draft: Option<&str>| SpecConfig { method: SpecMethod::Draft, max_tokens: 4, draft: draft.map(Into::into) };
         assert!(draft(Some("small")).check().is_ok());
-        assert!(draft(None).check().unwrap_err().contains("needs its draft model"));
+        assert_eq!(draft(None).check(), Err(SpecError::NoDraft));
+        assert!(SpecError::NoDraft.to_string().contains("needs its draft model"));
         assert!(draft(Some("")).check().is_err());
         let stray = SpecConfig { draft: Some("small".into()), ..ngram(4) };
-        assert!(stray.check().unwrap_err().contains("takes no draft model"));
+        assert!(stray.check().unwrap_err().to_string().contains("takes no draft model"));
         assert_eq!("ngram".parse::<SpecMethod>(), Ok(SpecMethod::Ngram));
-        assert!("medusa".parse::<SpecMethod>().unwrap_err().contains("known: ngram, suffix, draft"));
+        assert!("medusa".parse::<SpecMethod>().unwrap_err().to_string().contains("known: ngram, suffix, draft"));
         assert_eq!("suffix".parse::<SpecMethod>(), Ok(SpecMethod::Suffix));
         assert_eq!("draft".parse::<SpecMethod>(), Ok(SpecMethod::Draft));
         let c: SpecConfig = serde_json::from_str(r#"{"method": "ngram"}"#).unwrap();

@@ -30,13 +30,13 @@ pub fn open(device: Device, gpu: usize) -> anyhow::Result<Opened> {
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda(gpu: usize) -> Result<Opened, String> {
-    CudaBackend::new(gpu).map(|b| Opened::Cuda(Box::new(b))).map_err(|e| e.to_string())
+fn open_cuda(gpu: usize) -> anyhow::Result<Opened> {
+    Ok(Opened::Cuda(Box::new(CudaBackend::new(gpu)?)))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_gpu: usize) -> Result<Opened, String> {
-    Err("this tessera-worker was built without the `cuda` feature".into())
+fn open_cuda(_gpu: usize) -> anyhow::Result<Opened> {
+    anyhow::bail!("this tessera-worker was built without the `cuda` feature")
 }
 
 /// This machine's GPUs (name, memory), for a node to offer; an error says why there

@@ -2,7 +2,7 @@
 //! proto and engine types, engine errors mapped once to gRPC status codes.
 
 use crate::engine::core::{EngineError, FinishReason, Output, Request as EngineRequest};
-use crate::engine::grammar::{Constraint, GrammarSource, GrammarSpec};
+use crate::engine::grammar::{Constraint, GrammarError, GrammarSource, GrammarSpec};
 use crate::engine::runner::{EngineHandle, OutputEvent};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::sequence::SeqId;
@@ -28,7 +28,13 @@ pub use pb::worker_server::WorkerServer;
 
 impl From<EngineError> for Status {
     fn from(e: EngineError) -> Self {
-        let (code, kind) = match &e {
+        Self::from(&e)
+    }
+}
+
+impl From<&EngineError> for Status {
+    fn from(e: &EngineError) -> Self {
+        let (code, kind) = match e {
             EngineError::InvalidRequest(_) => (Code::InvalidArgument, ErrorKind::InvalidRequest),
             EngineError::ContextLength(_) => (Code::OutOfRange, ErrorKind::ContextLength),
             EngineError::DuplicateId(_) => (Code::AlreadyExists, ErrorKind::DuplicateId),
@@ -139,7 +145,12 @@ impl WorkerService {
             .await
             .map_err(|e| internal(format!("grammar compilation: {e}")))?
             .map(Some)
-            .map_err(|e| errors::status(Code::InvalidArgument, ErrorKind::GrammarRefused, e))
+            .map_err(|e| match e {
+                GrammarError::Refused(_) => {
+                    errors::status(Code::InvalidArgument, ErrorKind::GrammarRefused, e.to_string())
+                }
+                GrammarError::Tokenizer(_) => internal(e.to_string()),
+            })
     }
 }
 
@@ -308,7 +319,7 @@ impl Stream for OutputStream {
         if let Poll::Ready(Some(ev)) = &polled {
             self.log.saw(ev);
         }
-        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(internal)))
+        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(|e| Status::from(&*e))))
     }
 }
 

@@ -44,7 +44,9 @@ fn wants_html(headers: &HeaderMap) -> bool {
 fn window_of(query: &HashMap<String, String>) -> Result<Window, ApiError> {
     match query.get("window") {
         None => Ok(Window::DEFAULT),
-        Some(w) => w.parse().map_err(|message: String| ApiError::invalid_value("window", message)),
+        Some(w) => w.parse().map_err(|e: tessera_proto::UnknownName| {
+            ApiError::invalid_value("window", format!("Invalid window {w:?}: expected one of {}.", e.known.join(", ")))
+        }),
     }
 }
 

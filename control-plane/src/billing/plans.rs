@@ -3,6 +3,7 @@
 use crate::calendar::{civil_from_days, days_from_civil};
 use serde::Serialize;
 use std::str::FromStr;
+use tessera_proto::UnknownName;
 
 /// Basic, Pro and Max: what each costs a month, how much model usage it includes
 /// (price × multiplier) and how many of its requests may run at once.
@@ -75,13 +76,13 @@ impl Plan {
 }
 
 impl FromStr for Plan {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, UnknownName> {
         match s {
             "basic" => Ok(Self::Basic),
             "pro" => Ok(Self::Pro),
             "max" => Ok(Self::Max),
-            other => Err(format!("unknown plan {other:?}")),
+            other => Err(UnknownName::new("plan", other, ["basic", "pro", "max"])),
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::accounts::keys;
 use serde::Serialize;
 use sqlx::{Any, AnyPool, Row, Transaction};
 use std::sync::Arc;
+use tessera_proto::UnknownName;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -778,7 +779,7 @@ pub(super) async fn record_payment(
 fn sub_from_row(r: &sqlx::any::AnyRow) -> Result<Subscription, sqlx::Error> {
     let plan = |c: &str| -> Result<Option<Plan>, sqlx::Error> {
         r.try_get::<Option<String>, _>(c)?
-            .map(|p| p.parse().map_err(|e: String| sqlx::Error::Decode(e.into())))
+            .map(|p| p.parse().map_err(|e: UnknownName| sqlx::Error::Decode(e.into())))
             .transpose()
     };
     let status: String = r.try_get("status")?;

@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
+use tessera_proto::UnknownName;
 use tessera_proto::worker as pb;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -73,14 +74,14 @@ impl SupplyState {
 }
 
 impl FromStr for SupplyState {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, UnknownName> {
         match s {
             "low" => Ok(Self::Low),
             "medium" => Ok(Self::Medium),
             "high" => Ok(Self::High),
             "surplus" => Ok(Self::Surplus),
-            other => Err(format!("unknown supply state {other:?}")),
+            other => Err(UnknownName::new("supply state", other, ["low", "medium", "high", "surplus"])),
         }
     }
 }
@@ -195,7 +196,7 @@ fn point_from_row(r: &sqlx::any::AnyRow) -> Result<SupplyPoint, sqlx::Error> {
     Ok(SupplyPoint {
         model: r.try_get("model")?,
         slot: r.try_get("slot")?,
-        state: state.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
+        state: state.parse().map_err(|e: UnknownName| sqlx::Error::Decode(e.into()))?,
         load_bp: r.try_get("load_bp")?,
         samples: r.try_get("samples")?,
         updated_at: r.try_get("updated_at")?,

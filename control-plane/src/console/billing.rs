@@ -5,7 +5,7 @@
 
 use super::authz::{Action, Offers, authorize};
 use super::confirm::Confirm;
-use super::page::{ConsoleError, Frame, Notice, Result, done, parse_dollars, render, usd, when};
+use super::page::{ConsoleError, Frame, Notice, Refusal, Result, done, parse_dollars, render, usd, when};
 use super::session::Viewer;
 use super::{Console, State};
 use crate::accounts::Membership;
@@ -128,12 +128,14 @@ pub struct BuyForm {
 }
 
 /// The amount and method of a purchase form, or what is wrong with them.
-fn checked(console: &Console, f: &BuyForm) -> std::result::Result<(i64, Method), String> {
+fn checked(console: &Console, f: &BuyForm) -> std::result::Result<(i64, Method), Refusal> {
     let micros = parse_dollars(&f.amount).ok_or_else(|| {
         format!("Enter an amount in dollars and cents, like 25 or 25.50 (you entered {:?}).", f.amount.trim())
     })?;
     if !(MIN_PURCHASE..=MAX_PURCHASE).contains(&micros) {
-        return Err(format!("You can buy from {} to {} of credit at a time.", usd(MIN_PURCHASE), usd(MAX_PURCHASE)));
+        return Err(
+            format!("You can buy from {} to {} of credit at a time.", usd(MIN_PURCHASE), usd(MAX_PURCHASE)).into()
+        );
     }
     let method = console.billing.subscriptions().processor().methods().into_iter().find(|m| m.id == f.method);
     let method = method.ok_or("Choose a payment method.")?;
@@ -186,7 +188,7 @@ pub async fn review(
             let purchase = crate::accounts::keys::random_id("");
             review_page(&console, &viewer, &membership, reviewed, purchase, None).await
         }
-        Err(why) => show(&console, &viewer, membership, f.amount, None, Some(why)).await,
+        Err(why) => show(&console, &viewer, membership, f.amount, None, Some(why.0)).await,
     }
 }
 
@@ -202,7 +204,7 @@ pub async fn buy(
     let membership = authorize(&console, &viewer, &org, Action::ManageBilling).await?;
     let (micros, method) = match checked(&console, &f) {
         Ok(ok) => ok,
-        Err(why) => return show(&console, &viewer, membership, f.amount, None, Some(why)).await,
+        Err(why) => return show(&console, &viewer, membership, f.amount, None, Some(why.0)).await,
     };
     let name = f.purchase.trim();
     if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric()) {

@@ -4,7 +4,7 @@
 //! used or cancelled, gets a page that says so and applies nothing.
 
 use super::authz::{Action, authorize};
-use super::page::{ConsoleError, Frame, Result, done, render, urlencode, when};
+use super::page::{ConsoleError, Frame, Refusal, Result, done, render, urlencode, when};
 use super::session::{self, MaybeViewer, Viewer};
 use super::{Console, State};
 use crate::accounts::{Acceptance, Invite, InviteState, Membership, Role, StoreError};
@@ -38,7 +38,7 @@ pub async fn create(
         };
     match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
         Ok(()) => Ok(done(&format!("/o/{org}/members"), "invited")),
-        Err(why) => refused(&console, &viewer, membership, why).await,
+        Err(why) => refused(&console, &viewer, membership, why.0).await,
     }
 }
 
@@ -53,7 +53,7 @@ pub async fn resend(
     };
     match send(&console, &invite, &code, &membership.org.name, &viewer.session.user.email).await {
         Ok(()) => Ok(done(&format!("/o/{org}/members"), "resent")),
-        Err(why) => refused(&console, &viewer, membership, why).await,
+        Err(why) => refused(&console, &viewer, membership, why.0).await,
     }
 }
 
@@ -75,7 +75,7 @@ async fn refused(console: &Console, viewer: &Viewer, membership: Membership, why
 }
 
 /// The invite e-mail: who invited, to what, with which role, until when, and the link.
-async fn send(console: &Console, invite: &Invite, code: &str, org_name: &str, inviter: &str) -> Result<(), String> {
+async fn send(console: &Console, invite: &Invite, code: &str, org_name: &str, inviter: &str) -> Result<(), Refusal> {
     let link = format!("{}/accept-invite?invite_code={code}", console.config.console_url);
     let body = format!(
         "{inviter} invited you to join {org_name} on Tessera as {role}.\n\n\
@@ -89,7 +89,7 @@ async fn send(console: &Console, invite: &Invite, code: &str, org_name: &str, in
     let subject = format!("You are invited to {org_name} on Tessera");
     console.mail.send(&invite.email, &subject, body).await.map(|_| ()).map_err(|e| {
         tracing::warn!(error = %e, invite = %invite.id, "the invite e-mail was not sent");
-        format!("The invite was made but the e-mail was not sent ({e}). Resend it when mail works.")
+        Refusal(format!("The invite was made but the e-mail was not sent ({e}). Resend it when mail works."))
     })
 }
 

@@ -92,6 +92,25 @@ struct ErrorPage<'a> {
     detail: &'a str,
 }
 
+/// What a person is told is wrong with what they sent, on the page they sent it from:
+/// a refusal of their input (or of what it asked, such as mail that could not go),
+/// never our own failure, which is a `ConsoleError`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+impl From<&str> for Refusal {
+    fn from(why: &str) -> Self {
+        Self(why.to_string())
+    }
+}
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
 /// Why a console request did not get its page. Each maps once to a status and page.
 #[derive(Debug, thiserror::Error)]
 pub enum ConsoleError {

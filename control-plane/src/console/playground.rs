@@ -10,7 +10,7 @@
 
 use super::State;
 use super::authz::{Action, authorize};
-use super::page::{ConsoleError, Frame, Result, render, usd};
+use super::page::{ConsoleError, Frame, Refusal, Result, render, usd};
 use super::session::Viewer;
 use crate::accounts::{ApiKey, BillingMode, Membership};
 use crate::api::RequestId;
@@ -88,7 +88,7 @@ fn refused(status: StatusCode, message: &str) -> Response {
 }
 
 /// The chat request's body for a turn, or why not.
-fn body(t: &Turn) -> std::result::Result<Value, String> {
+fn body(t: &Turn) -> std::result::Result<Value, Refusal> {
     let messages: Value = serde_json::from_str(&t.messages).map_err(|_| "The conversation is not valid JSON.")?;
     if messages.as_array().is_none_or(|m| m.is_empty()) {
         return Err("Write a message first.".into());
@@ -102,7 +102,7 @@ fn body(t: &Turn) -> std::result::Result<Value, String> {
     if !t.max_tokens.trim().is_empty() {
         match t.max_tokens.trim().parse::<i64>() {
             Ok(n) if (1..=MAX_TOKENS).contains(&n) => body["max_tokens"] = json!(n),
-            _ => return Err(format!("Maximum tokens is a whole number from 1 to {MAX_TOKENS}.")),
+            _ => return Err(format!("Maximum tokens is a whole number from 1 to {MAX_TOKENS}.").into()),
         }
     }
     if !t.reasoning_effort.is_empty() {
@@ -128,7 +128,7 @@ pub async fn chat(
     key.fallback_to_credits = false;
     let body = match body(&turn) {
         Ok(b) => b,
-        Err(why) => return Ok(refused(StatusCode::BAD_REQUEST, &why)),
+        Err(why) => return Ok(refused(StatusCode::BAD_REQUEST, &why.0)),
     };
     // The API's rate limit for the key's organization, as its extractor applies it.
     let decision =

@@ -4,7 +4,7 @@
 //! (`billing::usage`); the charts read it as JSON from `usage.json`.
 
 use super::authz::{Action, authorize};
-use super::page::{Frame, Result, render, urlencode, usd};
+use super::page::{Frame, Refusal, Result, render, urlencode, usd};
 use super::session::Viewer;
 use super::{Console, State};
 use crate::accounts::Membership;
@@ -65,7 +65,7 @@ fn bucket_label(us: i64, by: Granularity) -> String {
 
 impl UsageQuery {
     /// The report it asks for at `now` (µs), or what is wrong with it.
-    pub fn check(&self, now: i64) -> std::result::Result<Report, String> {
+    pub fn check(&self, now: i64) -> std::result::Result<Report, Refusal> {
         let text = |s: &str| Some(s.trim().to_string()).filter(|s| !s.is_empty());
         let filter = Filter { key_id: text(&self.key), model: text(&self.model), funding: None };
         if filter.model.as_ref().is_some_and(|m| m.len() > 200) {
@@ -89,7 +89,7 @@ impl UsageQuery {
             return Err("The start date is after the end date.".into());
         }
         if to - from + 1 > MAX_DAYS {
-            return Err(format!("Choose at most {MAX_DAYS} days at a time."));
+            return Err(format!("Choose at most {MAX_DAYS} days at a time.").into());
         }
         Ok(Report { by: Granularity::Day, start: from * DAY_US, end: (to + 1) * DAY_US, filter })
     }
@@ -114,7 +114,7 @@ async fn sums(console: &Console, org: &str, report: &Report) -> Result<Vec<Sums>
 
 /// The filters, checked against the organization (a key must be one of its own), or
 /// what is wrong with them.
-async fn checked(console: &Console, org: &str, q: &UsageQuery) -> Result<std::result::Result<Report, String>> {
+async fn checked(console: &Console, org: &str, q: &UsageQuery) -> Result<std::result::Result<Report, Refusal>> {
     let report = match q.check(crate::limits::now_us()) {
         Ok(r) => r,
         Err(why) => return Ok(Err(why)),
@@ -162,7 +162,7 @@ pub async fn page(
     let membership = authorize(&console, &viewer, &org, Action::View).await?;
     let (report, error) = match checked(&console, &org, &q).await? {
         Ok(r) => (Some(r), None),
-        Err(why) => (None, Some(why)),
+        Err(why) => (None, Some(why.0)),
     };
     let rows = match &report {
         Some(r) => sums(&console, &org, r).await?,
@@ -290,7 +290,7 @@ async fn rows_for(
     authorize(console, viewer, org, Action::View).await?;
     let report = match checked(console, org, q).await? {
         Ok(r) => r,
-        Err(why) => return Ok(Err((StatusCode::BAD_REQUEST, Json(json!({"error": why}))).into_response())),
+        Err(why) => return Ok(Err((StatusCode::BAD_REQUEST, Json(json!({"error": why.0}))).into_response())),
     };
     let rows = sums(console, org, &report).await?;
     Ok(Ok((report, rows)))

@@ -15,6 +15,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use tessera_proto::chat_template::ChatTemplate;
 
+/// A catalog model's chat template that does not compile.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{model}: chat template: {message}")]
+pub struct TemplateError {
+    pub model: String,
+    pub message: String,
+}
+
 /// A catalog model and the replicas serving it.
 pub struct ServedModel {
     pub entry: CatalogModel,
@@ -35,12 +43,12 @@ impl ServedModel {
 
     /// The model served by `pool`, `replica` being one of its replicas; an error names a
     /// catalog template that does not compile.
-    pub fn new(entry: CatalogModel, replica: Arc<Replica>, pool: Arc<Pool>) -> Result<Self, String> {
+    pub fn new(entry: CatalogModel, replica: Arc<Replica>, pool: Arc<Pool>) -> Result<Self, TemplateError> {
         let template = match &entry.chat_template_source {
             Some(source) => {
                 let card = &replica.card;
                 let t = ChatTemplate::new(source, &card.bos_token, &card.eos_token)
-                    .map_err(|e| format!("{}: chat template: {e}", entry.id))?;
+                    .map_err(|e| TemplateError { model: entry.id.clone(), message: e.to_string() })?;
                 Some(Arc::new(t))
             }
             None => replica.template.clone(),
@@ -71,7 +79,7 @@ pub struct Models {
 impl Models {
     /// Every catalog model whose weights have a pool (and a replica of them, for
     /// metadata); an error names a catalog template that does not compile.
-    pub fn new(catalog: &Catalog, pools: &BTreeMap<String, (Arc<Replica>, Arc<Pool>)>) -> Result<Self, String> {
+    pub fn new(catalog: &Catalog, pools: &BTreeMap<String, (Arc<Replica>, Arc<Pool>)>) -> Result<Self, TemplateError> {
         let models = Self::default();
         for m in &catalog.models {
             let Some((replica, pool)) = pools.get(&m.weights).cloned() else { continue };

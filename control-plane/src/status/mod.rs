@@ -78,12 +78,12 @@ impl Window {
 }
 
 impl FromStr for Window {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|w| w.as_str() == s).ok_or_else(|| {
-            let allowed: Vec<&str> = Self::ALL.iter().map(|w| w.as_str()).collect();
-            format!("Invalid window {s:?}: expected one of {}.", allowed.join(", "))
-        })
+    type Err = tessera_proto::UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|w| w.as_str() == s)
+            .ok_or_else(|| tessera_proto::UnknownName::new("window", s, Self::ALL.map(Self::as_str)))
     }
 }
 
@@ -95,7 +95,8 @@ mod tests {
     fn windows_parse_and_name_the_allowed_ones_otherwise() {
         assert_eq!("30d".parse::<Window>(), Ok(Window::Month));
         assert_eq!(Window::ALL.map(|w| w.secs()), [300, 3_600, 86_400, 2_592_000]);
-        assert_eq!("2h".parse::<Window>(), Err("Invalid window \"2h\": expected one of 5m, 1h, 24h, 30d.".into()));
+        let e = "2h".parse::<Window>().unwrap_err();
+        assert_eq!((e.value.as_str(), e.known), ("2h", vec!["5m", "1h", "24h", "30d"]));
         // Five minutes: the current one and the four before it.
         assert_eq!(Window::FiveMinutes.first_minute(10 * MINUTE_US + 5), 6);
     }

@@ -48,11 +48,29 @@ pub fn nvrtc_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// Why a source did not become PTX.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CompileError {
+    #[error("{name}: NUL byte in the source")]
+    Nul { name: &'static str },
+    /// NVRTC itself failed (creating the program, handing back its PTX).
+    #[error("{name}: {step}: {detail}")]
+    Nvrtc { name: &'static str, step: &'static str, detail: String },
+    /// The source does not compile; `log` is NVRTC's.
+    #[error("{name} does not compile for {arch} ({detail}):\n{log}")]
+    Refused { name: &'static str, arch: String, detail: String, log: String },
+}
+
 /// Compiles one source for `arch`. An error carries NVRTC's log.
-pub fn compile(source: &Source, arch: &str) -> Result<Compiled, String> {
-    let text = CString::new(source.full_text()).map_err(|_| format!("{}: NUL byte in the source", source.name))?;
-    let name = CString::new(source.name).expect("source names have no NUL");
-    let prog = result::create_program(&text, Some(name.as_c_str())).map_err(|e| format!("{}: {e:?}", source.name))?;
+pub fn compile(source: &Source, arch: &str) -> Result<Compiled, CompileError> {
+    let name = source.name;
+    let text = CString::new(source.full_text()).map_err(|_| CompileError::Nul { name })?;
+    let c_name = CString::new(name).expect("source names have no NUL");
+    let prog = result::create_program(&text, Some(c_name.as_c_str())).map_err(|e| CompileError::Nvrtc {
+        name,
+        step: "creating the program",
+        detail: format!("{e:?}"),
+    })?;
     // SAFETY: `prog` is a live program, destroyed once below whatever happens.
     unsafe {
         let compiled = result::compile_program(prog, &options(arch));
@@ -60,8 +78,8 @@ pub fn compile(source: &Source, arch: &str) -> Result<Compiled, String> {
         let out = match compiled {
             Ok(()) => result::get_ptx(prog)
                 .map(|raw| Compiled { ptx: c_chars(&raw), log: log.clone() })
-                .map_err(|e| format!("{}: reading PTX: {e:?}", source.name)),
-            Err(e) => Err(format!("{} does not compile for {arch} ({e:?}):\n{log}", source.name)),
+                .map_err(|e| CompileError::Nvrtc { name, step: "reading PTX", detail: format!("{e:?}") }),
+            Err(e) => Err(CompileError::Refused { name, arch: arch.to_string(), detail: format!("{e:?}"), log }),
         };
         let _ = result::destroy_program(prog);
         out
@@ -78,7 +96,7 @@ fn c_chars(raw: &[std::ffi::c_char]) -> String {
 /// The PTX of `source` for `arch`, from the disk cache when an earlier start compiled
 /// the same text with the same options. A cache that cannot be read or written only
 /// costs a compile.
-pub fn ptx_cached(source: &Source, arch: &str) -> Result<String, String> {
+pub fn ptx_cached(source: &Source, arch: &str) -> Result<String, CompileError> {
     let key = fnv1a(&[source.full_text().as_bytes(), options(arch).join(" ").as_bytes()]);
     let path = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.ptx", source.name.trim_end_matches(".cu"))));
     if let Some(ptx) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {

@@ -308,7 +308,7 @@ impl CudaBackend {
         }
         let mut modules = Vec::new();
         for source in &compile::SOURCES {
-            let ptx = compile::ptx_cached(source, &arch).map_err(unavailable)?;
+            let ptx = compile::ptx_cached(source, &arch).map_err(|e| unavailable(e.to_string()))?;
             modules.push(ctx.load_module(Ptx::from_src(ptx)).map_err(device_err("load_module"))?);
         }
         let find = |name: &str| -> Result<CudaFunction> {

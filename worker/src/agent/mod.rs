@@ -60,10 +60,10 @@ pub struct AgentConfig {
     pub drain_timeout_secs: u64,
 }
 
-fn parse_label(s: &str) -> Result<(String, String), String> {
+fn parse_label(s: &str) -> anyhow::Result<(String, String)> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-        _ => Err(format!("a label is key=value, not {s:?}")),
+        _ => anyhow::bail!("a label is key=value, not {s:?}"),
     }
 }
 

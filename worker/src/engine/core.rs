@@ -388,7 +388,7 @@ fn speculator<B: Backend + 'static>(
             None => Ok(None),
         };
     };
-    spec.check().map_err(EngineError::Config)?;
+    spec.check().map_err(|e| EngineError::Config(e.to_string()))?;
     match (spec.method, draft) {
         (SpecMethod::Draft, Some(draft)) => {
             // The draft's tokens go into the target as they are: the same vocabulary.
@@ -571,7 +571,7 @@ impl<B: Backend> EngineCore<B> {
             return bad(format!("{} stop strings; at most {MAX_STOP_STRINGS}", req.stop.len()));
         }
         if let Some(t) = &req.thinking {
-            t.check().or_else(bad)?;
+            t.check().or_else(|e| bad(e.to_string()))?;
             if let Some(id) = t.close_tokens.iter().find(|&&id| id as usize >= vocab) {
                 return bad(format!("thinking close token id {id} is outside the vocabulary of {vocab}"));
             }

@@ -22,6 +22,18 @@ pub enum GrammarSpec {
     Lark(String),
 }
 
+/// Why a grammar cannot constrain a request's output.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrammarError {
+    /// The model's tokenizer cannot drive constrained decoding: the worker's failing,
+    /// whatever the grammar.
+    #[error("the tokenizer cannot drive constrained decoding: {0}")]
+    Tokenizer(String),
+    /// The request's grammar does not compile.
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// Compiled grammars cached beyond this many are dropped, oldest first.
 const CACHE_CAPACITY: usize = 256;
 
@@ -42,26 +54,28 @@ struct Cache {
 impl Grammars {
     /// The model's tokenizer (Hugging Face JSON), its end-of-sequence ids, and the
     /// width of its logits.
-    pub fn new(tokenizer_json: &str, eos: &[u32], vocab: usize) -> Result<Self, String> {
+    pub fn new(tokenizer_json: &str, eos: &[u32], vocab: usize) -> Result<Self, GrammarError> {
         let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_json_bytes(tokenizer_json.as_bytes())
-            .map_err(|e| format!("the tokenizer cannot drive constrained decoding: {e}"))?;
+            .map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         if !eos.is_empty() {
             bytes.set_eos_tokens(eos);
         }
-        let env = bytes.into_tok_env(Some(vocab)).map_err(|e| format!("token trie: {e}"))?;
+        let env = bytes.into_tok_env(Some(vocab)).map_err(|e| GrammarError::Tokenizer(format!("token trie: {e}")))?;
         let finishers = Arc::new(Finishers::new(env.tok_trie()));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("grammar factory: {e}"))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(format!("grammar factory: {e}")))?;
         factory.quiet();
         Ok(Self { factory, eos: eos.to_vec(), finishers, cache: Mutex::new(Cache::default()) })
     }
 
     /// A fresh matcher for `spec`, or why the grammar does not compile.
-    pub fn matcher(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+    pub fn matcher(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
         let cached = self.cache.lock().expect("grammar cache").parsers.get(spec).map(|p| p.deep_clone());
         let parser = match cached {
             Some(p) => p,
             None => {
-                let parser = self.factory.create_parser(top_level(spec)?).map_err(|e| e.to_string())?;
+                let parser =
+                    self.factory.create_parser(top_level(spec)?).map_err(|e| GrammarError::Refused(e.to_string()))?;
                 let mut cache = self.cache.lock().expect("grammar cache");
                 if cache.parsers.insert(spec.clone(), parser.deep_clone()).is_none() {
                     cache.order.push_back(spec.clone());
@@ -75,7 +89,7 @@ impl Grammars {
         };
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
-            Some(e) => Err(e),
+            Some(e) => Err(GrammarError::Refused(e)),
             None => Ok(Constraint {
                 matcher: Arc::new(Mutex::new(matcher)),
                 eos: self.eos.clone(),
@@ -92,7 +106,7 @@ pub struct GrammarSource {
     tokenizer_json: String,
     eos: Vec<u32>,
     vocab: usize,
-    built: OnceLock<Result<Grammars, String>>,
+    built: OnceLock<Result<Grammars, GrammarError>>,
 }
 
 impl GrammarSource {
@@ -101,18 +115,18 @@ impl GrammarSource {
     }
 
     /// A matcher for `spec` (blocking: call it off the async threads).
-    pub fn matcher(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+    pub fn matcher(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
         let grammars = self.built.get_or_init(|| Grammars::new(&self.tokenizer_json, &self.eos, self.vocab));
         grammars.as_ref().map_err(Clone::clone)?.matcher(spec)
     }
 }
 
-fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, String> {
+fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
     Ok(match spec {
         GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
         GrammarSpec::JsonSchema(text) => {
-            let schema: serde_json::Value =
-                serde_json::from_str(text).map_err(|e| format!("the JSON schema is not JSON: {e}"))?;
+            let schema: serde_json::Value = serde_json::from_str(text)
+                .map_err(|e| GrammarError::Refused(format!("the JSON schema is not JSON: {e}")))?;
             TopLevelGrammar::from_json_schema(schema)
         }
         GrammarSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),

@@ -24,8 +24,9 @@ use tokio::sync::{broadcast, mpsc as tmpsc, oneshot};
 /// How often a load report goes out.
 pub const REPORT_INTERVAL: Duration = Duration::from_millis(250);
 
-/// What a request's stream receives: outputs, or the engine's failure.
-pub type OutputEvent = Result<Output, String>;
+/// What a request's stream receives: outputs, or the engine's failure (one failure
+/// ends every request of the step, hence shared).
+pub type OutputEvent = Result<Output, Arc<EngineError>>;
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadReport {
@@ -258,9 +259,9 @@ impl<B: Backend> Loop<B> {
             }
             Err(e) => {
                 // A failed forward leaves no request in a known state: end them all.
-                let message = e.to_string();
+                let e = Arc::new(e);
                 for (id, stream) in std::mem::take(&mut self.streams) {
-                    let _ = stream.send(Err(message.clone()));
+                    let _ = stream.send(Err(e.clone()));
                     self.abort(id, now);
                 }
             }

@@ -28,14 +28,23 @@ pub struct ThinkingBudget {
     pub budget: usize,
 }
 
+/// Why a request's thinking budget cannot work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetError {
+    #[error("the thinking budget names no closing marker")]
+    NoClose,
+    #[error("the thinking budget has no tokens to close reasoning with")]
+    NoCloseTokens,
+}
+
 impl ThinkingBudget {
     /// Why the request's budget cannot work, if it cannot.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), BudgetError> {
         if self.close.is_empty() {
-            return Err("the thinking budget names no closing marker".into());
+            return Err(BudgetError::NoClose);
         }
         if self.close_tokens.is_empty() {
-            return Err("the thinking budget has no tokens to close reasoning with".into());
+            return Err(BudgetError::NoCloseTokens);
         }
         Ok(())
     }

@@ -15,9 +15,20 @@ pub struct Run {
     pub first_row: usize,
 }
 
+/// Why a prompt's placeholders and its images' features do not belong together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("the prompt has {tokens} image tokens for {rows} rows of image features")]
+    Count { tokens: usize, rows: usize },
+    #[error("an image's features are {floats} floats for {tokens} rows of {hidden}")]
+    Shape { floats: usize, tokens: usize, hidden: usize },
+    #[error("image tokens and images disagree")]
+    Spans,
+}
+
 /// The runs of `image_token` in `ids`, given `rows` feature rows to fill them: an error
 /// when the counts differ (the prompt and the images do not belong together).
-pub fn runs(ids: &[u32], image_token: u32, rows: usize) -> Result<Vec<Run>, String> {
+pub fn runs(ids: &[u32], image_token: u32, rows: usize) -> Result<Vec<Run>, PlacementError> {
     let mut out: Vec<Run> = Vec::new();
     let mut filled = 0;
     for (i, &t) in ids.iter().enumerate() {
@@ -31,7 +42,7 @@ pub fn runs(ids: &[u32], image_token: u32, rows: usize) -> Result<Vec<Run>, Stri
         filled += 1;
     }
     if filled != rows {
-        return Err(format!("the prompt has {filled} image tokens for {rows} rows of image features"));
+        return Err(PlacementError::Count { tokens: filled, rows });
     }
     Ok(out)
 }
@@ -70,23 +81,19 @@ impl PlacedImages {
         image_token: u32,
         images: &[([u8; 32], Arc<Features>)],
         hidden: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, PlacementError> {
         let total: usize = images.iter().map(|(_, f)| f.tokens).sum();
         let runs = runs(prompt, image_token, total)?;
         let mut rows = Vec::with_capacity(total * hidden);
         for (_, f) in images {
             if f.tokens == 0 || f.rows.len() != f.tokens * hidden {
-                return Err(format!(
-                    "an image's features are {} floats for {} rows of {hidden}",
-                    f.rows.len(),
-                    f.tokens
-                ));
+                return Err(PlacementError::Shape { floats: f.rows.len(), tokens: f.tokens, hidden });
             }
             rows.extend_from_slice(&f.rows);
         }
         // The same spans the control plane routes by.
         let counted: Vec<(usize, [u8; 32])> = images.iter().map(|(h, f)| (f.tokens, *h)).collect();
-        let spans = image_spans(prompt, image_token, &counted).ok_or("image tokens and images disagree")?;
+        let spans = image_spans(prompt, image_token, &counted).ok_or(PlacementError::Spans)?;
         Ok(Self { runs, rows, hidden, spans })
     }
 
@@ -106,7 +113,7 @@ mod tests {
         let ids = [1, 9, 9, 9, 2, 3, 9, 9, 4];
         let r = runs(&ids, 9, 5).unwrap();
         assert_eq!(r, [Run { at: 1, len: 3, first_row: 0 }, Run { at: 6, len: 2, first_row: 3 }]);
-        assert!(runs(&ids, 9, 4).unwrap_err().contains("5 image tokens for 4 rows"));
+        assert_eq!(runs(&ids, 9, 4).unwrap_err(), PlacementError::Count { tokens: 5, rows: 4 });
         let rows: Vec<f32> = (0..10).map(|v| v as f32).collect(); // 5 rows of 2
         // A chunk from token 2 to 7 cuts both runs: rows 1-2 at 0, row 3 at 4.
         let c = chunk(&r, &rows, 2, 2, 7);

@@ -4,7 +4,7 @@
 //! for the one encoding rather than encode it again; finished features stay cached,
 //! least recently used out first, up to a byte budget.
 
-use super::placement::PlacedImages;
+use super::placement::{PlacedImages, PlacementError};
 use super::{Features, Use, VisionModel};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, VecDeque};
@@ -30,12 +30,22 @@ pub enum ImageError {
     Unreadable { index: usize, reason: String },
     #[error("images[{index}]: the encoder failed: {reason}")]
     Encoder { index: usize, reason: String },
-    #[error("{0}")]
-    Placement(String),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+}
+
+/// Why one image could not be encoded (kept in its cache slot for the requests waiting
+/// on it; `features` names the image's place for each).
+#[derive(Debug, Clone)]
+enum EncodeFailure {
+    /// Its bytes are not an image we read: the request's doing.
+    Unreadable(String),
+    /// The tower failed on it: ours.
+    Encoder(String),
 }
 
 type Key = ([u8; 32], Use);
-type Slot = Arc<OnceLock<Result<Arc<Features>, String>>>;
+type Slot = Arc<OnceLock<Result<Arc<Features>, EncodeFailure>>>;
 
 struct Cache {
     slots: HashMap<Key, Slot>,
@@ -87,7 +97,7 @@ impl<B: Backend> ImageEncoder<B> {
             encoded.push((image.sha256, self.features(index, image)?));
         }
         PlacedImages::new(prompt, self.model.config.image_token_id, &encoded, self.model.hidden)
-            .map_err(ImageError::Placement)
+            .map_err(ImageError::from)
     }
 
     /// One image's features: cached, being encoded by another request (then waited
@@ -121,19 +131,18 @@ impl<B: Backend> ImageEncoder<B> {
                 if cache.slots.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
                     cache.slots.remove(&key);
                 }
-                let reason = reason.clone();
-                Err(match reason.strip_prefix(UNREADABLE) {
-                    Some(r) => ImageError::Unreadable { index, reason: r.to_string() },
-                    None => ImageError::Encoder { index, reason },
+                Err(match reason.clone() {
+                    EncodeFailure::Unreadable(reason) => ImageError::Unreadable { index, reason },
+                    EncodeFailure::Encoder(reason) => ImageError::Encoder { index, reason },
                 })
             }
         }
     }
 
-    fn encode(&self, image: &ImageInput) -> Result<Arc<Features>, String> {
-        let decoded = decode(&image.data, self.limits).map_err(|e| format!("{UNREADABLE}{e}"))?;
+    fn encode(&self, image: &ImageInput) -> Result<Arc<Features>, EncodeFailure> {
+        let decoded = decode(&image.data, self.limits).map_err(|e| EncodeFailure::Unreadable(e.to_string()))?;
         let prepared = self.model.prepare(&decoded.rgb, image.usage);
-        self.model.encode(&self.backend, &prepared).map(Arc::new).map_err(|e| e.to_string())
+        self.model.encode(&self.backend, &prepared).map(Arc::new).map_err(|e| EncodeFailure::Encoder(e.to_string()))
     }
 
     /// Counts a finished entry against the budget, dropping the least recently used.
@@ -159,6 +168,3 @@ impl<B: Backend> PlaceImages for ImageEncoder<B> {
         ImageEncoder::place(self, prompt, images)
     }
 }
-
-/// Marks an encode failure that is the image's fault, not the encoder's.
-const UNREADABLE: &str = "\u{0}unreadable: ";
