@@ -325,6 +325,7 @@ async fn the_worker_stream_as_clients_and_the_bill_see_it() {
     let error = &chunks[chunks.len() - 2]["error"];
     assert_eq!(error["type"], "server_error", "{chunks:?}");
     assert!(!error.to_string().contains("deadbeef"), "internal detail leaked: {error}");
+    assert!(error["message"].as_str().unwrap().contains(&id), "the client is told the id to quote: {error}");
     assert_eq!(chunks.last().unwrap(), "[DONE]");
     let bill = settled(&h, &id).await;
     assert_eq!(bill.completion_tokens, 1, "the token generated before the failure is billed");
@@ -345,8 +346,9 @@ async fn the_worker_stream_as_clients_and_the_bill_see_it() {
     assert_eq!(status, 200);
     assert_eq!(chunks[chunks.len() - 2]["error"]["type"], "server_error", "{chunks:?}");
     h.script(vec![more(3, "z")]);
-    let (status, _, reply) = h.json("/v1/chat/completions", chat(false)).await;
+    let (status, id, reply) = h.json("/v1/chat/completions", chat(false)).await;
     assert_eq!((status, reply["error"]["type"].as_str()), (500, Some("server_error")), "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains(&id), "{reply}");
 
     // Output after a choice finished, and a stream that ends before its choice did.
     h.script(vec![last(0, "a", pb::FinishReason::Stop), more(0, "b")]);

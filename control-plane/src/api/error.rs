@@ -5,6 +5,22 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+tokio::task_local! {
+    /// The id of the request being answered: a server error's message names it, for
+    /// the client to quote (`x-request-id` has it too, where a client looks).
+    static ANSWERING: String;
+}
+
+/// Runs `f` as the answer to request `id`, its stream's task included (`sse::respond`).
+pub async fn answering<F: Future>(id: String, f: F) -> F::Output {
+    ANSWERING.scope(id, f).await
+}
+
+/// The id of the request being answered here, if any.
+pub fn answering_id() -> Option<String> {
+    ANSWERING.try_with(Clone::clone).ok()
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum ApiError {
     MalformedJson(String),
@@ -222,7 +238,13 @@ impl ApiError {
                 "server_error",
                 None,
                 None,
-                "The server had an error while processing your request. Sorry about that!".into(),
+                match answering_id() {
+                    Some(id) => format!(
+                        "The server had an error while processing your request. Sorry about that! You can retry \
+                         your request; if the error persists, report it with its request ID, {id}."
+                    ),
+                    None => "The server had an error while processing your request. Sorry about that!".into(),
+                },
             ),
         };
         json!({"message": message, "type": kind, "param": param, "code": code})

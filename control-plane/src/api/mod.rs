@@ -191,7 +191,7 @@ async fn observe(mut request: Request, next: Next) -> Response {
         span.record("client_request_id", client.as_str());
     }
     let mut response = match client {
-        Ok(_) => next.run(request).instrument(span.clone()).await,
+        Ok(_) => error::answering(id.clone(), next.run(request)).instrument(span.clone()).await,
         Err(refused) => refused.into_response(),
     };
     let status = response.status().as_u16();

@@ -19,8 +19,17 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(64);
-    // The request's span goes with the task: its lines name the request too.
-    tokio::spawn(fill(Sender(tx)).in_current_span());
+    // The request's span goes with the task: its lines name the request too, and so
+    // does an error that ends the stream.
+    let fill = fill(Sender(tx));
+    let answering = super::error::answering_id();
+    let task = async move {
+        match answering {
+            Some(id) => super::error::answering(id, fill).await,
+            None => fill.await,
+        }
+    };
+    tokio::spawn(task.in_current_span());
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
 }
 
