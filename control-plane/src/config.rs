@@ -239,7 +239,7 @@ impl ApiArgs {
             #[command(flatten)]
             api: ApiArgs,
         }
-        Only::parse_from(["tessera"]).api
+        Only::try_parse_from(["tessera"]).expect("the environment's TESSERA_* settings are valid").api
     }
 }
 

@@ -363,9 +363,23 @@ async fn the_worker_stream_as_clients_and_the_bill_see_it() {
     let body = json!({"model": "test/scripted", "prompt": "hello", "max_tokens": 2, "stream": true});
     let (status, _, chunks) = h.events("/v1/completions", body).await;
     assert_eq!(status, 200);
-    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
-    let finishes: Vec<&str> = chunks.iter().filter_map(|c| c["choices"][0]["finish_reason"].as_str()).collect();
-    assert_eq!((text.as_str(), finishes), ("one two", vec!["length"]));
+    let texts: Vec<(&str, Option<&str>)> = chunks
+        .iter()
+        .filter_map(|c| Some((c["choices"][0]["text"].as_str()?, c["choices"][0]["finish_reason"].as_str())))
+        .collect();
+    assert_eq!(texts, [("one ", None), ("two", Some("length"))], "the last text carries the end");
+    // An echo without log-probabilities goes out at once; the prompt's scores follow.
+    let mut scored = delta(0, "x", pb::FinishReason::Stop);
+    scored.prompt_logprobs = vec![pb::PromptToken { token_id: 1, logprob: -1.0, rank: 1, top_logprobs: vec![] }];
+    h.script(vec![Step::Send(scored)]);
+    let body = json!({"model": "test/scripted", "prompt": "hello world", "max_tokens": 2, "stream": true,
+                      "echo": true, "prompt_logprobs": 0});
+    let (status, _, chunks) = h.events("/v1/completions", body).await;
+    assert_eq!(status, 200);
+    assert_eq!(chunks[0]["choices"][0]["text"], "hello world", "{chunks:?}");
+    let scores: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0].get("prompt_logprobs")).collect();
+    assert_eq!(scores.len(), 1, "{chunks:?}");
+    assert_eq!(scores[0][1]["1"]["logprob"], -1.0, "{chunks:?}");
 
     // The worker refuses the grammar: a 400 naming the client's parameter, by the kind
     // the status carries; nothing is billed.

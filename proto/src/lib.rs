@@ -17,7 +17,6 @@ pub mod vision;
 /// 4 MiB default.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// Generated from proto/worker.proto.
 /// A name outside a fixed set: what parsing a named enum refuses (on the command line,
 /// in the catalog, in the database, in a query).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -34,6 +33,7 @@ impl UnknownName {
     }
 }
 
+/// Generated from proto/worker.proto.
 pub mod worker {
     #![allow(clippy::all, clippy::pedantic)]
     tonic::include_proto!("tessera.worker.v1");

@@ -240,7 +240,8 @@ fn prompts(v: &Value, model: &ServedModel) -> Result<Vec<Prompt>, ApiError> {
 
 /// One prompt's stream, merged with the others'.
 enum Item {
-    Event(Event),
+    /// An event, and for a delta the end of its choice when the same message ended it.
+    Event(Event, Option<FinishReason>),
     /// Its end, with what it used.
     Ended(Usage),
     Failed(ApiError),
@@ -285,7 +286,14 @@ async fn stream(
                 futures_util::stream::unfold(Some(events), |events| async move {
                     let mut events = events?;
                     match events.next().await {
-                        Ok(Some(e)) => Some((Item::Event(e), Some(events))),
+                        Ok(Some(e)) => {
+                            // The last text and the end of a choice go in one chunk.
+                            let finish = match &e {
+                                Event::Delta { index, .. } => events.finished_with(*index),
+                                _ => None,
+                            };
+                            Some((Item::Event(e, finish), Some(events)))
+                        }
                         Ok(None) => Some((Item::Ended(events.usage()), None)),
                         Err(e) => Some((Item::Failed(e), None)),
                     }
@@ -305,8 +313,8 @@ async fn stream(
         Usage { prompt_tokens: request.prompts.iter().map(|p| p.tokens.len() as u32).sum(), ..Default::default() };
     let mut last_finish = FinishReason::Stop;
     while let Some((p, item)) = tx.unless_gone(merged.next()).await? {
-        let event = match item {
-            Item::Event(e) => e,
+        let (event, finish) = match item {
+            Item::Event(e, finish) => (e, finish),
             Item::Ended(used) => {
                 usage.cached_tokens += used.cached_tokens;
                 usage.completion_tokens += used.completion_tokens;
@@ -318,7 +326,8 @@ async fn stream(
             Event::PromptScores(s) => {
                 // Every choice of the prompt shows them.
                 scores[p] = s.clone();
-                if request.echo || request.prompt_logprobs.is_none() {
+                // An echo with log-probabilities carries them; otherwise a chunk of their own.
+                if echo_scored || request.prompt_logprobs.is_none() {
                     continue;
                 }
                 let mut c = chunk(p * n, "", Value::Null, None);
@@ -345,8 +354,11 @@ async fn stream(
         };
         match event {
             Event::Delta { text, tokens, .. } => {
-                if !text.is_empty() || (request.logprobs.is_some() && !tokens.is_empty()) {
-                    tx.data(&chunk(index, &text, lp(&tokens, offset), None)).await?;
+                if let Some(reason) = finish {
+                    last_finish = reason;
+                }
+                if !text.is_empty() || finish.is_some() || (request.logprobs.is_some() && !tokens.is_empty()) {
+                    tx.data(&chunk(index, &text, lp(&tokens, offset), finish.map(FinishReason::as_str))).await?;
                 }
             }
             Event::Finished { reason, .. } => {

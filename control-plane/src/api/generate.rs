@@ -165,6 +165,11 @@ fn aborted_before_output(r: &pb::GenerateResponse) -> bool {
 }
 
 impl Output {
+    /// Counts the generation as failed on our side (a worker that broke the protocol).
+    pub(super) fn failed(&mut self) {
+        self.probe.failed();
+    }
+
     /// The next message of the worker's stream, or None at its end. (Endpoints read
     /// it as `stream::Events`.)
     pub(super) async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {

@@ -92,10 +92,25 @@ impl Events {
             if let Some(e) = self.reader.queued.pop_front() {
                 return Ok(Some(e));
             }
-            match self.out.next().await? {
-                Some(r) => self.reader.read(r)?,
-                None => return self.reader.ended().map(|()| None),
+            let read = match self.out.next().await? {
+                Some(r) => self.reader.read(r),
+                None => return self.reader.ended().map(|()| None).inspect_err(|_| self.out.failed()),
+            };
+            // A worker that breaks the protocol is a failure on our side, as /status counts.
+            read.inspect_err(|_| self.out.failed())?;
+        }
+    }
+
+    /// The end of choice `index` when the worker's message that made its last `Delta`
+    /// also ended it, taken without waiting: for a wire format that carries both in
+    /// one chunk (legacy completions).
+    pub fn finished_with(&mut self, index: usize) -> Option<FinishReason> {
+        match self.reader.queued.front() {
+            Some(&Event::Finished { index: i, reason }) if i == index => {
+                self.reader.queued.pop_front();
+                Some(reason)
             }
+            _ => None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! `tools`, `tool_choice` and `parallel_tool_calls`, in chat's nested shape or the
-//! responses endpoint's flat one, checked as OpenAI checks them.
+//! The tools a request offers, parsed: `tools`, `tool_choice` and `parallel_tool_calls`,
+//! in chat's nested shape or the responses endpoint's flat one, checked as OpenAI
+//! checks them, into `chat::tools::Tools`.
 
 use super::error::ApiError;
 use super::fields::Fields;
