@@ -13,6 +13,7 @@ pub mod config;
 pub mod console;
 pub mod db;
 pub mod images;
+pub mod keep_alive;
 pub mod limits;
 pub mod metrics;
 pub mod ops;

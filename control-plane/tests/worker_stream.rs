@@ -418,9 +418,68 @@ async fn the_worker_stream_as_clients_and_the_bill_see_it() {
     assert_eq!(bill.completion_tokens, 1, "{bill:?}");
     assert!(bill.cost_micros > 0);
 
+    keep_alive_survives_early_answers(&h).await;
+
     // The only replica is gone before the first token: 503. (Last: the replica is out
     // of routing until its load stream reports again.)
     h.script(vec![Step::Fail(Status::unavailable("stopping"))]);
     let (status, _, reply) = h.json("/v1/chat/completions", chat(false)).await;
     assert_eq!(status, 503, "{reply}");
+}
+
+/// One response on `stream`: its head (lowercased) once its body has been read.
+async fn response(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+            let length: usize =
+                head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap());
+            if buf.len() >= end + 4 + length {
+                return head;
+            }
+        }
+        let n = stream.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the connection closed before a whole response: {}", String::from_utf8_lossy(&buf));
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A request answered before its body is read (a key that does not exist: 401) leaves
+/// a keep-alive connection usable, or says it will close: a pooled client never sends
+/// its next request down a connection that is about to close.
+async fn keep_alive_survives_early_answers(h: &Harness) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(axum::serve(listener, api::router(h.app.clone())).into_future());
+    let body = chat(false).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\nauthorization: Bearer sk-nobody\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let next = "GET /health HTTP/1.1\r\nhost: t\r\n\r\n";
+
+    // The body follows the head a moment later, as from a client whose body is a
+    // separate write: it is read, and the connection serves the next request.
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stream.write_all(body.as_bytes()).await.unwrap();
+    let first = response(&mut stream).await;
+    assert!(first.starts_with("http/1.1 401"), "{first}");
+    assert!(!first.contains("connection: close"), "{first}");
+    stream.write_all(next.as_bytes()).await.unwrap();
+    assert!(response(&mut stream).await.starts_with("http/1.1 200"), "the connection still serves");
+
+    // A client that sends its body only once answered: the answer says the
+    // connection closes, so that nothing is sent down it again.
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let first = response(&mut stream).await;
+    assert!(first.starts_with("http/1.1 401") && first.contains("connection: close"), "{first}");
 }

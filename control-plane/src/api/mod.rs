@@ -80,6 +80,7 @@ pub fn router(app: App) -> Router {
         .with_state(app)
         .layer(middleware::from_fn(auth::rate_limit_headers))
         .layer(middleware::from_fn(observe))
+        .layer(middleware::from_fn(crate::keep_alive::settle_unread))
 }
 
 /// Whether this control plane serves, for load balancers and operators: 200 while it

@@ -135,4 +135,5 @@ pub fn router(console: State) -> Router {
         .layer(DefaultBodyLimit::max(MAX_PLAYGROUND_BYTES))
         .layer(middleware::from_fn(page::headers))
         .with_state(console)
+        .layer(middleware::from_fn(crate::keep_alive::settle_unread))
 }
