@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// A running `tessera serve`, killed (and its data folder removed) when dropped.
 pub struct Server {
     child: Child,
+    binary: PathBuf,
     data: PathBuf,
     pub port: u16,
     /// The bootstrap organization's API key.
@@ -63,7 +64,15 @@ impl Server {
                 )
             })?;
         let stderr = child.stderr.take().context("stderr")?;
-        let mut server = Self { child, data, port, key: String::new(), workers: Vec::new(), device: None };
+        let mut server = Self {
+            child,
+            binary: tessera.to_path_buf(),
+            data,
+            port,
+            key: String::new(),
+            workers: Vec::new(),
+            device: None,
+        };
         let mut lines = BufReader::new(stderr).lines();
         loop {
             let Some(line) = lines.next() else { bail!("tessera serve exited before listening") };
@@ -85,6 +94,16 @@ impl Server {
         std::thread::spawn(move || lines.for_each(drop));
         server.key = std::fs::read_to_string(server.data.join("bootstrap.key"))?.trim().to_string();
         Ok(server)
+    }
+
+    /// Runs an operator command (`tessera orgs create NAME`, …) against this server's
+    /// database, and returns what it printed with `--json`.
+    pub fn operator(&self, args: &[&str]) -> Result<Value> {
+        let out = Command::new(&self.binary).args(args).arg("--json").arg("--data-dir").arg(&self.data).output()?;
+        if !out.status.success() {
+            bail!("tessera {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        serde_json::from_slice(&out.stdout).context("an operator command's JSON")
     }
 }
 

@@ -15,6 +15,7 @@ mod metrics_cost;
 mod peer;
 mod serve;
 mod spec;
+mod tenants;
 mod vision;
 
 use anyhow::Result;
@@ -52,6 +53,9 @@ enum Command {
     /// Speculative decoding on against off, and against llama-server's speculation, on
     /// code edits, fresh code and chat.
     Spec(spec::Args),
+    /// A noisy neighbour: one organization's short requests beside another's flood of
+    /// long generations on one replica, time to first token alone and beside it.
+    Tenants(tenants::Args),
     /// Requests per second through `tessera serve` with metrics on against off.
     Metrics(metrics_cost::Args),
     /// The vision encoder: images encoded per second and a one-image request's time to
@@ -84,6 +88,7 @@ fn main() -> Result<()> {
         Command::Gateway(args) => gateway::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Metrics(args) => metrics_cost::run(args),
+        Command::Tenants(args) => tenants::run(args),
         Command::Spec(args) => spec::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Grammar(args) => grammar::run(args),

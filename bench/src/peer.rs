@@ -152,6 +152,12 @@ pub(crate) struct Sample {
     completion_tokens: u64,
 }
 
+impl Sample {
+    pub(crate) fn completion_tokens(&self) -> u64 {
+        self.completion_tokens
+    }
+}
+
 pub(crate) async fn request(target: &Target, system: &str, user: &str, max_tokens: u32) -> Result<Sample> {
     let body = json!({
         "model": target.model,

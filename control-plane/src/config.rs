@@ -119,6 +119,10 @@ pub struct ServeConfig {
     /// KV cache size of each worker, in bytes (default: the worker's).
     #[arg(long)]
     pub kv_cache_bytes: Option<u64>,
+    /// Each worker's fair sharing: while organizations contend, a step runs at most this
+    /// many rows, split by their weights (default: 8 on a CPU, the batch limit on a GPU).
+    #[arg(long)]
+    pub contended_batch: Option<usize>,
     /// Local workers (data-parallel replicas) for each model's weights, routed by
     /// `--routing`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -332,6 +336,23 @@ pub enum OrgsCommand {
         #[arg(long, required_unless_present = "default", conflicts_with = "default")]
         rpm: Option<u32>,
         /// Back to the server's default.
+        #[arg(long)]
+        default: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sets an organization's scheduling weight: its share of each replica's batch
+    /// relative to other organizations' while they contend (default 1, for everyone;
+    /// every control plane, within seconds).
+    SetWeight {
+        /// Organization id or name.
+        org: String,
+        #[arg(long, required_unless_present = "default", conflicts_with = "default",
+              value_parser = clap::value_parser!(u32).range(1..=crate::weights::MAX_WEIGHT as i64))]
+        weight: Option<u32>,
+        /// Back to the default weight.
         #[arg(long)]
         default: bool,
         #[command(flatten)]

@@ -102,6 +102,11 @@ impl Db {
     }
 
     /// Request rate limits, shared by every control plane on the database.
+    /// Organizations' scheduling weights (fair sharing), cached per process.
+    pub fn weights(&self) -> crate::weights::Weights {
+        crate::weights::Weights::new(self.pool.clone())
+    }
+
     pub fn rate_limiter(&self, config: crate::limits::RateConfig) -> crate::limits::RateLimiter {
         crate::limits::RateLimiter::new(self.pool.clone(), config)
     }

@@ -20,4 +20,5 @@ pub mod ops;
 pub mod router;
 pub mod serve;
 pub mod status;
+pub mod weights;
 pub mod workers;

@@ -47,6 +47,13 @@ pub async fn orgs(cmd: OrgsCommand) -> Result<()> {
             };
             print(json, json!({"org_id": org.id, "rate_limit_rpm": rpm}), human);
         }
+        OrgsCommand::SetWeight { org, weight, default: _, store, json } => {
+            let db = open(&store).await?;
+            let org = db.accounts().find_org(&org).await?;
+            db.weights().set(&org.id, weight).await?;
+            let weight = weight.unwrap_or(crate::weights::DEFAULT_WEIGHT);
+            print(json, json!({"org_id": org.id, "weight": weight}), format!("{}: scheduling weight {weight}", org.id));
+        }
     }
     Ok(())
 }

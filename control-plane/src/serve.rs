@@ -39,6 +39,7 @@ pub async fn run(
     let worker = workers::WorkerCommand {
         json_logs: log_format == crate::config::LogFormat::Json,
         traces,
+        contended_batch: config.contended_batch,
         ..workers::worker_command(config.worker_bin.as_deref())?
     };
     let mut local = Vec::new();
@@ -139,6 +140,7 @@ pub async fn app_state(
     let status = Status::new(db.status_minutes(), Arc::new(crate::limits::now_us));
     let images = crate::images::Images::new(config.images.config())?;
     let app = Arc::new(AppState {
+        weights: db.weights(),
         store: db.accounts(),
         db,
         models,

@@ -44,6 +44,8 @@ pub struct WorkerCommand {
     pub json_logs: bool,
     /// Where the workers' traces go (the control plane's collector).
     pub traces: TraceConfig,
+    /// Each worker's `--contended-batch` (fair sharing); None: the worker's default.
+    pub contended_batch: Option<usize>,
 }
 
 /// The worker: as configured, else the `tessera-worker` beside this executable, else
@@ -55,6 +57,7 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
         prefix: Vec::new(),
         json_logs: false,
         traces: TraceConfig::default(),
+        contended_batch: None,
     };
     if let Some(p) = configured {
         return Ok(own(p.to_path_buf()));
@@ -63,7 +66,13 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
     let sibling = exe.parent().map(|d| d.join("tessera-worker"));
     Ok(match sibling {
         Some(p) if p.is_file() => own(p),
-        _ => WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false, traces: TraceConfig::default() },
+        _ => WorkerCommand {
+            program: exe,
+            prefix: vec!["worker"],
+            json_logs: false,
+            traces: TraceConfig::default(),
+            contended_batch: None,
+        },
     })
 }
 
@@ -89,6 +98,9 @@ pub async fn start(
     }
     if let Some(bytes) = kv_cache_bytes {
         cmd.args(["--kv-cache-bytes", &bytes.to_string()]);
+    }
+    if let Some(rows) = worker.contended_batch {
+        cmd.args(["--contended-batch", &rows.to_string()]);
     }
     if let Some(spec) = speculative {
         cmd.args(["--speculative", spec.method.as_str(), "--speculative-tokens", &spec.max_tokens.to_string()]);
@@ -150,7 +162,8 @@ mod tests {
                 program: "/opt/w/tessera-worker".into(),
                 prefix: vec![],
                 json_logs: false,
-                traces: TraceConfig::default()
+                traces: TraceConfig::default(),
+                contended_batch: None,
             }
         );
         // A test binary has no tessera-worker beside it (target/*/deps).
@@ -158,7 +171,13 @@ mod tests {
         assert!(!exe.parent().unwrap().join("tessera-worker").exists());
         assert_eq!(
             worker_command(None).unwrap(),
-            WorkerCommand { program: exe, prefix: vec!["worker"], json_logs: false, traces: TraceConfig::default() }
+            WorkerCommand {
+                program: exe,
+                prefix: vec!["worker"],
+                json_logs: false,
+                traces: TraceConfig::default(),
+                contended_batch: None,
+            }
         );
     }
 }

@@ -157,6 +157,7 @@ struct Harness {
     app: App,
     worker: Scripted,
     key: String,
+    org: String,
 }
 
 impl Harness {
@@ -190,7 +191,7 @@ impl Harness {
         };
         let (_, key) = store.create_key(new).await.unwrap();
         let app = tessera_control_plane::serve::app_state(db, models, None, &ApiArgs::defaults()).await.unwrap();
-        Self { app, worker, key }
+        Self { app, worker, key, org: org.id }
     }
 
     fn script(&self, steps: Vec<Step>) {
@@ -315,6 +316,32 @@ async fn the_worker_stream_as_clients_and_the_bill_see_it() {
     assert_eq!(reply["choices"][0]["message"]["content"], "a1 a2");
     assert_eq!(reply["choices"][1]["message"]["content"], "b1");
     assert_eq!(reply["usage"]["completion_tokens"], 4);
+
+    // Who the request is for travels to the worker's scheduler: the organization, its
+    // weight (the operator's), and the request's priority among the organization's own.
+    h.app.weights.set(&h.org, Some(5)).await.unwrap();
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hi"}], "priority": -3}),
+        ),
+        ("/v1/completions", json!({"model": "test/scripted", "prompt": "hi", "priority": -3})),
+        ("/v1/responses", json!({"model": "test/scripted", "input": "hi", "priority": -3})),
+    ] {
+        h.script(vec![last(0, "ok", pb::FinishReason::Stop)]);
+        let (status, _, reply) = h.json(path, body).await;
+        assert_eq!(status, 200, "{path}: {reply}");
+        let seen = h.worker.seen.lock().unwrap().last().cloned().unwrap();
+        assert_eq!((seen.tenant.as_str(), seen.weight, seen.priority), (h.org.as_str(), 5, -3), "{path}");
+    }
+    let (status, _, reply) = h
+        .json(
+            "/v1/chat/completions",
+            json!({"model": "test/scripted",
+        "messages": [{"role": "user", "content": "hi"}], "priority": 1e10}),
+        )
+        .await;
+    assert_eq!((status, reply["error"]["param"].as_str()), (400, Some("priority")), "{reply}");
 
     // Failure in the middle of a stream: what was sent stays, an error object ends the
     // stream (without the worker's words), the tokens generated are billed.

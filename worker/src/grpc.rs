@@ -196,6 +196,8 @@ fn to_engine(
         prompt_logprobs: r.prompt_logprobs,
         images,
         tenant: r.tenant,
+        weight: r.weight.max(1),
+        priority: r.priority,
     })
 }
 

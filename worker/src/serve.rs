@@ -1,7 +1,9 @@
 //! `tessera-worker serve`: load a model, start the engine thread, serve gRPC.
 
 use crate::device;
-use crate::engine::core::{DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore};
+use crate::engine::core::{
+    CPU_CONTENDED_BATCH, DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore,
+};
 use crate::engine::runner::EngineHandle;
 use crate::engine::speculate::{DEFAULT_SPEC_TOKENS, MAX_SPEC_TOKENS, SpecConfig, SpecMethod};
 use crate::grpc::{WorkerServer, WorkerService};
@@ -71,6 +73,11 @@ pub struct ServeConfig {
     /// --max-num-batched-tokens bounds it.
     #[arg(long, default_value_t = DEFAULT_PROMPT_STEP_PERCENT)]
     pub prompt_step_percent: u32,
+    /// While more than one organization has work here, a step runs at most this many
+    /// rows, shared by their weights (fair sharing); default 8 on a CPU, --max-num-seqs
+    /// on a GPU.
+    #[arg(long)]
+    pub contended_batch: Option<usize>,
     /// Memory for image features kept after encoding, so that a repeated image (and
     /// requests in flight with the same one) is encoded once; a vision model's only.
     #[arg(long, default_value_t = 256)]
@@ -242,6 +249,10 @@ fn build<B: Backend + 'static>(
         graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
         prompt_step_percent: config.prompt_step_percent,
         speculative: config.spec_config(),
+        contended_batch: config.contended_batch.unwrap_or(match rank0.backend().name() {
+            "cpu" => CPU_CONTENDED_BATCH,
+            _ => config.max_num_seqs,
+        }),
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;

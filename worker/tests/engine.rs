@@ -128,6 +128,59 @@ fn preemption_under_kv_pressure_leaves_outputs_unchanged() {
 }
 
 #[test]
+fn a_tenant_beside_a_flood_gets_its_first_token_in_one_step_and_nobodys_output_changes() {
+    // 24 long generations of one organization, then one short request of another.
+    let config = EngineConfig { contended_batch: 8, ..EngineConfig::default() };
+    let mut alone = engine(config.clone());
+    let prompts = prompts(&alone, 25);
+    let request = |i: usize, tenant: &str, max_tokens: usize| Request {
+        ignore_eos: true,
+        tenant: tenant.into(),
+        ..Request::greedy(i as u64, prompts[i].clone(), max_tokens)
+    };
+    for i in 0..25 {
+        alone.add_request(request(i, "", if i < 24 { 40 } else { 8 })).unwrap();
+    }
+    let want = run_all(&mut alone);
+
+    let mut shared = engine(config);
+    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut keep = |outputs: &[Output]| {
+        for o in outputs {
+            got.entry(o.id).or_default().extend(o.token.as_ref().map(|t| t.token));
+        }
+    };
+    for i in 0..24 {
+        shared.add_request(request(i, "flood", 40)).unwrap();
+    }
+    // The flood alone: every stream in each step.
+    keep(&shared.step().unwrap());
+    let step = shared.step().unwrap();
+    assert_eq!(step.len(), 24);
+    keep(&step);
+    shared.add_request(request(24, "bystander", 8)).unwrap();
+    let first = shared.step().unwrap();
+    assert!(first.iter().any(|o| o.id == 24 && o.token.is_some()), "its first token in the very next step");
+    assert!(first.len() <= 1 + 4, "beside at most the flood's share of 8 rows: {} outputs", first.len());
+    keep(&first);
+    let mut bystander_left = 7;
+    while shared.has_work() {
+        let step = shared.step().unwrap();
+        if bystander_left > 0 {
+            assert!(step.len() <= 8, "steps of 8 rows while the organizations contend");
+            assert!(step.iter().any(|o| o.id == 24), "the bystander runs in every step");
+            bystander_left -= 1;
+        }
+        keep(&step);
+    }
+    // Fair sharing reorders work; it changes no output.
+    for i in 0..25u64 {
+        assert_eq!(got[&i], want[&i].tokens, "request {i}");
+    }
+    assert_eq!(shared.scheduler().pool().num_free(), EngineConfig::default().num_blocks);
+}
+
+#[test]
 fn abort_returns_every_block_at_once() {
     let config = EngineConfig { num_blocks: 64, ..EngineConfig::default() };
     let mut e = engine(config);

@@ -50,7 +50,8 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, None)?;
     let visuals = super::visuals(&app, &model, &body["messages"], "messages").await?;
-    let request = parse(&body, &model, &visuals)?;
+    let mut request = parse(&body, &model, &visuals)?;
+    request.generation.weight = app.weights.of(&key.org_id).await;
     let frames = request.frames;
     let g = &request.generation;
     let ask = Ask {
@@ -190,6 +191,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<ChatRe
             extensions,
             images: prepared.images,
             image_spans: prepared.image_spans,
+            weight: crate::weights::DEFAULT_WEIGHT,
         },
         frames: prepared.frames,
         reading: prepared.reading,

@@ -47,7 +47,9 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, None)?;
-    let request = Arc::new(parse(&body, &model)?);
+    let mut request = parse(&body, &model)?;
+    request.template.weight = app.weights.of(&key.org_id).await;
+    let request = Arc::new(request);
     let id = new_id("cmpl-");
     let created = unix_now();
     let n = request.template.n;
@@ -189,6 +191,7 @@ fn parse(body: &Value, model: &ServedModel) -> Result<CompletionRequest, ApiErro
             extensions,
             images: Vec::new(),
             image_spans: Vec::new(),
+            weight: crate::weights::DEFAULT_WEIGHT,
         },
         echo,
         logprobs,

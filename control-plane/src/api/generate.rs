@@ -32,6 +32,8 @@ pub struct Generation {
     /// The images the prompt's placeholders stand for, and where they sit.
     pub images: Vec<pb::ImageInput>,
     pub image_spans: Vec<tessera_proto::block_hash::ImageSpan>,
+    /// The organization's scheduling weight (`weights`), set once the caller is known.
+    pub weight: u32,
 }
 
 pub struct Output {
@@ -97,6 +99,8 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         keep_special_tokens: !g.extensions.skip_special_tokens,
         images: g.images,
         tenant: meter.org_id(),
+        priority: g.extensions.priority,
+        weight: g.weight,
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);

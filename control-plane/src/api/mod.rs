@@ -50,6 +50,8 @@ pub struct AppState {
     pub models: Arc<Models>,
     pub billing: crate::billing::Billing,
     pub limits: crate::limits::RateLimiter,
+    /// Organizations' shares of a replica's batch, sent with each generation.
+    pub weights: crate::weights::Weights,
     /// Cluster mode: the replica table, whose etcd connection /health reports, and
     /// whether this process leads placement.
     pub cluster: Option<crate::cluster::ClusterView>,

@@ -116,6 +116,8 @@ pub struct Extensions {
     pub include_stop_str_in_output: bool,
     /// Special tokens' text is left out of the output (the default).
     pub skip_special_tokens: bool,
+    /// Lower runs sooner among the organization's own requests (`priority`).
+    pub priority: i32,
 }
 
 /// `ignore_eos`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -151,7 +153,16 @@ pub fn extensions<'a>(f: &mut Fields<'a>, vocab: u32) -> Result<Extensions, ApiE
     let include_stop_str_in_output = f.bool("include_stop_str_in_output", false)?;
     let skip_special_tokens = f.bool("skip_special_tokens", true)?;
     f.bool("spaces_between_special_tokens", true)?;
-    Ok(Extensions { ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens })
+    let priority = priority(f)?;
+    Ok(Extensions { ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority })
+}
+
+/// vLLM's `priority`: lower is sooner, default 0, a 32-bit integer. It orders a
+/// replica's queue among the requests of the caller's own organization only; between
+/// organizations their weights decide (fair sharing), so no one jumps ahead of another
+/// organization by asking.
+pub fn priority<'a>(f: &mut Fields<'a>) -> Result<i32, ApiError> {
+    Ok(f.integer("priority", Some(i32::MIN as i64), Some(i32::MAX as i64))?.unwrap_or(0) as i32)
 }
 
 /// `min_tokens` no larger than the completion's budget, as vLLM requires.
@@ -348,7 +359,8 @@ mod tests {
             ext.and_then(|e| f.finish().map(|_| e))
         };
         let all = read(json!({"ignore_eos": true, "min_tokens": 4, "stop_token_ids": [2, 999],
-            "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false}))
+            "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false,
+            "priority": -5}))
         .unwrap();
         assert_eq!(
             all,
@@ -358,6 +370,7 @@ mod tests {
                 stop_token_ids: vec![2, 999],
                 include_stop_str_in_output: true,
                 skip_special_tokens: false,
+                priority: -5,
             }
         );
         assert_eq!(read(json!({})).unwrap(), Extensions { skip_special_tokens: true, ..Extensions::default() });
@@ -371,6 +384,11 @@ mod tests {
         assert_eq!(refused(json!({"stop_token_ids": ["7"]})), "stop_token_ids[0]");
         assert_eq!(refused(json!({"skip_special_tokens": 0})), "skip_special_tokens");
         assert_eq!(refused(json!({"spaces_between_special_tokens": "no"})), "spaces_between_special_tokens");
+        assert_eq!(refused(json!({"priority": 1.5})), "priority");
+        assert_eq!(refused(json!({"priority": "high"})), "priority");
+        assert_eq!(refused(json!({"priority": 2_147_483_648u64})), "priority");
+        assert_eq!(refused(json!({"priority": -2_147_483_649i64})), "priority");
+        assert_eq!(read(json!({"priority": i32::MIN})).unwrap().priority, i32::MIN);
         let four = Extensions { min_tokens: 4, ..Extensions::default() };
         assert!(check_min_tokens(&four, 4, "max_tokens").is_ok());
         let e = check_min_tokens(&four, 3, "max_completion_tokens").unwrap_err();

@@ -41,7 +41,8 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let (body, model) = read_request(&app, &request_id, body, Some("model"))?;
     let visuals = super::visuals(&app, &model, &body["input"], "input").await?;
-    let request = parse(&body, &model, &visuals)?;
+    let mut request = parse(&body, &model, &visuals)?;
+    request.generation.weight = app.weights.of(&key.org_id).await;
     let frames = request.frames;
     let g = &request.generation;
     let ask = Ask {
@@ -140,6 +141,7 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
             message: "Background responses are not supported.".into(),
         });
     }
+    let priority = params::priority(&mut f)?;
     f.ignore(&[
         "store",
         "metadata",
@@ -172,10 +174,11 @@ fn parse(body: &Value, model: &ServedModel, visuals: &[Visual]) -> Result<Respon
             prompt_param: "input",
             thinking,
             prompt_logprobs: None,
-            // The Responses API has no vLLM extensions.
-            extensions: Default::default(),
+            // Of vLLM's extensions the Responses API has only `priority`.
+            extensions: params::Extensions { priority, ..Default::default() },
             images: prepared.images,
             image_spans: prepared.image_spans,
+            weight: crate::weights::DEFAULT_WEIGHT,
         },
         frames: prepared.frames,
         reading: prepared.reading,

@@ -51,6 +51,11 @@ pub struct AgentConfig {
     /// step's time; 0: only --max-num-batched-tokens bounds it.
     #[arg(long, default_value_t = crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT)]
     pub prompt_step_percent: u32,
+    /// Each replica's fair sharing, as `tessera-worker serve --contended-batch`: while
+    /// organizations contend, a step runs at most this many rows (default 8 on a CPU,
+    /// --max-num-seqs on a GPU).
+    #[arg(long)]
+    pub contended_batch: Option<usize>,
     /// Milliseconds a draining replica keeps accepting requests, for routers to learn
     /// that it drains.
     #[arg(long, default_value_t = 1000)]
@@ -195,6 +200,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         max_num_seqs: config.max_num_seqs,
         max_num_batched_tokens: config.max_num_batched_tokens,
         prompt_step_percent: config.prompt_step_percent,
+        contended_batch: config.contended_batch,
         drain_grace: Duration::from_millis(config.drain_grace_ms),
         drain_deadline: Duration::from_secs(config.drain_timeout_secs),
     };

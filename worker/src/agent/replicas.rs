@@ -20,6 +20,7 @@ pub struct EngineTemplate {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub prompt_step_percent: u32,
+    pub contended_batch: Option<usize>,
     /// Between saying "draining" and refusing new requests: time for routers to hear.
     pub drain_grace: Duration,
     /// The longest a drain waits for running requests before they are cut off.
@@ -143,6 +144,7 @@ impl Replicas {
             max_num_seqs: self.template.max_num_seqs,
             max_num_batched_tokens: self.template.max_num_batched_tokens,
             prompt_step_percent: self.template.prompt_step_percent,
+            contended_batch: self.template.contended_batch,
             encoder_cache_mb: 256,
             speculative: a.speculative.as_ref().map(|s| s.method),
             speculative_tokens: a

@@ -47,7 +47,16 @@ pub struct EngineConfig {
     pub prompt_step_percent: u32,
     /// Speculative decoding (`speculate`); None: one token per sequence per step.
     pub speculative: Option<SpecConfig>,
+    /// Rows a step runs while tenants contend, split among them by weight (`fair`).
+    pub contended_batch: usize,
 }
+
+/// `contended_batch` on a CPU, where a step's time grows with its rows (about a
+/// millisecond a row for SmolLM2-135M on two cores): steps of 8 rows keep another
+/// tenant's wait for a step short, and 8 rows already give most of what 48 do in tokens
+/// per second. On a GPU rows are nearly free up to the batch limit, which is the default
+/// there.
+pub const CPU_CONTENDED_BATCH: usize = 8;
 
 /// A step with prompt chunks takes at most two and a half decode steps' time: the gap
 /// between two tokens of a stream stays within 4× its median (issue 25's bound) with
@@ -75,6 +84,7 @@ impl Default for EngineConfig {
             graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             prompt_step_percent: DEFAULT_PROMPT_STEP_PERCENT,
             speculative: None,
+            contended_batch: CPU_CONTENDED_BATCH,
         }
     }
 }
@@ -108,8 +118,12 @@ pub struct Request {
     /// The prompt's images, encoded and placed over their placeholder tokens.
     pub images: Option<Arc<PlacedImages>>,
     /// Who the request is for: text seen in one tenant's requests speeds up only that
-    /// tenant's (`speculate::suffix`).
+    /// tenant's (`speculate::suffix`), and tenants share the replica by weight (`fair`).
     pub tenant: String,
+    /// The tenant's weight (at least 1).
+    pub weight: u32,
+    /// Lower runs sooner among the tenant's requests.
+    pub priority: i32,
 }
 
 impl Request {
@@ -131,6 +145,8 @@ impl Request {
             prompt_logprobs: None,
             images: None,
             tenant: String::new(),
+            weight: 1,
+            priority: 0,
         }
     }
 }
@@ -354,6 +370,7 @@ impl<B: Backend + 'static> EngineCore<B> {
                 max_num_batched_tokens: config.max_num_batched_tokens,
                 max_num_seqs: config.max_num_seqs,
                 num_blocks: config.num_blocks,
+                contended_batch: config.contended_batch,
             },
             BlockHasher::new(model_name),
         );
@@ -519,7 +536,15 @@ impl<B: Backend> EngineCore<B> {
             let after = members.first().copied();
             let score_prompt = index == 0 && req.prompt_logprobs.is_some();
             let images = req.images.clone();
-            self.scheduler.add(Sequence { after, score_prompt, images, ..Sequence::new(seq_id, req.prompt.clone()) });
+            self.scheduler.add(Sequence {
+                after,
+                score_prompt,
+                images,
+                tenant: tenant.clone(),
+                weight: req.weight.max(1),
+                priority: req.priority,
+                ..Sequence::new(seq_id, req.prompt.clone())
+            });
             members.push(seq_id);
         }
         self.families.insert(req.id, members);

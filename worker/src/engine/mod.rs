@@ -9,6 +9,7 @@ pub mod block_pool;
 pub mod core;
 pub mod detokenizer;
 pub mod executor;
+pub mod fair;
 pub mod grammar;
 pub mod pacing;
 pub mod runner;

@@ -16,11 +16,23 @@
 //! `fits` rules out) is not put back into the queue to loop: it is `exhausted`, and the
 //! engine ends it as having filled its context.
 //!
+//! Tenants (`fair`): while more than one contends for the replica, a step runs at most
+//! `contended_batch` rows, split among them by weight, the tenant furthest behind
+//! first; the rest wait a step (their blocks kept). Waiting sequences are admitted in
+//! that tenant order too, then preempted ones first, then by priority and arrival; and
+//! when blocks run out the victim is a sequence of the tenant running the most rows
+//! for its weight, its lowest priority and newest first. The first running sequence
+//! still is never preempted while another runs: when it needs blocks it may take them
+//! from sequences already planned for the step, which are then taken out of it.
+//!
 //! Plain synchronous data, owned by the engine thread.
 
 use super::block_pool::{BlockId, BlockPool, KvEvents, PoolStats};
+use super::fair::{self, Fairness};
 use super::sequence::{SeqId, Sequence};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +40,8 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
     pub num_blocks: usize,
+    /// Rows a step runs while tenants contend (`fair`).
+    pub contended_batch: usize,
 }
 
 /// One sequence's share of a step: tokens `start..start + len` run now, the last
@@ -57,23 +71,75 @@ pub struct Scheduler {
     hasher: BlockHasher,
     seqs: HashMap<SeqId, Sequence>,
     waiting: VecDeque<SeqId>,
-    /// In admission order: the last is preempted first.
+    /// In admission order.
     running: Vec<SeqId>,
+    fair: Fairness,
+    /// Steps planned.
+    steps: u64,
+}
+
+/// The rows each tenant may still run in a contended step.
+struct Share {
+    left: HashMap<Arc<str>, usize>,
+    /// The tenant furthest behind: its first piece of work runs whole.
+    first: Option<Arc<str>>,
+    /// Rows of the step not yet run, whoever's.
+    total: usize,
+    /// Second pass: rows a tenant was allotted and could not use (its sequences wait
+    /// for blocks or for a sibling's prompt) go to anyone, so that a step never runs
+    /// less than it could.
+    spare: bool,
+}
+
+impl Share {
+    /// How many of `n` rows `tenant` may run now.
+    fn allowed(&self, tenant: &Arc<str>, n: usize) -> usize {
+        match () {
+            _ if self.spare => n.min(self.total),
+            _ if self.first.as_ref() == Some(tenant) => n,
+            _ => n.min(self.left.get(tenant).copied().unwrap_or(0)),
+        }
+    }
+
+    fn spend(&mut self, tenant: &Arc<str>, n: usize) {
+        if self.first.as_ref() == Some(tenant) {
+            self.first = None;
+        }
+        if let Some(l) = self.left.get_mut(tenant) {
+            *l = l.saturating_sub(n);
+        }
+        self.total = self.total.saturating_sub(n);
+    }
+
+    fn refund(&mut self, tenant: &Arc<str>, n: usize) {
+        if let Some(l) = self.left.get_mut(tenant) {
+            *l += n;
+        }
+        self.total += n;
+    }
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, hasher: BlockHasher) -> Self {
+        Self::with_grace(config, hasher, fair::GRACE)
+    }
+
+    /// `new`, with how long an idle tenant still counts as contending (`fair::GRACE`).
+    pub fn with_grace(config: SchedulerConfig, hasher: BlockHasher, grace: Duration) -> Self {
         Self {
             pool: BlockPool::new(config.num_blocks),
+            fair: Fairness::new(config.contended_batch, grace),
             config,
             hasher,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            steps: 0,
         }
     }
 
     pub fn add(&mut self, seq: Sequence) {
+        self.fair.join(&seq.tenant, seq.weight);
         self.waiting.push_back(seq.id);
         self.seqs.insert(seq.id, seq);
     }
@@ -142,58 +208,172 @@ impl Scheduler {
 
     /// Plans the next forward with prompt chunks (sequences with more than one token to
     /// run) taking at most `prompt_tokens` of the budget between them; decodes are never
-    /// held back by it (`pacing`).
+    /// held back by it (`pacing`), only by fair sharing while tenants contend.
     pub fn schedule_paced(&mut self, prompt_tokens: usize) -> Step {
+        self.steps += 1;
         let mut step = Step::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut prompt_left = prompt_tokens.max(1);
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            let pending = self.seqs[&id].num_pending();
-            let chunk = pending > 1;
-            let n = pending.min(budget).min(if chunk { prompt_left } else { usize::MAX });
-            if n == 0 {
-                // A prompt whose chunk waits for the next step.
-                i += 1;
+        let mut share = self.share(Instant::now());
+        for pass in 0..if share.is_some() { 2 } else { 1 } {
+            if let Some(share) = &mut share {
+                share.spare = pass == 1;
+            }
+            self.plan_running(&mut step, &mut budget, &mut prompt_left, &mut share);
+            if step.preempted.is_empty() {
+                let mut admitting = budget.min(prompt_left);
+                let offered = admitting;
+                self.admit(&mut admitting, &mut step, &mut share);
+                budget -= offered - admitting;
+            }
+        }
+        self.add_proposals(&mut step, budget, &mut share);
+        for s in &step.scheduled {
+            let seq = self.seqs.get_mut(&s.id).expect("scheduled sequences are known");
+            seq.last_run = self.steps;
+            self.fair.charge(&seq.tenant, s.len);
+        }
+        step
+    }
+
+    /// Plans the running sequences not planned yet, in `running_order`, within the
+    /// budgets.
+    fn plan_running(
+        &mut self,
+        step: &mut Step,
+        budget: &mut usize,
+        prompt_left: &mut usize,
+        share: &mut Option<Share>,
+    ) {
+        for id in self.running_order(share.is_some()) {
+            if *budget == 0 {
+                break;
+            }
+            // Preempted already, to make room for one before it; or planned in the pass before.
+            let Some(seq) = self.seqs.get(&id).filter(|_| self.running.contains(&id)) else { continue };
+            if step.scheduled.iter().any(|s| s.id == id) {
                 continue;
             }
-            // Make room, preempting from the back; possibly this sequence itself, unless
-            // it runs alone: preempting it would free nothing for anyone.
+            let tenant = seq.tenant.clone();
+            let pending = seq.num_pending();
+            let chunk = pending > 1;
+            let mut n = pending.min(*budget).min(if chunk { *prompt_left } else { usize::MAX });
+            if let Some(share) = share {
+                n = share.allowed(&tenant, n);
+            }
+            if n == 0 {
+                // A prompt whose chunk waits for the next step, or a tenant whose rows
+                // for this step are spent.
+                continue;
+            }
+            // Make room, preempting others; possibly this sequence itself, unless it is
+            // the first: preempting it would free nothing for anyone.
             let scheduled = loop {
                 if self.grow(id, n) {
                     break true;
                 }
-                let victim = *self.running.last().expect("the sequence itself is running");
-                if victim == id && i == 0 {
-                    self.exhaust(id);
-                    step.exhausted.push(id);
-                    break false;
-                }
-                self.preempt(victim);
-                step.preempted.push(victim);
-                if victim == id {
-                    break false;
+                match self.victim(id, step) {
+                    Some(victim) => {
+                        if let Some(at) = step.scheduled.iter().position(|s| s.id == victim) {
+                            let planned = step.scheduled.remove(at);
+                            *budget += planned.len;
+                            if planned.len > 1 {
+                                *prompt_left += planned.len;
+                            }
+                            if let Some(share) = share {
+                                share.refund(&self.seqs[&victim].tenant, planned.len);
+                            }
+                        }
+                        self.preempt(victim);
+                        step.preempted.push(victim);
+                    }
+                    None if self.running.first() == Some(&id) => {
+                        self.exhaust(id);
+                        step.exhausted.push(id);
+                        break false;
+                    }
+                    None => {
+                        self.preempt(id);
+                        step.preempted.push(id);
+                        break false;
+                    }
                 }
             };
             if !scheduled {
-                break;
+                continue;
             }
             step.scheduled.push(self.plan(id, n));
-            budget -= n;
-            if chunk {
-                prompt_left -= n;
+            if let Some(share) = share {
+                share.spend(&tenant, n);
             }
-            i += 1;
+            *budget -= n;
+            if chunk {
+                *prompt_left -= n;
+            }
         }
-        if step.preempted.is_empty() {
-            let mut admitting = budget.min(prompt_left);
-            let offered = admitting;
-            self.admit(&mut admitting, &mut step);
-            budget -= offered - admitting;
+    }
+
+    /// While tenants contend, each one's rows for the next step (`fair`); None while
+    /// one has the replica to itself.
+    fn share(&self, now: Instant) -> Option<Share> {
+        if !self.fair.contended(now) {
+            return None;
         }
-        self.add_proposals(&mut step, budget);
-        step
+        let mut demands: HashMap<Arc<str>, usize> = HashMap::new();
+        for id in self.running.iter().chain(&self.waiting) {
+            let seq = &self.seqs[id];
+            *demands.entry(seq.tenant.clone()).or_default() += seq.num_pending().max(1);
+        }
+        let first = demands
+            .keys()
+            .min_by(|a, b| self.fair.vtime(a).total_cmp(&self.fair.vtime(b)).then_with(|| a.cmp(b)))
+            .cloned();
+        Some(Share { left: self.fair.allot(&demands), first, total: self.config.contended_batch, spare: false })
+    }
+
+    /// The order running sequences are planned in: admission order, or while tenants
+    /// contend, tenant by tenant (furthest behind first), each one's by priority and
+    /// then least recently run.
+    fn running_order(&self, contended: bool) -> Vec<SeqId> {
+        if !contended {
+            return self.running.clone();
+        }
+        let mut keyed: Vec<(f64, &str, i32, u64, usize, SeqId)> = self
+            .running
+            .iter()
+            .enumerate()
+            .map(|(at, id)| {
+                let s = &self.seqs[id];
+                (self.fair.vtime(&s.tenant), &*s.tenant, s.priority, s.last_run, at, *id)
+            })
+            .collect();
+        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| (a.1, a.2, a.3, a.4).cmp(&(b.1, b.2, b.3, b.4))));
+        keyed.into_iter().map(|k| k.5).collect()
+    }
+
+    /// Whom to preempt so that `id` can grow: of the running sequences besides it and
+    /// the first, one not planned for this step if any (else, only for the first, one
+    /// that is), of the tenant running the most rows for its weight, its lowest
+    /// priority, newest admitted. None: nobody may be preempted for it.
+    fn victim(&self, id: SeqId, step: &Step) -> Option<SeqId> {
+        let mut rows: HashMap<&str, usize> = HashMap::new();
+        for r in &self.running {
+            *rows.entry(&*self.seqs[r].tenant).or_default() += 1;
+        }
+        let load = |s: &Sequence| rows[&*s.tenant] as f64 / f64::from(s.weight.max(1));
+        let pick = |planned: bool| {
+            self.running
+                .iter()
+                .enumerate()
+                .skip(1)
+                .filter(|&(_, &r)| r != id && step.scheduled.iter().any(|s| s.id == r) == planned)
+                .max_by(|(ia, a), (ib, b)| {
+                    let (sa, sb) = (&self.seqs[*a], &self.seqs[*b]);
+                    load(sa).total_cmp(&load(sb)).then(sa.priority.cmp(&sb.priority)).then(ia.cmp(ib))
+                })
+                .map(|(_, &r)| r)
+        };
+        pick(false).or_else(|| if self.running.first() == Some(&id) { pick(true) } else { None })
     }
 
     /// Runs decodes' proposals with them from what the step leaves over, its budget
@@ -201,10 +381,17 @@ impl Scheduler {
     /// anyone. They cost like a decode for pacing's sake (a step of verifications is a
     /// decode step, only longer). Proposals that do not fit are dropped, as are those
     /// of sequences that did not run.
-    fn add_proposals(&mut self, step: &mut Step, mut budget: usize) {
+    fn add_proposals(&mut self, step: &mut Step, mut budget: usize, share: &mut Option<Share>) {
         for s in &mut step.scheduled {
             let want = match self.seqs.get(&s.id) {
-                Some(seq) if s.len == 1 && s.sample => seq.draft.len().min(budget),
+                Some(seq) if s.len == 1 && s.sample => {
+                    let want = seq.draft.len().min(budget);
+                    // A proposal is a row too: within the tenant's rows while others contend.
+                    match share {
+                        Some(share) => share.left.get(&seq.tenant).map_or(0, |&l| want.min(l)),
+                        None => want,
+                    }
+                }
                 _ => 0,
             };
             let fits = want > 0 && self.grow(s.id, 1 + want);
@@ -213,6 +400,9 @@ impl Scheduler {
                 seq.draft.truncate(want);
                 (s.len, s.draft) = (1 + want, want);
                 budget -= want;
+                if let Some(share) = share {
+                    share.spend(&seq.tenant, want);
+                }
             } else {
                 seq.draft.clear();
             }
@@ -226,13 +416,28 @@ impl Scheduler {
         }
     }
 
-    /// Admits waiting sequences while the budget, `max_num_seqs` and the pool allow.
-    fn admit(&mut self, budget: &mut usize, step: &mut Step) {
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(&id) = self.waiting.front() else { break };
+    /// Admits waiting sequences while the budget, `max_num_seqs` and the pool allow:
+    /// while tenants contend the one furthest behind first, and within their rows; then
+    /// preempted sequences, then by priority and arrival.
+    fn admit(&mut self, budget: &mut usize, step: &mut Step, share: &mut Option<Share>) {
+        let mut keyed: Vec<(f64, &str, bool, i32, SeqId)> = self
+            .waiting
+            .iter()
+            .map(|id| {
+                let s = &self.seqs[id];
+                let vtime = if share.is_some() { self.fair.vtime(&s.tenant) } else { 0.0 };
+                (vtime, &*s.tenant, !s.preempted, s.priority, *id)
+            })
+            .collect();
+        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| (a.1, a.2, a.3, a.4).cmp(&(b.1, b.2, b.3, b.4))));
+        let order: Vec<SeqId> = keyed.into_iter().map(|k| k.4).collect();
+        for id in order {
+            if *budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                break;
+            }
             let parent = self.seqs[&id].after.and_then(|p| self.seqs.get(&p));
             if parent.is_some_and(|p| p.num_computed < p.prompt_len) {
-                break;
+                continue;
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
             // Reuse cached full blocks, but always leave at least one token to run: its
@@ -242,13 +447,20 @@ impl Scheduler {
                 if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
             update_hashes(&self.hasher, seq);
             let hits = self.pool.take_cached_prefix(&seq.block_hashes[..usable.min(seq.block_hashes.len())]);
-            let n = (seq.tokens.len() - hits.len() * BLOCK_TOKENS).min(*budget);
+            let mut n = (seq.tokens.len() - hits.len() * BLOCK_TOKENS).min(*budget);
+            if let Some(share) = share {
+                n = share.allowed(&seq.tenant, n);
+            }
+            if n == 0 {
+                self.pool.release(hits.into_iter().rev());
+                continue;
+            }
             let need = (hits.len() * BLOCK_TOKENS + n).div_ceil(BLOCK_TOKENS) - hits.len();
             let Some(fresh) = self.pool.allocate(need) else {
                 self.pool.release(hits.into_iter().rev());
                 if self.running.is_empty() {
                     // Not even an empty cache holds it: waiting would block the queue forever.
-                    self.waiting.pop_front();
+                    self.waiting.retain(|&w| w != id);
                     step.exhausted.push(id);
                     continue;
                 }
@@ -261,7 +473,11 @@ impl Scheduler {
             seq.num_cached_blocks = hits.len();
             seq.block_table = hits;
             seq.block_table.extend(fresh);
-            self.waiting.pop_front();
+            seq.preempted = false;
+            if let Some(share) = share {
+                share.spend(&seq.tenant, n);
+            }
+            self.waiting.retain(|&w| w != id);
             self.running.push(id);
             step.scheduled.push(self.plan(id, n));
             *budget -= n;
@@ -301,6 +517,7 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
         seq.draft.clear();
+        seq.preempted = true;
         self.waiting.push_front(id);
     }
 
@@ -355,6 +572,7 @@ impl Scheduler {
     /// Removes a sequence (finished or aborted) and frees its blocks at once.
     pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
         let mut seq = self.seqs.remove(&id)?;
+        self.fair.leave(&seq.tenant, Instant::now());
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
         self.pool.release(std::mem::take(&mut seq.block_table).into_iter().rev());
@@ -378,7 +596,12 @@ mod tests {
     use super::*;
 
     fn sched(tokens: usize, seqs: usize, blocks: usize) -> Scheduler {
-        let config = SchedulerConfig { max_num_batched_tokens: tokens, max_num_seqs: seqs, num_blocks: blocks };
+        let config = SchedulerConfig {
+            max_num_batched_tokens: tokens,
+            max_num_seqs: seqs,
+            num_blocks: blocks,
+            contended_batch: seqs,
+        };
         Scheduler::new(config, BlockHasher::new("test"))
     }
 
@@ -513,6 +736,137 @@ mod tests {
         assert_eq!(step.scheduled, vec![Scheduled { id: 2, start: 16, len: 17, sample: true, draft: 0 }]);
     }
 
+    /// A scheduler of `seqs` rows and `blocks` blocks whose tenants contend in steps of
+    /// `batch` rows, with `grace`.
+    fn contended(seqs: usize, blocks: usize, batch: usize, grace: Duration) -> Scheduler {
+        let config = SchedulerConfig {
+            max_num_batched_tokens: 1000,
+            max_num_seqs: seqs,
+            num_blocks: blocks,
+            contended_batch: batch,
+        };
+        Scheduler::with_grace(config, BlockHasher::new("test"), grace)
+    }
+
+    fn of(tenant: &str, weight: u32, id: SeqId, len: usize) -> Sequence {
+        Sequence { tenant: tenant.into(), weight, ..Sequence::new(id, prompt(len, id as u32)) }
+    }
+
+    fn rows_of(s: &Scheduler, step: &Step, tenant: &str) -> usize {
+        step.scheduled.iter().filter(|x| &*s.get(x.id).unwrap().tenant == tenant).map(|x| x.len).sum()
+    }
+
+    #[test]
+    fn a_flooder_keeps_to_its_share_while_another_tenant_has_work() {
+        let mut s = contended(256, 1000, 8, Duration::from_secs(3600));
+        for id in 0..24 {
+            s.add(of("a", 1, id, 10));
+        }
+        // Alone, the flooder's prompts all run at once: nobody else wants the replica.
+        let step = run(&mut s);
+        assert_eq!(step.scheduled.len(), 24);
+        assert_eq!(run(&mut s).scheduled.len(), 24, "24 decodes");
+        // Another tenant's 30-token prompt runs whole in the next step, beside no more
+        // than the flooder's share of the rest.
+        s.add(of("b", 1, 100, 30));
+        let step = run(&mut s);
+        assert_eq!(rows_of(&s, &step, "b"), 30, "the prompt of the tenant furthest behind is not cut");
+        assert!(rows_of(&s, &step, "a") <= 4, "{step:?}");
+        // While b decodes, steps are 8 rows: b's 1 and 7 of the flooder's, rotating
+        // among its 24 streams, so each advances every few steps.
+        let mut ran: HashMap<SeqId, usize> = HashMap::new();
+        for _ in 0..12 {
+            let step = run(&mut s);
+            assert_eq!((rows_of(&s, &step, "b"), rows_of(&s, &step, "a")), (1, 7), "{step:?}");
+            for x in &step.scheduled {
+                *ran.entry(x.id).or_default() += 1;
+            }
+        }
+        assert!((0..24).all(|id| (3..=4).contains(&ran[&id])), "every stream advances in turn: {ran:?}");
+        // b done: within the grace the flooder's steps stay short (b may be back at any
+        // moment); past it, they are whole again.
+        s.remove(100);
+        assert_eq!(run(&mut s).scheduled.len(), 8);
+        let mut s = {
+            let mut t = contended(256, 1000, 8, Duration::ZERO);
+            for id in 0..24 {
+                t.add(of("a", 1, id, 10));
+            }
+            t.add(of("b", 1, 100, 30));
+            run(&mut t);
+            t.remove(100);
+            t
+        };
+        assert_eq!(run(&mut s).scheduled.len(), 24, "no grace: the flooder has the replica again");
+    }
+
+    #[test]
+    fn weights_divide_the_rows_and_virtual_time_evens_out_the_rest() {
+        let mut s = contended(256, 1000, 8, Duration::from_secs(3600));
+        for id in 0..16 {
+            s.add(of("heavy", 3, id, 4));
+            s.add(of("light", 1, 100 + id, 4));
+        }
+        let (mut heavy, mut light) = (0, 0);
+        for _ in 0..400 {
+            let step = run(&mut s);
+            heavy += rows_of(&s, &step, "heavy");
+            light += rows_of(&s, &step, "light");
+            assert!(step.scheduled.len() <= 8 + 4, "{step:?}");
+        }
+        let ratio = heavy as f64 / light as f64;
+        assert!((2.7..=3.3).contains(&ratio), "{heavy} rows against {light}");
+    }
+
+    #[test]
+    fn priority_orders_a_tenants_own_queue_and_never_another_tenants() {
+        // Room for 2 running sequences.
+        let mut s = contended(2, 1000, 2, Duration::from_secs(3600));
+        s.add(of("a", 1, 1, 4));
+        s.add(Sequence { priority: 5, ..of("a", 1, 2, 4) });
+        s.add(Sequence { priority: -5, ..of("a", 1, 3, 4) });
+        s.add(Sequence { priority: -100, ..of("b", 1, 4, 4) });
+        let step = run(&mut s);
+        let ids: Vec<SeqId> = step.scheduled.iter().map(|x| x.id).collect();
+        // One of each tenant: a's most urgent (-5, not the -100 of b's that asked for
+        // it), and b's.
+        assert_eq!(ids.len(), 2);
+        assert!(ids.contains(&3) && ids.contains(&4), "{ids:?}");
+        s.remove(3);
+        let step = run(&mut s);
+        assert!(step.scheduled.iter().any(|x| x.id == 1), "then a's priority 0 before its 5: {step:?}");
+    }
+
+    #[test]
+    fn blocks_are_taken_from_the_tenant_running_the_most_for_its_weight() {
+        // 8 blocks: a's three 31-token prompts and b's one take 2 each, and fill them
+        // with a sampled token each; the next tokens need more, and they come from a,
+        // the tenant with 3 rows to b's 1, though b was admitted last. (Steps as large
+        // as the batch: this is about blocks.)
+        let mut s = contended(8, 8, 200, Duration::from_secs(3600));
+        for id in 1..=3 {
+            s.add(of("a", 1, id, 31));
+        }
+        s.add(of("b", 1, 4, 31));
+        run(&mut s);
+        run(&mut s);
+        assert_eq!(s.pool().num_free(), 0);
+        let step = run(&mut s);
+        assert!(!step.preempted.is_empty());
+        assert!(step.preempted.iter().all(|&id| &*s.get(id).unwrap().tenant == "a"), "{step:?}");
+        assert!(step.scheduled.iter().any(|x| x.id == 4), "b runs on: {step:?}");
+        // With a weighing 4, its 3 rows are less for its weight than b's 1: b's goes.
+        let mut s = contended(8, 8, 200, Duration::from_secs(3600));
+        for id in 1..=3 {
+            s.add(of("a", 4, id, 31));
+        }
+        s.add(of("b", 1, 4, 31));
+        run(&mut s);
+        run(&mut s);
+        let step = run(&mut s);
+        assert_eq!(step.preempted.first(), Some(&4), "b's first (a's own then make room for a): {step:?}");
+    }
+
     #[test]
     fn a_sibling_waits_for_its_parents_prompt_and_then_shares_its_blocks() {
         let mut s = sched(1000, 8, 100);
@@ -583,6 +937,8 @@ mod tests {
         // Random caches, budgets and arrivals: prompts up to past the cache, shared
         // prefixes, `n` siblings. Every step with work advances a sequence; every
         // sequence that `fits` gets all its tokens; the pool ends whole.
+        // Half the seeds with three tenants of random weights and priorities, contending
+        // throughout (a long grace), in steps of a random few rows.
         let mut preemptions = 0;
         let mut refused = 0;
         let mut drafted = 0;
@@ -590,16 +946,22 @@ mod tests {
             let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
             let num_blocks = rng.below(24) + 1;
             let budget = [1, 5, 16, 40, 1000][rng.below(5)];
+            let tenants = if seed % 2 == 0 { 3 } else { 1 };
             let mut s = sched(budget, rng.below(6) + 1, num_blocks);
+            if tenants > 1 {
+                let config = SchedulerConfig { contended_batch: [1, 3, 16][rng.below(3)], ..s.config };
+                s = Scheduler::with_grace(config, BlockHasher::new("test"), Duration::from_secs(3600));
+            }
+            let weights: Vec<u32> = (0..tenants).map(|_| rng.below(3) as u32 + 1).collect();
             let stems: Vec<Vec<u32>> = (0..3).map(|k| prompt(num_blocks * BLOCK_TOKENS + 40, 1000 * k)).collect();
-            let mut arrivals: Vec<(usize, Vec<u32>, usize, usize)> = (0..30)
+            let mut arrivals: Vec<(usize, Vec<u32>, usize, usize, usize, i32)> = (0..30)
                 .map(|_| {
                     let at = rng.below(200);
                     let len = rng.below(num_blocks * BLOCK_TOKENS + 20) + 1;
                     let shared = rng.below(len + 1);
                     let mut p = stems[rng.below(3)][..shared].to_vec();
                     p.extend((shared..len).map(|_| rng.below(50_000) as u32));
-                    (at, p, rng.below(40) + 1, rng.below(3) + 1)
+                    (at, p, rng.below(40) + 1, rng.below(3) + 1, rng.below(tenants), rng.below(3) as i32 - 1)
                 })
                 .collect();
             arrivals.sort_by_key(|a| std::cmp::Reverse(a.0));
@@ -610,7 +972,7 @@ mod tests {
             let mut steps = 0;
             while s.has_work() || !arrivals.is_empty() {
                 while arrivals.last().is_some_and(|a| a.0 <= steps) {
-                    let (_, p, max_tokens, n) = arrivals.pop().unwrap();
+                    let (_, p, max_tokens, n, tenant, priority) = arrivals.pop().unwrap();
                     if !s.fits(p.len() + max_tokens) {
                         refused += 1;
                         continue;
@@ -618,7 +980,8 @@ mod tests {
                     let first = next_id;
                     for i in 0..n {
                         let after = (i > 0).then_some(first);
-                        s.add(Sequence { after, ..Sequence::new(next_id, p.clone()) });
+                        let (tenant, weight) = (Arc::from(format!("t{tenant}")), weights[tenant]);
+                        s.add(Sequence { after, tenant, weight, priority, ..Sequence::new(next_id, p.clone()) });
                         want.insert(next_id, p.len() + max_tokens);
                         next_id += 1;
                     }

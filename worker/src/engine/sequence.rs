@@ -35,6 +35,15 @@ pub struct Sequence {
     /// decoding). They join `tokens` only as the model accepts them: no block hash, and
     /// so no prefix-cache entry, is ever made of a proposal.
     pub draft: Vec<u32>,
+    /// Who the sequence is for (`engine::fair`), with its weight as the request gave it.
+    pub tenant: Arc<str>,
+    pub weight: u32,
+    /// Lower runs sooner among its tenant's sequences (vLLM's `priority`).
+    pub priority: i32,
+    /// It was running and was preempted: it is admitted again before newer arrivals.
+    pub preempted: bool,
+    /// The step it last ran in: a tenant's rows rotate among its sequences.
+    pub last_run: u64,
 }
 
 impl Sequence {
@@ -52,6 +61,11 @@ impl Sequence {
             score_prompt: false,
             images: None,
             draft: Vec::new(),
+            tenant: Arc::from(""),
+            weight: 1,
+            priority: 0,
+            preempted: false,
+            last_run: 0,
         }
     }
 

@@ -57,6 +57,7 @@ pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
         prompt_step_percent: tessera_worker::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
+        contended_batch: None,
         encoder_cache_mb: 256,
         speculative: None,
         speculative_tokens: tessera_worker::engine::speculate::DEFAULT_SPEC_TOKENS,
