@@ -137,9 +137,14 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
     let gaps = control_plane.lines().find_map(|l| l.strip_prefix(itl)).and_then(|n| n.parse::<u64>().ok());
     assert!(gaps.is_some_and(|n| (1..=3).contains(&n)), "{gaps:?} gaps between 4 tokens");
     let mut exported = exported_names(&control_plane);
+    let mut tenants = Vec::new();
     for w in &workers {
-        exported.extend(exported_names(&get(&format!("http://{w}/metrics")).unwrap()));
+        let text = get(&format!("http://{w}/metrics")).unwrap();
+        tenants.extend(text.lines().filter(|l| l.starts_with("tessera:tenant_batch_share{")).map(String::from));
+        exported.extend(exported_names(&text));
     }
+    // The request's organization has a share of the steps, under its id.
+    assert!(tenants.iter().any(|l| l.contains("tenant=\"org_")), "{tenants:?}");
     exported.extend(recorded);
     exported.push("up".into());
     // Only a cluster's control plane has these (tests/cluster.rs reads them there).

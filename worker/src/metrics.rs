@@ -36,6 +36,20 @@ pub const SPEC_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
 pub const SPEC_ACCEPTED_TOKENS: &str = "vllm:spec_decode_num_accepted_tokens_total";
 pub const SPEC_ACCEPTED_PER_POS: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
 
+/// Fair sharing (`engine::fair`), by `tenant` (the organization's id): sequences running
+/// and waiting, and share of recent steps' rows (0 to 1). Only the `TOP_TENANTS` with
+/// the most sequences are named; the rest are summed as `tenant="other"`. A tenant out
+/// of the top for `TENANT_SERIES_EXPIRE` loses its series.
+pub const TENANT_RUNNING: &str = "tessera:tenant_requests_running";
+pub const TENANT_WAITING: &str = "tessera:tenant_requests_waiting";
+pub const TENANT_SHARE: &str = "tessera:tenant_batch_share";
+/// Preemptions that made room for another tenant's sequence (of `PREEMPTIONS`).
+pub const FAIR_PREEMPTIONS: &str = "tessera:fair_preemptions_total";
+pub const TOP_TENANTS: usize = 8;
+/// Gauges not set for this long leave the exposition; the engine's own are set every
+/// report interval, so only tenants' series fall out of the top go.
+const TENANT_SERIES_EXPIRE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Latency buckets, seconds: 1 ms to 2 minutes.
 const SECONDS: [f64; 16] =
     [0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -51,6 +65,7 @@ pub fn registry(model: &str, replica: &str) -> (PrometheusRecorder, PrometheusHa
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ITERATION_TOKENS.into()), &TOKENS))
         .expect("non-empty buckets")
+        .idle_timeout(metrics_util::MetricKindMask::GAUGE, Some(TENANT_SERIES_EXPIRE))
         .build_recorder();
     let handle = recorder.handle();
     (recorder, handle)
@@ -68,6 +83,10 @@ pub fn describe() {
     describe_counter!(PROMPT_TOKENS, "Prompt tokens of finished requests.");
     describe_counter!(GENERATION_TOKENS, "Tokens generated.");
     describe_counter!(REQUEST_SUCCESS, "Finished requests, by finished_reason.");
+    describe_gauge!(TENANT_RUNNING, "An organization's sequences running (the top 8; the rest as tenant=other).");
+    describe_gauge!(TENANT_WAITING, "An organization's sequences waiting (the top 8; the rest as tenant=other).");
+    describe_gauge!(TENANT_SHARE, "An organization's share of recent engine steps' rows, 0 to 1.");
+    describe_counter!(FAIR_PREEMPTIONS, "Sequences preempted to make room for another organization's.");
     describe_histogram!(TTFT, Unit::Seconds, "From arrival to the first generated token.");
     describe_histogram!(ITL, Unit::Seconds, "Between consecutive tokens of a request.");
     describe_histogram!(E2E, Unit::Seconds, "From arrival to the last token.");
@@ -79,6 +98,38 @@ pub fn describe() {
     describe_counter!(SPEC_DRAFT_TOKENS, Unit::Count, "Tokens proposed and verified.");
     describe_counter!(SPEC_ACCEPTED_TOKENS, Unit::Count, "Proposed tokens the model accepted.");
     describe_counter!(SPEC_ACCEPTED_PER_POS, Unit::Count, "Proposed tokens accepted, by position in the proposal.");
+}
+
+/// The tenants' series: the `TOP_TENANTS` with the most sequences by name (ties: the
+/// larger share), the rest summed as "other" (absent when there is no rest); tenants
+/// with nothing here and no share left out.
+pub fn tenant_series(mut loads: Vec<crate::engine::scheduler::TenantLoad>) -> Vec<(String, usize, usize, f64)> {
+    loads.retain(|l| l.running + l.waiting > 0 || l.share > 0.001);
+    loads.sort_by(|a, b| {
+        (b.running + b.waiting)
+            .cmp(&(a.running + a.waiting))
+            .then(b.share.total_cmp(&a.share))
+            .then(a.tenant.cmp(&b.tenant))
+    });
+    let rest = loads.split_off(loads.len().min(TOP_TENANTS));
+    let mut series: Vec<(String, usize, usize, f64)> =
+        loads.into_iter().map(|l| (name(&l.tenant), l.running, l.waiting, l.share)).collect();
+    if !rest.is_empty() {
+        let sum = |f: fn(&crate::engine::scheduler::TenantLoad) -> f64| rest.iter().map(f).sum::<f64>();
+        series.push((
+            "other".into(),
+            sum(|l| l.running as f64) as usize,
+            sum(|l| l.waiting as f64) as usize,
+            sum(|l| l.share),
+        ));
+    }
+    series
+}
+
+/// A tenant's label: requests sent with none are "anonymous" (an empty label would
+/// read as no label at all).
+fn name(tenant: &str) -> String {
+    if tenant.is_empty() { "anonymous".into() } else { tenant.into() }
 }
 
 /// When each request reached the milestones its histograms measure. The handles are
@@ -215,5 +266,34 @@ impl RequestTimes {
             ended: at,
             preemptions: t.preemptions,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::scheduler::TenantLoad;
+
+    #[test]
+    fn tenant_series_name_the_busiest_and_sum_the_rest() {
+        let load = |t: &str, running: usize, waiting: usize, share: f64| TenantLoad {
+            tenant: t.into(),
+            running,
+            waiting,
+            share,
+        };
+        let mut loads: Vec<TenantLoad> = (0..10).map(|i| load(&format!("org_{i}"), i, 1, 0.01 * i as f64)).collect();
+        loads.push(load("", 20, 0, 0.5));
+        loads.push(load("org_gone", 0, 0, 0.0));
+        let series = tenant_series(loads);
+        assert_eq!(series.len(), TOP_TENANTS + 1);
+        assert_eq!(series[0], ("anonymous".into(), 20, 0, 0.5));
+        assert_eq!(series[1].0, "org_9");
+        // org_0, org_1 and org_2 are the rest; org_gone, idle with no share, is left out.
+        let other = series.last().unwrap();
+        assert_eq!((other.0.as_str(), other.1, other.2), ("other", 3, 3));
+        assert!((other.3 - 0.03).abs() < 1e-9);
+        assert!(!series.iter().any(|s| s.0 == "org_gone"));
+        assert!(tenant_series(vec![load("a", 1, 0, 0.0)]).iter().all(|s| s.0 != "other"), "no rest, no other");
     }
 }

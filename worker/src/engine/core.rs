@@ -288,6 +288,8 @@ struct StepShape {
 pub struct EngineStats {
     pub steps: u64,
     pub preemptions: u64,
+    /// Of `preemptions`, those that made room for another tenant (`fair`).
+    pub fair_preemptions: u64,
     pub prompt_tokens_computed: u64,
     pub output_tokens: u64,
 }
@@ -731,6 +733,7 @@ impl<B: Backend> EngineCore<B> {
     fn schedule(&mut self) -> Step {
         let step = self.scheduler.schedule_paced(self.pacer.prompt_tokens(self.scheduler.decoding()));
         self.stats.preemptions += step.preempted.len() as u64;
+        self.stats.fair_preemptions += step.fair_preemptions as u64;
         let mut requests: Vec<SeqId> =
             step.scheduled.iter().filter_map(|s| self.requests.get(&s.id).map(|r| r.request)).collect();
         requests.sort_unstable();

@@ -49,7 +49,12 @@ struct TenantState {
     seqs: usize,
     /// When its last sequence left; None while it has some.
     idle_since: Option<Instant>,
+    /// Its share of the rows of recent steps (a moving average).
+    share: f64,
 }
+
+/// Weight of the newest step in the moving average of each tenant's share of rows.
+const SHARE_ALPHA: f64 = 0.05;
 
 #[derive(Debug, Clone)]
 pub struct Fairness {
@@ -73,6 +78,7 @@ impl Fairness {
             vtime: 0.0,
             seqs: 0,
             idle_since: None,
+            share: 0.0,
         });
         t.weight = weight.max(1);
         if t.seqs == 0
@@ -109,6 +115,21 @@ impl Fairness {
         if let Some(t) = self.tenants.get_mut(tenant) {
             t.vtime += tokens as f64 / f64::from(t.weight);
         }
+    }
+
+    /// A step ran `rows` rows of each tenant's: each tenant's share of recent steps moves
+    /// towards its share of this one.
+    pub fn record_step(&mut self, rows: &HashMap<Arc<str>, usize>) {
+        let total = rows.values().sum::<usize>().max(1) as f64;
+        for (name, t) in &mut self.tenants {
+            let now = rows.get(name).copied().unwrap_or(0) as f64 / total;
+            t.share += SHARE_ALPHA * (now - t.share);
+        }
+    }
+
+    /// Each known tenant: its name, weight and share of recent steps' rows.
+    pub fn shares(&self) -> impl Iterator<Item = (&Arc<str>, u32, f64)> {
+        self.tenants.iter().map(|(n, t)| (n, t.weight, t.share))
     }
 
     /// A tenant's virtual time (tokens run over weight); 0 for one not known.

@@ -301,6 +301,12 @@ impl<B: Backend> Loop<B> {
         metrics::counter!(m::PREFIX_QUERIES).absolute(stats.queried_blocks * block);
         metrics::counter!(m::PREFIX_HITS).absolute(stats.hit_blocks * block);
         metrics::counter!(m::PREEMPTIONS).absolute(self.core.stats().preemptions);
+        metrics::counter!(m::FAIR_PREEMPTIONS).absolute(self.core.stats().fair_preemptions);
+        for (tenant, running, waiting, share) in m::tenant_series(s.tenants()) {
+            metrics::gauge!(m::TENANT_RUNNING, "tenant" => tenant.clone()).set(running as f64);
+            metrics::gauge!(m::TENANT_WAITING, "tenant" => tenant.clone()).set(waiting as f64);
+            metrics::gauge!(m::TENANT_SHARE, "tenant" => tenant).set(share);
+        }
         // Exported with speculation off too (as zeros), so that dashboards find them.
         let spec = self.core.spec_stats().cloned().unwrap_or_default();
         metrics::counter!(m::SPEC_DRAFTS).absolute(spec.drafts);

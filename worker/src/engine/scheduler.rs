@@ -63,6 +63,9 @@ pub struct Step {
     pub preempted: Vec<SeqId>,
     /// Running alone, and still no room to grow: they end here (see the module's note).
     pub exhausted: Vec<SeqId>,
+    /// Of `preempted`, those preempted to make room for another tenant's sequence
+    /// (`rebalance`).
+    pub fair_preemptions: usize,
 }
 
 pub struct Scheduler {
@@ -76,6 +79,16 @@ pub struct Scheduler {
     fair: Fairness,
     /// Steps planned.
     steps: u64,
+}
+
+/// A tenant's load on the replica, as metrics report it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantLoad {
+    pub tenant: Arc<str>,
+    pub running: usize,
+    pub waiting: usize,
+    /// Share of recent steps' rows, 0 to 1.
+    pub share: f64,
 }
 
 /// The rows each tenant may still run in a contended step.
@@ -215,6 +228,9 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut prompt_left = prompt_tokens.max(1);
         let mut share = self.share(Instant::now());
+        if share.is_some() {
+            self.rebalance(&mut step);
+        }
         for pass in 0..if share.is_some() { 2 } else { 1 } {
             if let Some(share) = &mut share {
                 share.spare = pass == 1;
@@ -228,12 +244,36 @@ impl Scheduler {
             }
         }
         self.add_proposals(&mut step, budget, &mut share);
+        let mut rows: HashMap<Arc<str>, usize> = HashMap::new();
         for s in &step.scheduled {
             let seq = self.seqs.get_mut(&s.id).expect("scheduled sequences are known");
             seq.last_run = self.steps;
             self.fair.charge(&seq.tenant, s.len);
+            *rows.entry(seq.tenant.clone()).or_default() += s.len;
+        }
+        if !rows.is_empty() {
+            self.fair.record_step(&rows);
         }
         step
+    }
+
+    /// Each tenant known here: its sequences running and waiting, and its share of
+    /// recent steps' rows (for metrics).
+    pub fn tenants(&self) -> Vec<TenantLoad> {
+        let mut loads: HashMap<&str, TenantLoad> = HashMap::new();
+        for (name, _, share) in self.fair.shares() {
+            loads.insert(name, TenantLoad { tenant: name.clone(), share, ..TenantLoad::default() });
+        }
+        for (ids, running) in [(self.running.iter().collect::<Vec<_>>(), true), (self.waiting.iter().collect(), false)]
+        {
+            for id in ids {
+                let s = &self.seqs[id];
+                if let Some(l) = loads.get_mut(&*s.tenant) {
+                    *if running { &mut l.running } else { &mut l.waiting } += 1;
+                }
+            }
+        }
+        loads.into_values().collect()
     }
 
     /// Plans the running sequences not planned yet, in `running_order`, within the
@@ -420,17 +460,7 @@ impl Scheduler {
     /// while tenants contend the one furthest behind first, and within their rows; then
     /// preempted sequences, then by priority and arrival.
     fn admit(&mut self, budget: &mut usize, step: &mut Step, share: &mut Option<Share>) {
-        let mut keyed: Vec<(f64, &str, bool, i32, SeqId)> = self
-            .waiting
-            .iter()
-            .map(|id| {
-                let s = &self.seqs[id];
-                let vtime = if share.is_some() { self.fair.vtime(&s.tenant) } else { 0.0 };
-                (vtime, &*s.tenant, !s.preempted, s.priority, *id)
-            })
-            .collect();
-        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| (a.1, a.2, a.3, a.4).cmp(&(b.1, b.2, b.3, b.4))));
-        let order: Vec<SeqId> = keyed.into_iter().map(|k| k.4).collect();
+        let order = self.waiting_order(share.is_some());
         for id in order {
             if *budget == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
@@ -481,6 +511,72 @@ impl Scheduler {
             self.running.push(id);
             step.scheduled.push(self.plan(id, n));
             *budget -= n;
+        }
+    }
+
+    /// Waiting sequences in the order they are admitted: while tenants contend the one
+    /// furthest behind first, then preempted sequences, then by priority and arrival.
+    fn waiting_order(&self, contended: bool) -> Vec<SeqId> {
+        let mut keyed: Vec<(f64, &str, bool, i32, SeqId)> = self
+            .waiting
+            .iter()
+            .map(|id| {
+                let s = &self.seqs[id];
+                let vtime = if contended { self.fair.vtime(&s.tenant) } else { 0.0 };
+                (vtime, &*s.tenant, !s.preempted, s.priority, *id)
+            })
+            .collect();
+        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| (a.1, a.2, a.3, a.4).cmp(&(b.1, b.2, b.3, b.4))));
+        keyed.into_iter().map(|k| k.4).collect()
+    }
+
+    /// While tenants contend and the batch (`max_num_seqs`) or the cache is too full to
+    /// admit a waiting sequence, makes room for it if its tenant runs fewer rows for
+    /// its weight than another: one sequence of the tenant running the most for its
+    /// weight is preempted (its lowest priority, newest; never the first running), if
+    /// that leaves the two no further apart the other way. The step admits nobody (a
+    /// preemption step never does); the next admits the waiting one, its tenant being
+    /// further behind.
+    fn rebalance(&mut self, step: &mut Step) {
+        let mut rows: HashMap<&str, f64> = HashMap::new();
+        for r in &self.running {
+            let s = &self.seqs[r];
+            *rows.entry(&*s.tenant).or_default() += 1.0 / f64::from(s.weight.max(1));
+        }
+        let load = |tenant: &str| rows.get(tenant).copied().unwrap_or(0.0);
+        let seats = self.running.len() >= self.config.max_num_seqs;
+        let mut victim = None;
+        for id in self.waiting_order(true) {
+            let seq = &self.seqs[&id];
+            if seq.after.and_then(|p| self.seqs.get(&p)).is_some_and(|p| p.num_computed < p.prompt_len) {
+                continue;
+            }
+            // Its first chunk's blocks, cache hits aside.
+            let blocks = seq.tokens.len().min(self.config.max_num_batched_tokens).div_ceil(BLOCK_TOKENS);
+            if !seats && self.pool.num_free() >= blocks {
+                // It can be admitted as things are.
+                return;
+            }
+            let after = load(&seq.tenant) + 1.0 / f64::from(seq.weight.max(1));
+            victim = self
+                .running
+                .iter()
+                .enumerate()
+                .skip(1)
+                .map(|(at, r)| (at, &self.seqs[r]))
+                .filter(|(_, r)| r.tenant != seq.tenant && load(&r.tenant) - 1.0 / f64::from(r.weight.max(1)) >= after)
+                .max_by(|(ia, a), (ib, b)| {
+                    load(&a.tenant).total_cmp(&load(&b.tenant)).then(a.priority.cmp(&b.priority)).then(ia.cmp(ib))
+                })
+                .map(|(_, r)| r.id);
+            if victim.is_some() {
+                break;
+            }
+        }
+        if let Some(victim) = victim {
+            self.preempt(victim);
+            step.preempted.push(victim);
+            step.fair_preemptions += 1;
         }
     }
 
@@ -865,6 +961,43 @@ mod tests {
         run(&mut s);
         let step = run(&mut s);
         assert_eq!(step.preempted.first(), Some(&4), "b's first (a's own then make room for a): {step:?}");
+    }
+
+    #[test]
+    fn a_full_batch_makes_room_for_a_tenant_running_less_than_its_share() {
+        // Room for 4 sequences, all the flooder's.
+        let mut s = contended(4, 1000, 8, Duration::from_secs(3600));
+        for id in 1..=4 {
+            s.add(of("a", 1, id, 8));
+        }
+        run(&mut s);
+        s.add(Sequence { priority: 1, ..of("a", 1, 5, 8) });
+        s.add(of("b", 1, 6, 8));
+        // The flooder's newest goes back to the queue (not the first, which must go on)…
+        let step = run(&mut s);
+        assert_eq!((step.preempted.clone(), step.fair_preemptions), (vec![4], 1), "{step:?}");
+        // …and b takes its seat, ahead of the flooder's own waiting ones.
+        let step = run(&mut s);
+        assert!(step.scheduled.iter().any(|x| x.id == 6), "{step:?}");
+        // Now 3 against 1: the flooder's waiting sequences do not take b's seat back,
+        // and nobody else is preempted.
+        for _ in 0..5 {
+            let step = run(&mut s);
+            assert!(step.preempted.is_empty() && step.scheduled.iter().any(|x| x.id == 6), "{step:?}");
+        }
+        // Weights count: a flooder of weight 3 with 3 seats of 4 is within its share.
+        let mut s = contended(4, 1000, 8, Duration::from_secs(3600));
+        for id in 1..=4 {
+            s.add(of("a", 3, id, 8));
+        }
+        run(&mut s);
+        s.add(of("b", 1, 6, 8));
+        assert_eq!(run(&mut s).fair_preemptions, 1, "4 seats for weight 3 against 0 for 1");
+        run(&mut s);
+        s.add(of("b", 1, 7, 8));
+        for _ in 0..3 {
+            assert_eq!(run(&mut s).fair_preemptions, 0, "3 for weight 3 against 1 for 1: even");
+        }
     }
 
     #[test]
