@@ -5,6 +5,7 @@ TESSERA_BIN and TESSERA_DATA_DIR. Every client validates responses strictly agai
 the SDK's types.
 """
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -16,6 +17,7 @@ import unittest
 import urllib.error
 import urllib.request
 
+import httpx2  # the `openai` SDK's own HTTP client (httpx, as the SDK renamed it)
 import jsonschema
 import openai
 import pydantic
@@ -903,6 +905,44 @@ class RateLimits(unittest.TestCase):
         # The advertised wait is the contract under test: after it, the retry passes.
         time.sleep(wait_ms / 1000)
         client(key).models.list()
+
+    def test_a_pooled_client_loses_no_request_to_an_early_answer(self):
+        """10,000 chat requests over 16 pooled keep-alive connections (httpx, the SDK's
+        own client), most refused with 429 before the server has read their bodies:
+        each body follows its headers a moment later, as from a slow uploader. Every
+        request gets an answer; none finds its pooled connection closed under it."""
+        org = cli("orgs", "create", "pooled")["id"]
+        key = cli("keys", "create", "--org", org, "--name", "k")["secret"]
+        cli("credits", "grant", "--org", org, "--usd", "10")
+        # 10 a second: a few hundred answered, the rest refused.
+        cli("orgs", "set-rate-limit", org, "--rpm", "600")
+        body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 1}).encode()
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                   "Content-Length": str(len(body))}
+
+        def later():
+            # The client's pace, not synchronisation: headers go out first, and the
+            # server answers a refusal before this body is there to read.
+            time.sleep(0.002)
+            yield body
+
+        limits = httpx2.Limits(max_connections=16, max_keepalive_connections=16)
+        with httpx2.Client(base_url=BASE_URL, limits=limits, timeout=120) as http:
+            def send(_):
+                try:
+                    return http.post("/chat/completions", headers=headers, content=later()).status_code
+                except httpx2.TransportError as e:
+                    return repr(e)
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                results = list(pool.map(send, range(10_000)))
+        errors = [r for r in results if not isinstance(r, int)]
+        self.assertEqual(errors[:5], [], f"{len(errors)} of 10,000 requests lost")
+        counts = collections.Counter(results)
+        self.assertEqual(set(counts), {200, 429}, counts)
+        self.assertGreater(counts[200], 20, counts)
+        self.assertGreater(counts[429], 5000, counts)
+
 
 
 class Subscriptions(unittest.TestCase):
