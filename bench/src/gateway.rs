@@ -29,16 +29,34 @@ pub struct Args {
     requests: usize,
     #[arg(long, default_value_t = 8)]
     max_tokens: u32,
+    /// Against a scripted worker that answers at once, in this process, instead of a
+    /// `tessera serve` (`gateway_scripted`): concurrency 1 and an open loop.
+    #[arg(long)]
+    scripted: bool,
+    /// The open loop's requests per second (with --scripted).
+    #[arg(long, default_value_t = 1000.0)]
+    rate: f64,
+    /// The open loop's seconds for each path (with --scripted).
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
 }
 
 /// One request's times: to the first generated text, and to the end.
 #[derive(Clone, Copy)]
-struct Timing {
+pub(crate) struct Timing {
     first: Duration,
     total: Duration,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if args.scripted {
+        let requests = args.requests.max(1000);
+        return crate::gateway_scripted::run(crate::gateway_scripted::ScriptedArgs {
+            requests,
+            rate: args.rate,
+            seconds: args.seconds,
+        });
+    }
     let tessera = api::tessera_binary(args.tessera)?;
     let serve = Server::start(&tessera, &["--kv-cache-bytes".into(), "268435456".into()])?;
     let worker = serve.workers.first().cloned().context("the worker's address in the log")?;
@@ -60,7 +78,7 @@ pub fn run(args: Args) -> Result<()> {
         // Warm both paths (connections, thread pools, the engine's first step).
         let warm = prompt(99_999)?;
         grpc(client.clone(), warm.clone(), max_tokens).await?;
-        http(port, &key, &warm, max_tokens).await?;
+        http(port, &key, "vendor-a/model-a", &warm, max_tokens).await?;
         let mut levels = Vec::new();
         let mut next = 0;
         for &c in &args.concurrency {
@@ -76,7 +94,7 @@ pub fn run(args: Args) -> Result<()> {
                     let t = if direct {
                         grpc(client, p, max_tokens).await?
                     } else {
-                        http(port, &key, &p, max_tokens).await?
+                        http(port, &key, "vendor-a/model-a", &p, max_tokens).await?
                     };
                     Ok((direct, t))
                 }
@@ -96,7 +114,7 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// `jobs` through `send`, `concurrency` at a time.
-async fn run_level<J, T, F, Fut>(concurrency: usize, mut jobs: Vec<J>, send: F) -> Result<Vec<T>>
+pub(crate) async fn run_level<J, T, F, Fut>(concurrency: usize, mut jobs: Vec<J>, send: F) -> Result<Vec<T>>
 where
     J: Send + 'static,
     T: Send + 'static,
@@ -124,7 +142,7 @@ where
     Ok(all)
 }
 
-async fn grpc(
+pub(crate) async fn grpc(
     mut client: WorkerClient<tonic::transport::Channel>,
     prompt: Vec<u32>,
     max_tokens: u32,
@@ -150,9 +168,9 @@ async fn grpc(
 }
 
 /// A streamed legacy completion of the same token ids.
-async fn http(port: u16, key: &str, prompt: &[u32], max_tokens: u32) -> Result<Timing> {
+pub(crate) async fn http(port: u16, key: &str, model: &str, prompt: &[u32], max_tokens: u32) -> Result<Timing> {
     let start = Instant::now();
-    let body = json!({"model": "vendor-a/model-a", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": true});
     let events = api::stream(port, key, "/v1/completions", &body).await?;
     let total = start.elapsed();
@@ -161,7 +179,7 @@ async fn http(port: u16, key: &str, prompt: &[u32], max_tokens: u32) -> Result<T
     Ok(Timing { first: first.unwrap_or(total), total })
 }
 
-fn report(concurrency: usize, direct: &[Timing], gateway: &[Timing]) -> Value {
+pub(crate) fn report(concurrency: usize, direct: &[Timing], gateway: &[Timing]) -> Value {
     let ms = |t: &[Timing], f: fn(&Timing) -> Duration| t.iter().map(|x| f(x).as_secs_f64() * 1e3).collect::<Vec<_>>();
     let first = |t: &Timing| t.first;
     let total = |t: &Timing| t.total;

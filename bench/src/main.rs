@@ -7,6 +7,7 @@ mod console;
 mod engine;
 mod forward;
 mod gateway;
+mod gateway_scripted;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod grammar;
