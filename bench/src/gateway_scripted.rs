@@ -19,12 +19,13 @@ use tessera_control_plane::config::ApiArgs;
 use tessera_control_plane::db::Db;
 use tessera_control_plane::router::choice::Routing;
 use tessera_control_plane::router::{Models, Pool, Replica};
+use tessera_proto::scripted::{GenerateStream, Script, ScriptedWorker};
 use tessera_proto::worker::worker_client::WorkerClient;
-use tessera_proto::worker::worker_server::{Worker, WorkerServer};
+use tessera_proto::worker::worker_server::WorkerServer;
 use tessera_proto::worker::{self as pb};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 pub struct ScriptedArgs {
     pub requests: usize,
@@ -35,69 +36,24 @@ pub struct ScriptedArgs {
 const MODEL: &str = "bench/scripted";
 
 /// Answers every generation at once: one token, then the end.
-#[derive(Clone)]
-struct Instant1;
+struct AtOnce;
 
-#[tonic::async_trait]
-impl Worker for Instant1 {
-    type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
-    type WatchLoadStream = ReceiverStream<Result<pb::LoadReport, Status>>;
-
-    async fn generate(&self, r: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        let prompt_tokens = r.get_ref().prompt_token_ids.len() as u32;
+impl Script for AtOnce {
+    fn generate(&self, r: pb::GenerateRequest) -> Result<GenerateStream, Status> {
         let (tx, rx) = mpsc::channel(1);
         let answer = pb::GenerateResponse {
             index: 0,
             text: "hello".into(),
             tokens: vec![pb::GeneratedToken { token_id: 1, logprob: None, top_logprobs: vec![] }],
             finish_reason: pb::FinishReason::Length as i32,
-            prompt_tokens,
+            prompt_tokens: r.prompt_token_ids.len() as u32,
             cached_prompt_tokens: 0,
             prompt_logprobs: vec![],
         };
-        tx.send(Ok(answer)).await.map_err(|_| Status::internal("closed"))?;
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-
-    async fn abort(&self, _: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        Ok(Response::new(pb::AbortResponse { found: false }))
-    }
-
-    async fn get_model_card(&self, _: Request<pb::ModelCardRequest>) -> Result<Response<pb::ModelCard>, Status> {
-        Ok(Response::new(pb::ModelCard {
-            model: "scripted".into(),
-            tokenizer_json: TOKENIZER.into(),
-            chat_template: "{% for m in messages %}{{ m.content }} {% endfor %}".into(),
-            eos_token_ids: vec![0],
-            eos_token: "<unk>".into(),
-            context_length: 4096,
-            kv_block_size: 16,
-            vocab_size: 4,
-            ..Default::default()
-        }))
-    }
-
-    async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
-        Ok(Response::new(pb::HealthResponse { ready: true }))
-    }
-
-    async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
-        let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(async move {
-            let mut report = pb::LoadReport { kv_blocks_total: 1000, snapshot: true, ..Default::default() };
-            while tx.send(Ok(report.clone())).await.is_ok() {
-                report.snapshot = false;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        tx.try_send(Ok(answer)).map_err(|_| Status::internal("closed"))?;
+        Ok(ReceiverStream::new(rx))
     }
 }
-
-/// A word-level tokenizer of four words: the control plane tokenizes; the worker ignores.
-const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
-"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
-"model":{"type":"WordLevel","vocab":{"<unk>":0,"hello":1,"world":2,"again":3},"unk_token":"<unk>"}}"#;
 
 const CATALOG: &str = r#"
 [[models]]
@@ -120,7 +76,7 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
         let worker = listener.local_addr()?.to_string();
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(WorkerServer::new(Instant1))
+                .add_service(WorkerServer::new(ScriptedWorker(AtOnce)))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         // The control plane: its database, an organization with credit and a key, the

@@ -19,11 +19,12 @@ use tessera_control_plane::db::Db;
 use tessera_control_plane::router::choice::Routing;
 use tessera_control_plane::router::{Models, Pool, Replica};
 use tessera_proto::errors;
-use tessera_proto::worker::worker_server::{Worker, WorkerServer};
+use tessera_proto::scripted::{GenerateStream, Script, ScriptedWorker};
+use tessera_proto::worker::worker_server::WorkerServer;
 use tessera_proto::worker::{self as pb, ErrorKind};
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Status};
 use tower::ServiceExt;
 
 /// What the worker does for one Generate call, in order.
@@ -43,15 +44,9 @@ struct Scripted {
     seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
 }
 
-type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
-
-#[tonic::async_trait]
-impl Worker for Scripted {
-    type GenerateStream = GenerateStream;
-    type WatchLoadStream = ReceiverStream<Result<pb::LoadReport, Status>>;
-
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        self.seen.lock().unwrap().push(request.into_inner());
+impl Script for Scripted {
+    fn generate(&self, request: pb::GenerateRequest) -> Result<GenerateStream, Status> {
+        self.seen.lock().unwrap().push(request);
         let script = self.scripts.lock().unwrap().pop_front().ok_or_else(|| Status::internal("no script left"))?;
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
@@ -75,50 +70,9 @@ impl Worker for Scripted {
                 }
             }
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-
-    async fn abort(&self, _: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        Ok(Response::new(pb::AbortResponse { found: false }))
-    }
-
-    async fn get_model_card(&self, _: Request<pb::ModelCardRequest>) -> Result<Response<pb::ModelCard>, Status> {
-        Ok(Response::new(pb::ModelCard {
-            model: "scripted".into(),
-            tokenizer_json: TOKENIZER.into(),
-            chat_template: "{% for m in messages %}{{ m.content }} {% endfor %}".into(),
-            eos_token_ids: vec![0],
-            eos_token: "<unk>".into(),
-            context_length: 4096,
-            kv_block_size: 16,
-            vocab_size: 4,
-            ..Default::default()
-        }))
-    }
-
-    async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
-        Ok(Response::new(pb::HealthResponse { ready: true }))
-    }
-
-    async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
-        let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(async move {
-            let mut report = pb::LoadReport { kv_blocks_total: 1000, snapshot: true, ..Default::default() };
-            // Reports keep coming, as a live worker's do, until the pool stops listening.
-            while tx.send(Ok(report.clone())).await.is_ok() {
-                report.snapshot = false;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(ReceiverStream::new(rx))
     }
 }
-
-/// A word-level tokenizer: the scripted worker ignores prompts, but the control plane
-/// tokenizes them.
-const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
-"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
-"model":{"type":"WordLevel","vocab":{"<unk>":0,"hello":1,"world":2,"again":3},"unk_token":"<unk>"}}"#;
 
 const CATALOG: &str = r#"
 [[models]]
@@ -165,7 +119,7 @@ impl Harness {
         let worker = Scripted::default();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let serving = WorkerServer::new(worker.clone());
+        let serving = WorkerServer::new(ScriptedWorker(worker.clone()));
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(serving)

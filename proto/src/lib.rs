@@ -8,6 +8,7 @@ pub mod chat_template;
 pub mod cluster;
 pub mod errors;
 pub mod image;
+pub mod scripted;
 pub mod speculative;
 pub mod text;
 pub mod vision;
