@@ -391,16 +391,23 @@ impl Scheduler {
         keyed.into_iter().map(|k| k.5).collect()
     }
 
+    /// Each tenant's running sequences over its weight: who runs the most for its share.
+    fn running_loads(&self) -> HashMap<&str, f64> {
+        let mut loads: HashMap<&str, f64> = HashMap::new();
+        for r in &self.running {
+            let s = &self.seqs[r];
+            *loads.entry(&*s.tenant).or_default() += 1.0 / f64::from(s.weight.max(1));
+        }
+        loads
+    }
+
     /// Whom to preempt so that `id` can grow: of the running sequences besides it and
     /// the first, one not planned for this step if any (else, only for the first, one
     /// that is), of the tenant running the most rows for its weight, its lowest
     /// priority, newest admitted. None: nobody may be preempted for it.
     fn victim(&self, id: SeqId, step: &Step) -> Option<SeqId> {
-        let mut rows: HashMap<&str, usize> = HashMap::new();
-        for r in &self.running {
-            *rows.entry(&*self.seqs[r].tenant).or_default() += 1;
-        }
-        let load = |s: &Sequence| rows[&*s.tenant] as f64 / f64::from(s.weight.max(1));
+        let loads = self.running_loads();
+        let load = |s: &Sequence| loads[&*s.tenant];
         let pick = |planned: bool| {
             self.running
                 .iter()
@@ -538,12 +545,8 @@ impl Scheduler {
     /// preemption step never does); the next admits the waiting one, its tenant being
     /// further behind.
     fn rebalance(&mut self, step: &mut Step) {
-        let mut rows: HashMap<&str, f64> = HashMap::new();
-        for r in &self.running {
-            let s = &self.seqs[r];
-            *rows.entry(&*s.tenant).or_default() += 1.0 / f64::from(s.weight.max(1));
-        }
-        let load = |tenant: &str| rows.get(tenant).copied().unwrap_or(0.0);
+        let loads = self.running_loads();
+        let load = |tenant: &str| loads.get(tenant).copied().unwrap_or(0.0);
         let seats = self.running.len() >= self.config.max_num_seqs;
         let mut victim = None;
         for id in self.waiting_order(true) {
