@@ -209,6 +209,15 @@ pub struct ApiArgs {
     /// Requests an organization may send at once after a quiet spell.
     #[arg(long, env = "TESSERA_RATE_LIMIT_BURST", default_value_t = 20)]
     pub rate_limit_burst: u32,
+    /// Seconds of an organization's observed spend one budget lease covers: this
+    /// control plane admits that organization's credit requests against the lease in
+    /// memory, writing only settlements (in batches) and renewals. 0 takes a hold in
+    /// the database for every request instead.
+    #[arg(long, env = "TESSERA_BUDGET_LEASE_SECS", default_value_t = 2.0)]
+    pub budget_lease_secs: f64,
+    /// Seconds a budget lease may go unused before it returns to its organization.
+    #[arg(long, env = "TESSERA_BUDGET_LEASE_IDLE_SECS", default_value_t = 2.0)]
+    pub budget_lease_idle_secs: f64,
     /// Seconds between refreshes of each model's supply state (subscription discount).
     #[arg(long, env = "TESSERA_SUPPLY_REFRESH_SECS", default_value_t = 600)]
     pub supply_refresh_secs: u64,

@@ -36,6 +36,14 @@ pub const STREAM_ERRORS: &str = "tessera_stream_errors_total";
 pub const SETTLEMENT: &str = "tessera_billing_settlement_seconds";
 /// Settlements that failed every retry (their holds are released later).
 pub const SETTLEMENT_FAILURES: &str = "tessera_billing_settlement_failures_total";
+/// Budget leases taken or renewed (credit moved from an organization's account into a
+/// control plane's lease).
+pub const LEASE_RENEWALS: &str = "tessera_budget_lease_renewals_total";
+/// Budget leases returned to their organization, by `reason`: idle, shutdown, expired
+/// (another control plane returned a dead one's).
+pub const LEASE_RETURNS: &str = "tessera_budget_lease_returns_total";
+/// Rate-limit tokens taken from the database in batches (one per batch).
+pub const RATE_TOKEN_LEASES: &str = "tessera_rate_limit_token_leases_total";
 /// Each model's supply state: 0 low, 1 medium, 2 high, 3 surplus.
 pub const SUPPLY_STATE: &str = "tessera_supply_state";
 /// The replicas' load behind that state, 0 to 1.
@@ -94,12 +102,17 @@ fn start_at_zero() {
         metrics::counter!(REFUSALS, "outcome" => outcome).absolute(0);
     }
     metrics::counter!(SETTLEMENT_FAILURES).absolute(0);
+    metrics::counter!(LEASE_RENEWALS).absolute(0);
+    metrics::counter!(RATE_TOKEN_LEASES).absolute(0);
 }
 
 fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(HTTP_REQUESTS, "HTTP requests answered, by route, status and model.");
     describe_histogram!(HTTP_DURATION, Unit::Seconds, "Time to the response head (a stream's first byte), by route.");
+    describe_counter!(LEASE_RENEWALS, "Budget leases taken or renewed from organizations' credit.");
+    describe_counter!(LEASE_RETURNS, "Budget leases returned to their organizations, by reason.");
+    describe_counter!(RATE_TOKEN_LEASES, "Rate-limit tokens taken from the database in batches.");
     describe_gauge!(ETCD_CONNECTED, "1 while the control plane's etcd connection is up.");
     describe_gauge!(ETCD_REVISION, "The etcd revision of the replica table.");
     describe_gauge!(PLACEMENT_LEADER, "1 while this control plane leads placement.");

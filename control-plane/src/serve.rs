@@ -6,6 +6,7 @@ use axum::serve::ListenerExt;
 use crate::accounts::{BillingMode, NewKey, Store};
 use crate::api::{self, AppState};
 use crate::billing::Billing;
+use crate::billing::lease::LeaseConfig;
 use crate::billing::payments::DevProcessor;
 use crate::billing::subscriptions::Subscriptions;
 use crate::billing::supply::{Refresher, Supply};
@@ -130,7 +131,12 @@ pub async fn app_state(
     }
     // No real payment processor can run here: plans and credit purchases go through
     // the development processor (see billing::payments).
-    let billing = db.billing(Arc::new(DevProcessor::default()));
+    let mut billing = db.billing(Arc::new(DevProcessor::default()));
+    if config.budget_lease_secs > 0.0 {
+        let idle = Duration::try_from_secs_f64(config.budget_lease_idle_secs.max(0.0)).unwrap_or(Duration::MAX);
+        billing = billing.with_leases(LeaseConfig { seconds_of_spend: config.budget_lease_secs, idle });
+        tokio::spawn(return_idle_leases(billing.clone()));
+    }
     billing.heartbeat(DEAD_AFTER.as_micros() as i64).await?;
     tokio::spawn(keep_alive(billing.clone()));
     tokio::spawn(release_stale_holds(db.ledger()));
@@ -283,6 +289,18 @@ async fn keep_alive(billing: Billing) {
             Ok(0) => {}
             Ok(n) => tracing::warn!("released {n} holds of a control plane that stopped"),
             Err(e) => tracing::error!("heartbeat: {e}"),
+        }
+    }
+}
+
+/// Returns budget leases that have idled, every second, so that an organization's
+/// credit leased here and no longer used is back in its account within a few seconds.
+async fn return_idle_leases(billing: Billing) {
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        every.tick().await;
+        if let Err(e) = billing.return_idle_leases().await {
+            tracing::warn!("returning idle budget leases: {e}");
         }
     }
 }

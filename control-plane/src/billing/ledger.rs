@@ -101,7 +101,7 @@ pub struct Ledger {
     owner: Option<String>,
 }
 
-fn org_account(org: &str) -> String {
+pub(super) fn org_account(org: &str) -> String {
     format!("org:{org}")
 }
 
@@ -109,9 +109,14 @@ fn holds_account(org: &str) -> String {
     format!("holds:{org}")
 }
 
+/// The organization's credit leased to control planes (`lease`), not yet charged.
+pub(super) fn leases_account(org: &str) -> String {
+    format!("leases:{org}")
+}
+
 /// What an organization's requests cost, kept per organization so that settlements of
 /// different organizations never wait on one row.
-fn revenue_account(org: &str) -> String {
+pub(super) fn revenue_account(org: &str) -> String {
     format!("revenue:{org}")
 }
 
@@ -119,13 +124,18 @@ fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
-fn amount(v: u64) -> Result<i64, LedgerError> {
+pub(super) fn amount(v: u64) -> Result<i64, LedgerError> {
     i64::try_from(v).map_err(|_| LedgerError::Invalid(format!("{v} micro-dollars is out of range")))
 }
 
 impl Ledger {
     pub fn new(pool: AnyPool) -> Self {
         Self { pool, owner: None }
+    }
+
+    /// Budget leases of this database's credit, taken by control-plane process `owner`.
+    pub fn leases(&self, owner: &str, config: super::lease::LeaseConfig) -> super::lease::Leases {
+        super::lease::Leases::new(self.pool.clone(), owner, config)
     }
 
     /// Sums of this database's usage records, for reports.
@@ -152,8 +162,10 @@ impl Ledger {
     }
 
     /// Settles as unused every open hold whose owning process has not beaten its heart
-    /// since `alive_since_us`. Returns how many.
+    /// since `alive_since_us`, and expires its budget leases (their remainders back to
+    /// the organizations). Returns how many holds and leases.
     pub async fn release_orphaned(&self, alive_since_us: i64) -> Result<u32, LedgerError> {
+        let leases = super::lease::expire_orphaned(&self.pool, alive_since_us).await?;
         let rows = sqlx::query(
             "SELECT request_id, org_id FROM holds WHERE settled_at IS NULL AND owner IS NOT NULL \
              AND owner NOT IN (SELECT id FROM control_planes WHERE heartbeat_at >= $1)",
@@ -161,7 +173,7 @@ impl Ledger {
         .bind(alive_since_us)
         .fetch_all(&self.pool)
         .await?;
-        self.settle_unused(rows).await
+        Ok(self.settle_unused(rows).await? + leases)
     }
 
     /// Credit for an organization from outside the ledger (a grant or a purchase).
@@ -260,9 +272,11 @@ impl Ledger {
             .collect::<Result<_, sqlx::Error>>()?)
     }
 
-    /// An organization's spendable credit (holds of requests in flight excluded).
+    /// An organization's spendable credit: its own account, and what control planes
+    /// have leased of it and not yet charged (holds of requests in flight excluded).
     pub async fn balance(&self, org_id: &str) -> Result<i64, LedgerError> {
-        account_balance(&self.pool, &org_account(org_id)).await
+        Ok(account_balance(&self.pool, &org_account(org_id)).await?
+            + account_balance(&self.pool, &leases_account(org_id)).await?)
     }
 
     /// Credit held by an organization's requests in flight.
@@ -486,7 +500,7 @@ async fn account_balance(pool: &AnyPool, id: &str) -> Result<i64, LedgerError> {
     })
 }
 
-async fn open_account(tx: &mut Transaction<'_, Any>, id: &str) -> Result<(), LedgerError> {
+pub(super) async fn open_account(tx: &mut Transaction<'_, Any>, id: &str) -> Result<(), LedgerError> {
     sqlx::query("INSERT INTO ledger_accounts (id, balance) VALUES ($1, 0) ON CONFLICT (id) DO NOTHING")
         .bind(id)
         .execute(&mut **tx)
@@ -495,19 +509,19 @@ async fn open_account(tx: &mut Transaction<'_, Any>, id: &str) -> Result<(), Led
 }
 
 /// Where an account comes in the order every transaction locks accounts in — grants,
-/// an organization's credit, its holds, revenue — so that concurrent transactions on
+/// an organization's credit, its holds and leases, revenue — so that concurrent transactions on
 /// PostgreSQL never wait on each other in a cycle.
 fn lock_rank(account: &str) -> u8 {
     match account {
         "grants" => 0,
         a if a.starts_with("org:") => 1,
-        a if a.starts_with("holds:") => 2,
+        a if a.starts_with("holds:") || a.starts_with("leases:") => 2,
         _ => 3,
     }
 }
 
 /// Adds each delta to its account's balance, in lock order.
-async fn move_balances(tx: &mut Transaction<'_, Any>, deltas: &[(String, i64)]) -> Result<(), LedgerError> {
+pub(super) async fn move_balances(tx: &mut Transaction<'_, Any>, deltas: &[(String, i64)]) -> Result<(), LedgerError> {
     let mut ordered: Vec<&(String, i64)> = deltas.iter().filter(|(_, d)| *d != 0).collect();
     ordered.sort_by_key(|(a, _)| (lock_rank(a), a.clone()));
     for (account, delta) in ordered {
@@ -521,7 +535,7 @@ async fn move_balances(tx: &mut Transaction<'_, Any>, deltas: &[(String, i64)]) 
 }
 
 /// A transfer's row (`move_balances` moves the balances).
-async fn record(
+pub(super) async fn record(
     tx: &mut Transaction<'_, Any>,
     from: &str,
     to: &str,

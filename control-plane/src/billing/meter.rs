@@ -10,6 +10,7 @@
 //! wait for them.
 
 use super::cost::{Tokens, cost_micros, usd, worst_case_micros};
+use super::lease::{LeaseConfig, LeaseHold, Leases};
 use super::ledger::{Admission, Ledger, LedgerError, NewHold, UsageRecord};
 use super::subscriptions::{Refusal, Subscriptions};
 use super::supply::Supply;
@@ -37,6 +38,9 @@ pub struct Billing {
     tasks: TaskTracker,
     /// Meters not yet settled, for shutdown to settle.
     open: Arc<Mutex<HashMap<String, Weak<Inner>>>>,
+    /// Credit requests draw from this process's budget leases rather than from the
+    /// organization's account, one write per request (`lease`); None: per request.
+    leases: Option<(Leases, LeaseConfig)>,
 }
 
 /// What a request asks to generate: each prompt's length and the tokens it may
@@ -117,6 +121,27 @@ impl Billing {
             clock: Arc::new(crate::limits::now_us),
             tasks: TaskTracker::new(),
             open: Default::default(),
+            leases: None,
+        }
+    }
+
+    /// The same, admitting credit requests against budget leases (call inside a Tokio
+    /// runtime: the leases' settlement writer is a task).
+    pub fn with_leases(self, config: LeaseConfig) -> Self {
+        let leases = self.ledger.leases(&self.process, config);
+        Self { leases: Some((leases, config)), ..self }
+    }
+
+    /// This process's budget leases, when it takes them.
+    pub fn leases(&self) -> Option<&Leases> {
+        self.leases.as_ref().map(|(l, _)| l)
+    }
+
+    /// Returns the budget leases that have idled to their organizations.
+    pub async fn return_idle_leases(&self) -> Result<i64, LedgerError> {
+        match &self.leases {
+            Some((leases, config)) => leases.return_idle(config.idle).await,
+            None => Ok(0),
         }
     }
 
@@ -172,7 +197,7 @@ impl Billing {
         let (billing, key) = (self.clone(), key.clone());
         self.tasks.spawn(async move {
             let admitted = match billing.take_hold(&key, &pending.record, worst, now).await {
-                Ok(funding) => Ok(billing.meter(prices, funding, pending)),
+                Ok((funding, lease)) => Ok(billing.meter(prices, funding, lease, pending)),
                 Err(refused) => Err(refused),
             };
             let _ = tx.send(admitted);
@@ -187,7 +212,13 @@ impl Billing {
 
     /// Subscription keys draw included usage at the current discount; when it cannot
     /// pay, keys with credit fallback (and credits keys) draw credit at standard rates.
-    async fn take_hold(&self, key: &ApiKey, record: &UsageRecord, worst: u64, now: i64) -> Result<Funding, Refused> {
+    async fn take_hold(
+        &self,
+        key: &ApiKey,
+        record: &UsageRecord,
+        worst: u64,
+        now: i64,
+    ) -> Result<(Funding, Option<LeaseHold>), Refused> {
         let failed = |e: &dyn std::fmt::Display| {
             tracing::error!("billing hold: {e}");
             Refused::Failed
@@ -196,26 +227,35 @@ impl Billing {
             let multiplier_bp = self.supply.state(&record.model).multiplier_bp();
             let amount = discounted(worst, multiplier_bp, true) as i64;
             match self.subscriptions.hold(&key.org_id, &record.request_id, amount, now).await {
-                Ok(Ok(())) => return Ok(Funding::Subscription { multiplier_bp }),
+                Ok(Ok(())) => return Ok((Funding::Subscription { multiplier_bp }, None)),
                 Ok(Err(refusal)) if !key.fallback_to_credits => return Err(Refused::Subscription(refusal)),
                 Ok(Err(_)) => {}
                 Err(e) => return Err(failed(&e)),
             }
         }
+        if let Some((leases, _)) = &self.leases {
+            return match leases.hold(&key.org_id, worst).await {
+                Ok(Ok(lease)) => Ok((Funding::Credits, Some(lease))),
+                Ok(Err(balance)) => Err(Refused::Credit { balance }),
+                Err(e) => Err(failed(&e)),
+            };
+        }
         let hold = NewHold { request_id: record.request_id.clone(), org_id: key.org_id.clone(), amount: worst };
         match self.ledger.hold(&hold).await {
-            Ok(Admission::Held) => Ok(Funding::Credits),
+            Ok(Admission::Held) => Ok((Funding::Credits, None)),
             Ok(Admission::Insufficient { balance }) => Err(Refused::Credit { balance }),
             Err(e) => Err(failed(&e)),
         }
     }
 
-    fn meter(&self, prices: Prices, funding: Funding, pending: Pending) -> Meter {
+    fn meter(&self, prices: Prices, funding: Funding, lease: Option<LeaseHold>, pending: Pending) -> Meter {
         let id = pending.record.request_id.clone();
         let inner = Arc::new(Inner {
             billing: self.clone(),
             prices,
             funding,
+            on_lease: lease.is_some(),
+            lease: Mutex::new(lease),
             pending: Mutex::new(pending),
             settled: AtomicBool::new(false),
         });
@@ -252,6 +292,12 @@ impl Billing {
         if tokio::time::timeout(limit, self.tasks.wait()).await.is_err() {
             tracing::error!("settlements still running at exit; their holds are released later");
         }
+        if let Some((leases, _)) = &self.leases {
+            match leases.close_all().await {
+                Ok(micros) => tracing::info!("budget leases returned: {} to their organizations", usd(micros)),
+                Err(e) => tracing::error!("returning budget leases (another control plane expires them): {e}"),
+            }
+        }
     }
 }
 
@@ -276,6 +322,9 @@ struct Inner {
     billing: Billing,
     prices: Prices,
     funding: Funding,
+    /// The request's hold on a budget lease, taken out by its one settlement.
+    lease: Mutex<Option<LeaseHold>>,
+    on_lease: bool,
     pending: Mutex<Pending>,
     /// The ledger has this settlement; the drop has nothing left to do.
     settled: AtomicBool,
@@ -329,6 +378,14 @@ impl Meter {
     /// the drop tries again.
     pub async fn settle(&self) {
         if self.0.settled.load(Ordering::SeqCst) {
+            return;
+        }
+        if self.0.on_lease {
+            if let Some(task) = self.0.settle_lease()
+                && matches!(task.await, Ok(true))
+            {
+                self.0.settled.store(true, Ordering::SeqCst);
+            }
             return;
         }
         let task = self.0.billing.tasks.spawn(settle_with_retries(self.0.billing.ledger.clone(), self.0.usage()));
@@ -398,6 +455,19 @@ async fn settle_with_retries(ledger: Ledger, usage: UsageRecord) -> bool {
 }
 
 impl Inner {
+    /// Settles against the request's budget lease, once: the first call takes the hold
+    /// and writes the settlement in a task; later calls (and requests not on a lease)
+    /// get None.
+    fn settle_lease(&self) -> Option<tokio::task::JoinHandle<bool>> {
+        let hold = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        let Some((leases, _)) = self.billing.leases.clone() else {
+            tracing::error!("a lease hold without leases");
+            return None;
+        };
+        let usage = self.usage();
+        Some(self.billing.tasks.spawn(async move { leases.settle(hold, usage).await }))
+    }
+
     /// The usage to settle: prompts the worker accepted, and every token it sent back.
     fn usage(&self) -> UsageRecord {
         let p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -436,7 +506,13 @@ impl Drop for Inner {
             return;
         }
         if tokio::runtime::Handle::try_current().is_ok() {
-            self.billing.tasks.spawn(settle_with_retries(self.billing.ledger.clone(), usage));
+            if self.on_lease {
+                // Unless `Meter::settle` took the hold already (and its write failed,
+                // which leaves the request uncharged: nothing to retry).
+                self.settle_lease();
+            } else {
+                self.billing.tasks.spawn(settle_with_retries(self.billing.ledger.clone(), usage));
+            }
         } else {
             tracing::error!("no runtime to settle {} on; its hold is released later", usage.request_id);
         }
@@ -455,7 +531,7 @@ mod tests {
         assert_eq!(db.ledger().hold(&hold).await.unwrap(), Admission::Held);
         let record = UsageRecord { key_id: "key_t".into(), ..UsageRecord::unused(id, org) };
         let pending = Pending { record, prompts: vec![10], outputs: vec![Counted::default()] };
-        billing.meter(PRICES, Funding::Credits, pending)
+        billing.meter(PRICES, Funding::Credits, None, pending)
     }
 
     #[tokio::test]

@@ -1,10 +1,12 @@
 //! Paying for tokens: the prices applied to a request's counts (`cost`), the credit
-//! ledger with its holds and settlements (`ledger`), personal plans (`plans`) paid
+//! ledger with its holds and settlements (`ledger`), control planes' budget leases
+//! of it (`lease`), personal plans (`plans`) paid
 //! through a processor (`payments`) whose included usage pays requests
 //! (`subscriptions`) at each model's supply discount (`supply`), and the meter that
 //! carries one request from admission to settlement (`meter`).
 
 pub mod cost;
+pub mod lease;
 pub mod ledger;
 pub mod meter;
 pub mod payments;
