@@ -2,7 +2,10 @@
 //! end, timed one by one (p50, p99) on SQLite and on PostgreSQL; then how many requests
 //! one process admits per second for one organization — key check and rate limit, with
 //! and without hold and settlement — side by side in the same run. Holds and
-//! settlements of subscription requests are timed too.
+//! settlements of subscription requests are timed too. Then one organization's
+//! admissions across 1 and `control_planes` control planes (each its own pool, limiter
+//! and budget leases) sharing the database: per-request holds against leases, with the
+//! database transactions the leases cost.
 
 #[path = "../../control-plane/tests/support/postgres.rs"]
 mod postgres;
@@ -14,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tessera_control_plane::accounts::{BillingMode, NewKey};
+use tessera_control_plane::billing::lease::{LeaseConfig, Leases};
 use tessera_control_plane::billing::ledger::{NewHold, UsageRecord};
 use tessera_control_plane::billing::payments::{DEV_CARD, DevProcessor};
 use tessera_control_plane::billing::plans::Plan;
@@ -34,6 +38,9 @@ pub struct Args {
     /// An empty PostgreSQL database; default: a throwaway local cluster.
     #[arg(long)]
     postgres: Option<String>,
+    /// Control planes in the multi-control-plane admission runs.
+    #[arg(long, default_value_t = 4)]
+    control_planes: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -145,6 +152,9 @@ async fn bench(name: &str, url: &str, args: &Args) -> Result<()> {
         rates.push(done.load(Ordering::Relaxed) as f64 / args.seconds);
     }
     ledger.audit().await?;
+    for planes in [1, args.control_planes] {
+        leased_admissions(name, url, planes, args).await?;
+    }
     println!(
         "{}",
         json!({
@@ -163,6 +173,123 @@ async fn bench(name: &str, url: &str, args: &Args) -> Result<()> {
             "admitted_per_s_billing_off": round(rates[0]),
             "admitted_per_s_billing_on": round(rates[1]),
             "ratio": round(rates[1] / rates[0]),
+        })
+    );
+    Ok(())
+}
+
+/// How each admission is billed in `admissions`.
+#[derive(Clone, Copy, PartialEq)]
+enum Holds {
+    PerRequest,
+    Leased,
+}
+
+/// One control plane of the multi-control-plane runs: its own pool and state.
+struct Plane {
+    store: tessera_control_plane::accounts::Store,
+    ledger: tessera_control_plane::billing::Ledger,
+    limiter: tessera_control_plane::limits::RateLimiter,
+    leases: Leases,
+}
+
+/// One organization's admissions per second across `planes` control planes on `url`:
+/// key check, rate limit (its limit out of reach: tokens leased in batches), hold
+/// and settlement — per request, then against leases — `concurrency` at once on each.
+async fn leased_admissions(name: &str, url: &str, planes: usize, args: &Args) -> Result<()> {
+    let first = Db::open(url).await?;
+    let org = first.accounts().create_org("leased").await?;
+    let new = NewKey {
+        org_id: &org.id,
+        name: "bench",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
+    let (_, secret) = first.accounts().create_key(new).await?;
+    first.ledger().grant(&org.id, 1 << 50, "benchmark").await?;
+    // The limit out of reach: 4 billion a minute, 1,000 at once.
+    let limits = RateConfig { default_rpm: 200, burst: 1_000 };
+    first.rate_limiter(limits).set_org_rpm(&org.id, Some(u32::MAX)).await?;
+    let mut stack = Vec::new();
+    for p in 0..planes {
+        let db = Db::open(url).await?;
+        let owner = format!("cp_bench_{name}_{planes}_{p}");
+        stack.push(Arc::new(Plane {
+            store: db.accounts(),
+            ledger: db.ledger(),
+            limiter: db.rate_limiter(limits),
+            leases: db.ledger().leases(&owner, LeaseConfig::default()),
+        }));
+    }
+    let mut rates = Vec::new();
+    for holds in [Holds::PerRequest, Holds::Leased] {
+        let done = Arc::new(AtomicU64::new(0));
+        let checks_before: u64 = stack.iter().map(|p| p.limiter.database_checks()).sum();
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs_f64(args.seconds);
+        let mut tasks = Vec::new();
+        for (p, plane) in stack.iter().enumerate() {
+            for w in 0..args.concurrency {
+                let (plane, done, secret, org) = (plane.clone(), done.clone(), secret.clone(), org.id.clone());
+                let tag = if holds == Holds::Leased { "lease" } else { "hold" };
+                tasks.push(tokio::spawn(async move {
+                    let mut i = 0u64;
+                    while Instant::now() < deadline {
+                        let key = plane.store.authenticate(&secret).await?.expect("the bench key");
+                        let d = plane.limiter.check(&key.org_id).await?;
+                        anyhow::ensure!(d.allowed, "rate-limited: {d:?}");
+                        let id = format!("{tag}-{planes}-{p}-{w}-{i}");
+                        match holds {
+                            Holds::PerRequest => {
+                                let hold = NewHold { request_id: id.clone(), org_id: org.clone(), amount: 5_000 };
+                                plane.ledger.hold(&hold).await?;
+                                plane.ledger.settle(&usage(id, &org)).await?;
+                            }
+                            Holds::Leased => {
+                                let hold = plane.leases.hold(&org, 5_000).await?.map_err(|b| anyhow::anyhow!("{b}"))?;
+                                anyhow::ensure!(plane.leases.settle(hold, usage(id, &org)).await, "not settled");
+                            }
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                        i += 1;
+                    }
+                    anyhow::Ok(())
+                }));
+            }
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let checks: u64 = stack.iter().map(|p| p.limiter.database_checks()).sum::<u64>() - checks_before;
+        rates.push((done.load(Ordering::Relaxed) as f64 / elapsed, checks as f64 / elapsed, elapsed));
+    }
+    let stats: Vec<_> = stack.iter().map(|p| p.leases.stats()).collect();
+    for plane in &stack {
+        plane.leases.close_all().await?;
+    }
+    first.ledger().audit().await?;
+    let sum = |f: fn(&tessera_control_plane::billing::lease::LeaseStats) -> u64| stats.iter().map(f).sum::<u64>();
+    let (renewals, batches, settlements) = (sum(|s| s.renewals), sum(|s| s.batches), sum(|s| s.settlements));
+    let leased_s = rates[1].2;
+    println!(
+        "{}",
+        json!({
+            "bench": "billing_leases",
+            "db": name,
+            "control_planes": planes,
+            "concurrency_each": args.concurrency,
+            "admitted_per_s_per_request_holds": round(rates[0].0),
+            "admitted_per_s_leased": round(rates[1].0),
+            "ratio": round(rates[1].0 / rates[0].0),
+            "lease_renewals_per_s": round(renewals as f64 / leased_s),
+            "settlement_batches_per_s": round(batches as f64 / leased_s),
+            "settlements_per_batch": round(settlements as f64 / batches.max(1) as f64),
+            "rate_limit_db_checks_per_s_per_request_holds": round(rates[0].1),
+            "rate_limit_db_checks_per_s_leased": round(rates[1].1),
+            "write_transactions_per_s_leased": round((renewals + batches) as f64 / leased_s + rates[1].1),
+            "write_transactions_per_s_per_request_holds": round(rates[0].0 * 2.0 + rates[0].1),
         })
     );
     Ok(())

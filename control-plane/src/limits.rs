@@ -6,11 +6,14 @@
 //! N-fold overshoot — and at most rpm + burst requests pass in any minute.
 //!
 //! An organization sending fast takes its tokens in batches (a token lease): one update
-//! advances the TAT by n intervals when the first of them is admitted, and this control
-//! plane admits the other n − 1 from memory within the n intervals they stand for. n
-//! follows the organization's arrival rate here (50 ms of it) and is at most 50 ms of
-//! its limit, so under 1,200 rpm it is 1 and the limit is exact; above, each control
-//! plane may admit at most n − 1 requests beyond the bound (`TOKEN_LEASE_US`).
+//! admits n requests at once, as GCRA would admit n arriving together, and this control
+//! plane spends them from memory within the n intervals they stand for. n follows the
+//! organization's arrival rate here (50 ms of it), within 50 ms of its limit and half
+//! the burst, so under 1,200 rpm it is 1 and the limit is exact; above, a token spent
+//! later than it was leased (within 50 ms) may land in a later window: each control
+//! plane holds at most n − 1 unspent, so admits at most n − 1 beyond the bound in any
+//! window. Near the limit GCRA admits
+//! fewer at once, and n falls to 1.
 
 use sqlx::{AnyPool, Row};
 use std::collections::HashMap;
@@ -59,8 +62,10 @@ pub struct RateLimiter {
 }
 
 /// An organization's leased tokens here, and its arrival rate.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Tokens {
+    /// Held by the one decision going to the database.
+    gate: Arc<tokio::sync::Mutex<()>>,
     left: u32,
     /// They stand for the intervals up to here (µs since the epoch): unused, they lapse.
     until: i64,
@@ -75,6 +80,37 @@ struct Tokens {
 }
 
 impl Tokens {
+    fn new(now: i64) -> Self {
+        Self {
+            gate: Default::default(),
+            left: 0,
+            until: 0,
+            decision: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
+            refused_until: 0,
+            window_start: now,
+            arrivals: 0,
+            per_sec: 0.0,
+        }
+    }
+
+    /// The decision from memory, when there is one: a leased token, or the refusal
+    /// still standing.
+    fn decide(&mut self, now: i64) -> Option<Decision> {
+        if self.left > 0 && now < self.until {
+            self.left -= 1;
+            return Some(Decision { remaining: self.decision.remaining + self.left, ..self.decision });
+        }
+        if now < self.refused_until {
+            let wait = (self.refused_until - now) as u64;
+            return Some(Decision {
+                retry_after_us: wait,
+                reset_us: self.decision.reset_us.max(wait),
+                ..self.decision
+            });
+        }
+        None
+    }
+
     fn arrive(&mut self, now: i64) {
         let dt = now - self.window_start;
         if dt >= ARRIVAL_WINDOW_US {
@@ -109,37 +145,43 @@ impl RateLimiter {
     }
 
     pub async fn check(&self, org_id: &str) -> Result<Decision, sqlx::Error> {
-        self.check_at(org_id, now_us()).await
+        self.decide(org_id, now_us).await
     }
 
     /// The decision for a request arriving at `now` (µs since the epoch; tests pass
     /// their own clock).
     pub async fn check_at(&self, org_id: &str, now: i64) -> Result<Decision, sqlx::Error> {
+        self.decide(org_id, || now).await
+    }
+
+    /// The decision, on `clock`: read again once the database's row is read, since a
+    /// request that waited for the row would otherwise judge the TAT from the past.
+    async fn decide(&self, org_id: &str, clock: impl Fn() -> i64) -> Result<Decision, sqlx::Error> {
+        let mut now = clock();
         let arrival = {
             let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
             if local.len() >= 65_536 {
                 // Forget organizations quiet for a minute rather than grow without end.
                 local.retain(|_, t| now - t.window_start < 60_000_000);
             }
-            let t = local.entry(org_id.to_string()).or_insert(Tokens {
-                left: 0,
-                until: 0,
-                decision: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
-                refused_until: 0,
-                window_start: now,
-                arrivals: 0,
-                per_sec: 0.0,
-            });
+            let t = local.entry(org_id.to_string()).or_insert_with(|| Tokens::new(now));
             t.arrive(now);
-            if t.left > 0 && now < t.until {
-                t.left -= 1;
-                return Ok(Decision { remaining: t.decision.remaining + t.left, ..t.decision });
+            if let Some(d) = t.decide(now) {
+                return Ok(d);
             }
-            if now < t.refused_until {
-                let wait = (t.refused_until - now) as u64;
-                return Ok(Decision { retry_after_us: wait, reset_us: t.decision.reset_us.max(wait), ..t.decision });
+            t.gate.clone()
+        };
+        // One decision at a time goes to the database per organization; those that
+        // waited for it take from what it leased.
+        let gate = arrival.lock_owned().await;
+        let arrival = {
+            now = clock();
+            let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+            let t = local.entry(org_id.to_string()).or_insert_with(|| Tokens::new(now));
+            if let Some(d) = t.decide(now) {
+                return Ok(d);
             }
-            *t
+            t.clone()
         };
         self.database_checks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let rpm = sqlx::query("SELECT rate_limit_rpm FROM orgs WHERE id = $1")
@@ -150,33 +192,50 @@ impl RateLimiter {
             .map_or(self.config.default_rpm, |r| r.clamp(1, u32::MAX as i64) as u32);
         // At least a microsecond: a limit above 60 million a minute is no limit.
         let interval = (60_000_000 / rpm as i64).max(1);
-        let batch = arrival.batch((TOKEN_LEASE_US / interval).clamp(1, u32::MAX as i64) as u32);
         let tolerance = interval * (self.config.burst.max(1) as i64 - 1);
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("INSERT INTO rate_limit_state (org_id, tat_us) VALUES ($1, $2) ON CONFLICT (org_id) DO NOTHING")
+        // Up to 50 ms of the limit and half the burst: a lease never takes so many that
+        // another control plane's request would be refused below the limit.
+        let most = (TOKEN_LEASE_US / interval).min(self.config.burst as i64 / 2).clamp(1, u32::MAX as i64);
+        let batch = arrival.batch(most as u32) as i64;
+        let (taken, tat) = loop {
+            let mut tx = self.pool.begin().await?;
+            sqlx::query(
+                "INSERT INTO rate_limit_state (org_id, tat_us) VALUES ($1, $2) ON CONFLICT (org_id) DO NOTHING",
+            )
             .bind(org_id)
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        // max(tat, now) without MAX/GREATEST, which the two databases spell differently.
-        let admitted = sqlx::query(
-            "UPDATE rate_limit_state SET tat_us = (CASE WHEN tat_us > $1 THEN tat_us ELSE $1 END) + $2 \
-             WHERE org_id = $3 AND (CASE WHEN tat_us > $1 THEN tat_us ELSE $1 END) - $1 <= $4",
-        )
-        .bind(now)
-        .bind(interval * batch as i64)
-        .bind(org_id)
-        .bind(tolerance)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-            == 1;
-        let tat: i64 = sqlx::query("SELECT tat_us FROM rate_limit_state WHERE org_id = $1")
-            .bind(org_id)
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get("tat_us")?;
-        tx.commit().await?;
+            let seen: i64 = sqlx::query("SELECT tat_us FROM rate_limit_state WHERE org_id = $1")
+                .bind(org_id)
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get("tat_us")?;
+            now = clock();
+            let base = seen.max(now);
+            if base - now > tolerance {
+                tx.commit().await?;
+                break (0, seen);
+            }
+            // As many as GCRA admits at once now, up to the batch.
+            let taken = batch.min((tolerance - (base - now)) / interval + 1);
+            let tat = base + taken * interval;
+            // Compare and set: another control plane that moved the TAT since the read
+            // makes this one read again (SQLite's write lock, taken by the insert,
+            // already excludes it).
+            let set = sqlx::query("UPDATE rate_limit_state SET tat_us = $1 WHERE org_id = $2 AND tat_us = $3")
+                .bind(tat)
+                .bind(org_id)
+                .bind(seen)
+                .execute(&mut *tx)
+                .await?;
+            if set.rows_affected() == 1 {
+                tx.commit().await?;
+                break (taken, tat);
+            }
+            tx.rollback().await?;
+        };
+        let admitted = taken > 0;
         let ahead = (tat - now).max(0);
         let decision = Decision {
             allowed: admitted,
@@ -185,18 +244,21 @@ impl RateLimiter {
             reset_us: ahead as u64,
             retry_after_us: if admitted { 0 } else { (ahead - tolerance).max(1) as u64 },
         };
-        if admitted && batch > 1 {
+        if taken > 1 {
             metrics::counter!(crate::metrics::RATE_TOKEN_LEASES).increment(1);
         }
         let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = local.get_mut(org_id) {
             t.decision = decision;
             if admitted {
-                (t.left, t.until) = (batch - 1, now + interval * batch as i64);
+                // They may be spent for 50 ms: at most n − 1 unspent at any time here,
+                // whenever they are spent.
+                (t.left, t.until) = (taken as u32 - 1, now + (interval * taken).max(TOKEN_LEASE_US));
             } else {
                 t.refused_until = now + decision.retry_after_us as i64;
             }
         }
+        drop(gate);
         Ok(decision)
     }
 

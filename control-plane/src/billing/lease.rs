@@ -26,7 +26,7 @@ use super::ledger::{self, LedgerError, UsageRecord};
 use crate::accounts::keys;
 use sqlx::{AnyPool, Row};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -36,8 +36,8 @@ use tokio::sync::{mpsc, oneshot};
 const SHARE_DIVISOR: i64 = 4;
 /// Settlements written in one transaction, at most.
 const MAX_BATCH: usize = 256;
-/// How long a rate estimate's window runs before it is folded in.
-const RATE_WINDOW: Duration = Duration::from_millis(250);
+/// How long a rate estimate's window runs before it is folded in, µs.
+const RATE_WINDOW_US: i64 = 250_000;
 
 /// What the operator tunes.
 #[derive(Debug, Clone, Copy)]
@@ -64,6 +64,25 @@ struct Shared {
     config: LeaseConfig,
     orgs: Mutex<HashMap<String, Arc<OrgLease>>>,
     settle: mpsc::UnboundedSender<Settling>,
+    stats: Arc<Counters>,
+}
+
+/// What this control plane's leases have cost the database so far.
+#[derive(Debug, Default)]
+struct Counters {
+    renewals: AtomicU64,
+    batches: AtomicU64,
+    settlements: AtomicU64,
+    returns: AtomicU64,
+}
+
+/// A snapshot of `Counters`: transactions are renewals + batches + returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseStats {
+    pub renewals: u64,
+    pub batches: u64,
+    pub settlements: u64,
+    pub returns: u64,
 }
 
 /// One organization's lease at this control plane.
@@ -120,34 +139,45 @@ struct Settling {
     done: oneshot::Sender<bool>,
 }
 
-/// An organization's worst-case spend per second at this control plane.
-struct Rate {
-    since: Instant,
+/// An organization's worst-case spend per second at this control plane (times in µs,
+/// so that a simulation can drive it on its own clock).
+#[derive(Debug, Clone)]
+pub struct Rate {
+    since: i64,
     sum: i64,
     per_sec: f64,
 }
 
 impl Rate {
-    fn new(now: Instant) -> Self {
-        Self { since: now, sum: 0, per_sec: 0.0 }
+    pub fn new(now_us: i64) -> Self {
+        Self { since: now_us, sum: 0, per_sec: 0.0 }
     }
 
-    fn add(&mut self, now: Instant, micros: i64) {
-        let dt = now.duration_since(self.since);
-        if dt >= RATE_WINDOW {
-            let recent = self.sum as f64 / dt.as_secs_f64();
+    pub fn add(&mut self, now_us: i64, micros: i64) {
+        let dt = now_us - self.since;
+        if dt >= RATE_WINDOW_US {
+            let recent = self.sum as f64 * 1e6 / dt as f64;
             // A window after a long quiet spell is the rate; otherwise half old, half new.
-            self.per_sec = if dt > 8 * RATE_WINDOW { recent } else { (self.per_sec + recent) / 2.0 };
-            (self.since, self.sum) = (now, 0);
+            self.per_sec = if dt > 8 * RATE_WINDOW_US { recent } else { (self.per_sec + recent) / 2.0 };
+            (self.since, self.sum) = (now_us, 0);
         }
         self.sum += micros;
     }
 
     /// The estimate, counting the window in progress as if it were a whole window
     /// already, so that a burst from quiet sizes its lease at once.
-    fn per_sec(&self) -> f64 {
-        self.per_sec.max(self.sum as f64 / RATE_WINDOW.as_secs_f64())
+    pub fn per_sec(&self) -> f64 {
+        self.per_sec.max(self.sum as f64 * 1e6 / RATE_WINDOW_US as f64)
     }
+}
+
+/// What a renewal takes from an account holding `balance`: at least `need` (None if
+/// the balance is short of it), up to `want` within a quarter of the balance.
+pub fn slice(balance: i64, need: i64, want: i64) -> Option<i64> {
+    if balance < need.max(0) || balance <= 0 {
+        return None;
+    }
+    Some(balance.min(need.max(want.min(balance / SHARE_DIVISOR))))
 }
 
 /// What a renewal did.
@@ -164,8 +194,20 @@ impl Leases {
     /// writes settlements (call it inside a Tokio runtime).
     pub fn new(pool: AnyPool, owner: &str, config: LeaseConfig) -> Self {
         let (settle, queue) = mpsc::unbounded_channel();
-        tokio::spawn(write_settlements(pool.clone(), queue));
-        Self(Arc::new(Shared { pool, owner: owner.into(), config, orgs: Default::default(), settle }))
+        let stats = Arc::new(Counters::default());
+        tokio::spawn(write_settlements(pool.clone(), queue, stats.clone()));
+        Self(Arc::new(Shared { pool, owner: owner.into(), config, orgs: Default::default(), settle, stats }))
+    }
+
+    /// What the leases have cost the database so far.
+    pub fn stats(&self) -> LeaseStats {
+        let s = &self.0.stats;
+        LeaseStats {
+            renewals: s.renewals.load(Ordering::Relaxed),
+            batches: s.batches.load(Ordering::Relaxed),
+            settlements: s.settlements.load(Ordering::Relaxed),
+            returns: s.returns.load(Ordering::Relaxed),
+        }
     }
 
     fn org(&self, org_id: &str) -> Arc<OrgLease> {
@@ -176,7 +218,7 @@ impl Leases {
                     org: org_id.into(),
                     current: Mutex::new(Current {
                         lease: None,
-                        spend: Rate::new(Instant::now()),
+                        spend: Rate::new(crate::limits::now_us()),
                         last_used: Instant::now(),
                     }),
                     renewing: tokio::sync::Mutex::new(()),
@@ -195,9 +237,8 @@ impl Leases {
         let org = self.org(org_id);
         let target = {
             let mut c = org.current.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            c.spend.add(now, worst);
-            c.last_used = now;
+            c.spend.add(crate::limits::now_us(), worst);
+            c.last_used = Instant::now();
             (c.spend.per_sec() * self.0.config.seconds_of_spend) as i64
         };
         if let Some(hold) = org.take(worst) {
@@ -284,11 +325,10 @@ impl Leases {
             .fetch_one(&mut *tx)
             .await?
             .try_get("balance")?;
-        if balance < need.max(0) || balance <= 0 {
+        let Some(take) = slice(balance, need, want) else {
             tx.rollback().await?;
             return Ok(Renewed::Short(balance));
-        }
-        let take = balance.min(need.max(want.min(balance / SHARE_DIVISOR)));
+        };
         if take <= 0 {
             tx.rollback().await?;
             return Ok(Renewed::Took);
@@ -302,6 +342,7 @@ impl Leases {
             .await?;
         tx.commit().await?;
         metrics::counter!(crate::metrics::LEASE_RENEWALS).increment(1);
+        self.0.stats.renewals.fetch_add(1, Ordering::Relaxed);
         let lease = current.unwrap_or_else(|| Arc::new(Lease { id, books: Mutex::new(Books::default()) }));
         lease.books.lock().unwrap_or_else(|e| e.into_inner()).available += take;
         org.current.lock().unwrap_or_else(|e| e.into_inner()).lease = Some(lease);
@@ -337,8 +378,18 @@ impl Leases {
     /// request holds or settles against them, else what is available. Returns how
     /// much credit went back.
     pub async fn return_idle(&self, idle: Duration) -> Result<i64, LedgerError> {
-        let orgs: Vec<Arc<OrgLease>> =
-            self.0.orgs.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let orgs: Vec<Arc<OrgLease>> = {
+            let mut orgs = self.0.orgs.lock().unwrap_or_else(|e| e.into_inner());
+            // Forget organizations without a lease, quiet for a minute, that nobody is
+            // admitting (only the map holds them): the map does not grow without end.
+            orgs.retain(|_, o| {
+                Arc::strong_count(o) > 1 || {
+                    let c = o.current.lock().unwrap_or_else(|e| e.into_inner());
+                    c.lease.is_some() || c.last_used.elapsed() < Duration::from_secs(60)
+                }
+            });
+            orgs.values().cloned().collect()
+        };
         let mut returned = 0;
         for org in orgs {
             let Ok(_one) = org.renewing.try_lock() else { continue };
@@ -358,6 +409,7 @@ impl Leases {
                 // `renewing`: close it for good.
                 org.current.lock().unwrap_or_else(|e| e.into_inner()).lease = None;
                 returned += close(&self.0.pool, &lease.id, &org.org, "idle").await?;
+                self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
             } else if books.available > 0 {
                 returned += self.give_back(&org.org, &lease, books.available).await?;
             }
@@ -398,6 +450,7 @@ impl Leases {
         match written {
             Ok(true) => {
                 metrics::counter!(crate::metrics::LEASE_RETURNS, "reason" => "idle").increment(1);
+                self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
                 Ok(amount)
             }
             Ok(false) => {
@@ -420,6 +473,7 @@ impl Leases {
             let lease = org.current.lock().unwrap_or_else(|e| e.into_inner()).lease.take();
             if let Some(lease) = lease {
                 returned += close(&self.0.pool, &lease.id, &org.org, "shutdown").await?;
+                self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
             }
         }
         Ok(returned)
@@ -524,7 +578,7 @@ pub(super) async fn expire_orphaned(pool: &AnyPool, alive_since_us: i64) -> Resu
 
 /// The task that writes settlements: whatever queued while the last batch was being
 /// written goes in the next one.
-async fn write_settlements(pool: AnyPool, mut queue: mpsc::UnboundedReceiver<Settling>) {
+async fn write_settlements(pool: AnyPool, mut queue: mpsc::UnboundedReceiver<Settling>, stats: Arc<Counters>) {
     while let Some(first) = queue.recv().await {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -533,6 +587,8 @@ async fn write_settlements(pool: AnyPool, mut queue: mpsc::UnboundedReceiver<Set
                 Err(_) => break,
             }
         }
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats.settlements.fetch_add(batch.len() as u64, Ordering::Relaxed);
         write_with_retries(&pool, batch).await;
     }
 }
