@@ -12,6 +12,7 @@ mod gateway_scripted;
 mod gpu;
 mod grammar;
 mod kernels;
+mod leases_model;
 mod metrics_cost;
 mod peer;
 mod serve;
@@ -36,6 +37,9 @@ enum Command {
     /// Admission and settlement cost per request on SQLite and PostgreSQL, and the
     /// requests one process admits per second with billing on and off.
     Billing(billing::Args),
+    /// Budget leases at a scale this machine cannot run (8 control planes, 10,000
+    /// requests a second), simulated with the control plane's own lease sizing.
+    LeasesModel(leases_model::Args),
     /// The console: argon2id time, and page render times under 50 signed-in users.
     Console(console::Args),
     /// Continuous batching throughput against one request at a time, offline.
@@ -86,6 +90,7 @@ fn main() -> Result<()> {
         Command::Engine(args) => engine::run(args),
         Command::Console(args) => console::run(args),
         Command::Billing(args) => billing::run(args),
+        Command::LeasesModel(args) => leases_model::run(args),
         Command::Gateway(args) => gateway::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Metrics(args) => metrics_cost::run(args),
