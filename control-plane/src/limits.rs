@@ -9,10 +9,10 @@
 //! admits n requests at once, as GCRA would admit n arriving together, and this control
 //! plane spends them from memory within the n intervals they stand for. n follows the
 //! organization's arrival rate here (50 ms of it), within 50 ms of its limit and half
-//! the burst, so under 1,200 rpm it is 1 and the limit is exact; above, a token spent
-//! later than it was leased (within 50 ms) may land in a later window: each control
-//! plane holds at most n − 1 unspent, so admits at most n − 1 beyond the bound in any
-//! window. Near the limit GCRA admits
+//! the burst, so under 1,200 rpm it is 1 and the limit is exact. Above, the next lease
+//! is taken in the background once half of one is spent, and a token spent later than
+//! it was leased (within 50 ms) may land in a later window: each control plane holds
+//! fewer than 1.5 n unspent, so admits fewer than 1.5 n beyond the bound in any window. Near the limit GCRA admits
 //! fewer at once, and n falls to 1.
 
 use sqlx::{AnyPool, Row};
@@ -69,6 +69,8 @@ struct Tokens {
     left: u32,
     /// They stand for the intervals up to here (µs since the epoch): unused, they lapse.
     until: i64,
+    /// How many the last lease took (a refill is due at half of it).
+    leased: u32,
     /// The decision that leased them.
     decision: Decision,
     /// Refused until here: the TAT only moves forward, so no request is admitted
@@ -84,12 +86,29 @@ impl Tokens {
         Self {
             gate: Default::default(),
             left: 0,
+            leased: 0,
             until: 0,
             decision: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
             refused_until: 0,
             window_start: now,
             arrivals: 0,
             per_sec: 0.0,
+        }
+    }
+
+    /// What a lease of `taken` tokens (0: refused) leaves here. They may be spent for
+    /// 50 ms (at least the intervals they stand for): at most n − 1 unspent when the
+    /// next lease is due, and fewer than 1.5 n after it.
+    fn take(&mut self, taken: i64, decision: Decision, now: i64) {
+        self.decision = decision;
+        if taken > 0 {
+            let interval = 60_000_000 / decision.limit.max(1) as i64;
+            let live = if now < self.until { self.left } else { 0 };
+            self.left = live + taken as u32;
+            self.leased = taken as u32;
+            self.until = now + (interval.max(1) * taken).max(TOKEN_LEASE_US);
+        } else {
+            self.refused_until = now + decision.retry_after_us as i64;
         }
     }
 
@@ -145,7 +164,9 @@ impl RateLimiter {
     }
 
     pub async fn check(&self, org_id: &str) -> Result<Decision, sqlx::Error> {
-        self.decide(org_id, now_us).await
+        let decision = self.decide(org_id, now_us).await?;
+        self.refill_ahead(org_id);
+        Ok(decision)
     }
 
     /// The decision for a request arriving at `now` (µs since the epoch; tests pass
@@ -154,11 +175,11 @@ impl RateLimiter {
         self.decide(org_id, || now).await
     }
 
-    /// The decision, on `clock`: read again once the database's row is read, since a
-    /// request that waited for the row would otherwise judge the TAT from the past.
+    /// The decision, on `clock`: from this control plane's leased tokens when it has
+    /// one (or a refusal standing), else from the database.
     async fn decide(&self, org_id: &str, clock: impl Fn() -> i64) -> Result<Decision, sqlx::Error> {
-        let mut now = clock();
-        let arrival = {
+        let now = clock();
+        let gate = {
             let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
             if local.len() >= 65_536 {
                 // Forget organizations quiet for a minute rather than grow without end.
@@ -171,19 +192,63 @@ impl RateLimiter {
             }
             t.gate.clone()
         };
-        // One decision at a time goes to the database per organization; those that
-        // waited for it take from what it leased.
-        let gate = arrival.lock_owned().await;
-        let arrival = {
-            now = clock();
-            let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
-            let t = local.entry(org_id.to_string()).or_insert_with(|| Tokens::new(now));
-            if let Some(d) = t.decide(now) {
-                return Ok(d);
+        // One lease at a time goes to the database per organization; those that waited
+        // for it take from what it leased.
+        let _one = gate.lock_owned().await;
+        if let Some(d) = self.local_decision(org_id, clock()) {
+            return Ok(d);
+        }
+        let (taken, decision) = self.lease(org_id, &clock).await?;
+        let now = clock();
+        let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = local.get_mut(org_id) {
+            t.take(taken, decision, now);
+            if taken > 0 {
+                t.left -= 1;
             }
-            t.clone()
+        }
+        Ok(decision)
+    }
+
+    fn local_decision(&self, org_id: &str, now: i64) -> Option<Decision> {
+        self.local.lock().unwrap_or_else(|e| e.into_inner()).get_mut(org_id)?.decide(now)
+    }
+
+    /// Leases the next tokens in the background once half of a lease is spent, so
+    /// that a fast organization's requests seldom wait for the database.
+    fn refill_ahead(&self, org_id: &str) {
+        let gate = {
+            let local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(t) = local.get(org_id) else { return };
+            if t.leased < 2 || t.left * 2 > t.leased {
+                return;
+            }
+            match t.gate.clone().try_lock_owned() {
+                Ok(gate) => gate,
+                Err(_) => return,
+            }
         };
+        let (limiter, org_id) = (self.clone(), org_id.to_string());
+        tokio::spawn(async move {
+            let _one = gate;
+            match limiter.lease(&org_id, &now_us).await {
+                Ok((taken, decision)) => {
+                    let mut local = limiter.local.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(t) = local.get_mut(&org_id) {
+                        t.take(taken, decision, now_us());
+                    }
+                }
+                Err(e) => tracing::warn!("leasing rate-limit tokens for {org_id}: {e}"),
+            }
+        });
+    }
+
+    /// One transaction: as many tokens as GCRA admits at once now, up to the batch the
+    /// organization's arrivals here ask for. Judged on the clock read after the row,
+    /// since a request that waited for it would otherwise see the TAT from the past.
+    async fn lease(&self, org_id: &str, clock: &impl Fn() -> i64) -> Result<(i64, Decision), sqlx::Error> {
         self.database_checks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let arrival = self.local.lock().unwrap_or_else(|e| e.into_inner()).get(org_id).cloned();
         let rpm = sqlx::query("SELECT rate_limit_rpm FROM orgs WHERE id = $1")
             .bind(org_id)
             .fetch_optional(&self.pool)
@@ -196,14 +261,14 @@ impl RateLimiter {
         // Up to 50 ms of the limit and half the burst: a lease never takes so many that
         // another control plane's request would be refused below the limit.
         let most = (TOKEN_LEASE_US / interval).min(self.config.burst as i64 / 2).clamp(1, u32::MAX as i64);
-        let batch = arrival.batch(most as u32) as i64;
-        let (taken, tat) = loop {
+        let batch = arrival.map_or(1, |a| a.batch(most as u32)) as i64;
+        let (taken, tat, now) = loop {
             let mut tx = self.pool.begin().await?;
             sqlx::query(
                 "INSERT INTO rate_limit_state (org_id, tat_us) VALUES ($1, $2) ON CONFLICT (org_id) DO NOTHING",
             )
             .bind(org_id)
-            .bind(now)
+            .bind(clock())
             .execute(&mut *tx)
             .await?;
             let seen: i64 = sqlx::query("SELECT tat_us FROM rate_limit_state WHERE org_id = $1")
@@ -211,13 +276,12 @@ impl RateLimiter {
                 .fetch_one(&mut *tx)
                 .await?
                 .try_get("tat_us")?;
-            now = clock();
+            let now = clock();
             let base = seen.max(now);
             if base - now > tolerance {
                 tx.commit().await?;
-                break (0, seen);
+                break (0, seen, now);
             }
-            // As many as GCRA admits at once now, up to the batch.
             let taken = batch.min((tolerance - (base - now)) / interval + 1);
             let tat = base + taken * interval;
             // Compare and set: another control plane that moved the TAT since the read
@@ -231,35 +295,25 @@ impl RateLimiter {
                 .await?;
             if set.rows_affected() == 1 {
                 tx.commit().await?;
-                break (taken, tat);
+                break (taken, tat, now);
             }
             tx.rollback().await?;
-        };
-        let admitted = taken > 0;
-        let ahead = (tat - now).max(0);
-        let decision = Decision {
-            allowed: admitted,
-            limit: rpm,
-            remaining: ((tolerance + interval - ahead).max(0) / interval) as u32,
-            reset_us: ahead as u64,
-            retry_after_us: if admitted { 0 } else { (ahead - tolerance).max(1) as u64 },
         };
         if taken > 1 {
             metrics::counter!(crate::metrics::RATE_TOKEN_LEASES).increment(1);
         }
-        let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = local.get_mut(org_id) {
-            t.decision = decision;
-            if admitted {
-                // They may be spent for 50 ms: at most n − 1 unspent at any time here,
-                // whenever they are spent.
-                (t.left, t.until) = (taken as u32 - 1, now + (interval * taken).max(TOKEN_LEASE_US));
-            } else {
-                t.refused_until = now + decision.retry_after_us as i64;
-            }
-        }
-        drop(gate);
-        Ok(decision)
+        let ahead = (tat - now).max(0);
+        let admitted = taken > 0;
+        Ok((
+            taken,
+            Decision {
+                allowed: admitted,
+                limit: rpm,
+                remaining: ((tolerance + interval - ahead).max(0) / interval) as u32,
+                reset_us: ahead as u64,
+                retry_after_us: if admitted { 0 } else { (ahead - tolerance).max(1) as u64 },
+            },
+        ))
     }
 
     /// Sets an organization's own limit; None returns it to the server's default.
