@@ -73,6 +73,8 @@ struct Tokens {
     leased: u32,
     /// The decision that leased them.
     decision: Decision,
+    /// The last refusal, standing until `refused_until`.
+    refused: Decision,
     /// Refused until here: the TAT only moves forward, so no request is admitted
     /// sooner (unless the organization's limit is raised meanwhile).
     refused_until: i64,
@@ -89,6 +91,7 @@ impl Tokens {
             leased: 0,
             until: 0,
             decision: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
+            refused: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
             refused_until: 0,
             window_start: now,
             arrivals: 0,
@@ -100,14 +103,15 @@ impl Tokens {
     /// 50 ms (at least the intervals they stand for): at most n − 1 unspent when the
     /// next lease is due, and fewer than 1.5 n after it.
     fn take(&mut self, taken: i64, decision: Decision, now: i64) {
-        self.decision = decision;
         if taken > 0 {
+            self.decision = decision;
             let interval = 60_000_000 / decision.limit.max(1) as i64;
             let live = if now < self.until { self.left } else { 0 };
             self.left = live + taken as u32;
             self.leased = taken as u32;
             self.until = now + (interval.max(1) * taken).max(TOKEN_LEASE_US);
         } else {
+            self.refused = decision;
             self.refused_until = now + decision.retry_after_us as i64;
         }
     }
@@ -121,11 +125,7 @@ impl Tokens {
         }
         if now < self.refused_until {
             let wait = (self.refused_until - now) as u64;
-            return Some(Decision {
-                retry_after_us: wait,
-                reset_us: self.decision.reset_us.max(wait),
-                ..self.decision
-            });
+            return Some(Decision { retry_after_us: wait, reset_us: self.refused.reset_us.max(wait), ..self.refused });
         }
         None
     }
@@ -220,7 +220,8 @@ impl RateLimiter {
         let gate = {
             let local = self.local.lock().unwrap_or_else(|e| e.into_inner());
             let Some(t) = local.get(org_id) else { return };
-            if t.leased < 2 || t.left * 2 > t.leased {
+            // Not while refused: no token is to be had before the retry time.
+            if t.leased < 2 || t.left * 2 > t.leased || now_us() < t.refused_until {
                 return;
             }
             match t.gate.clone().try_lock_owned() {

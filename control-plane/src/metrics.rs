@@ -103,6 +103,9 @@ fn start_at_zero() {
     }
     metrics::counter!(SETTLEMENT_FAILURES).absolute(0);
     metrics::counter!(LEASE_RENEWALS).absolute(0);
+    for reason in ["idle", "shutdown", "expired"] {
+        metrics::counter!(LEASE_RETURNS, "reason" => reason).absolute(0);
+    }
     metrics::counter!(RATE_TOKEN_LEASES).absolute(0);
 }
 

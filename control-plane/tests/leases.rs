@@ -124,6 +124,7 @@ async fn a_small_organization_sees_its_last_cent(url: &str) {
     let org = db.accounts().create_org("small").await.unwrap().id;
     db.ledger().grant(&org, 1_000, "test").await.unwrap();
     let (a, b) = (db.ledger().leases("cp_a", CONFIG), db.ledger().leases("cp_b", CONFIG));
+    assert!(a.hold(&org, 0).await.is_err(), "a free request takes a hold of its own, not a lease");
     let mut spent = 0;
     for i in 0..3 {
         let hold = a.hold(&org, 300).await.unwrap().expect("300 of 1,000 is covered");

@@ -133,6 +133,10 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
         let line = format!("{name}_count{{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"}} 1");
         assert!(control_plane.lines().any(|l| l == line), "{line} in\n{control_plane}");
     }
+    // The request's credit came from a budget lease: one taken, none returned yet.
+    let renewals = control_plane.lines().find_map(|l| l.strip_prefix("tessera_budget_lease_renewals_total "));
+    assert!(renewals.and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 1), "{renewals:?} lease renewals");
+    assert!(control_plane.contains("tessera_budget_lease_returns_total{reason=\"expired\"} 0"), "{control_plane}");
     let itl = "tessera_inter_token_latency_seconds_count{model=\"vendor-a/model-a\",endpoint=\"chat.completions\"} ";
     let gaps = control_plane.lines().find_map(|l| l.strip_prefix(itl)).and_then(|n| n.parse::<u64>().ok());
     assert!(gaps.is_some_and(|n| (1..=3).contains(&n)), "{gaps:?} gaps between 4 tokens");

@@ -234,6 +234,10 @@ impl Leases {
     /// lease) does not cover it.
     pub async fn hold(&self, org_id: &str, worst: u64) -> Result<Result<LeaseHold, i64>, LedgerError> {
         let worst = ledger::amount(worst)?;
+        if worst == 0 {
+            // Nothing to lease for (a free request takes a hold of its own).
+            return Err(LedgerError::Invalid("a lease holds a positive amount".into()));
+        }
         let org = self.org(org_id);
         let target = {
             let mut c = org.current.lock().unwrap_or_else(|e| e.into_inner());
@@ -368,6 +372,8 @@ impl Leases {
         let (done, written) = oneshot::channel();
         let usage = UsageRecord { cost_micros: cost as u64, ..usage };
         if self.0.settle.send(Settling { lease: hold.lease.clone(), held: hold.held, usage, done }).is_err() {
+            tracing::error!("the settlement writer is gone: a request is not charged");
+            metrics::counter!(crate::metrics::SETTLEMENT_FAILURES).increment(1);
             hold.lease.books.lock().unwrap_or_else(|e| e.into_inner()).settling -= cost;
             return false;
         }
@@ -401,17 +407,36 @@ impl Leases {
                 let Some(lease) = c.lease.clone() else { continue };
                 lease
             };
-            let books = *lease.books.lock().unwrap_or_else(|e| e.into_inner());
-            if books.closed {
+            // Unused: closed in memory at once, under the books' lock, so that an
+            // admission racing this one finds it closed and waits for `renewing`.
+            let (was_closed, whole, available) = {
+                let mut b = lease.books.lock().unwrap_or_else(|e| e.into_inner());
+                let was_closed = b.closed;
+                let whole = !b.closed && b.held == 0 && b.settling == 0;
+                b.closed |= whole;
+                (was_closed, whole, b.available)
+            };
+            if was_closed {
                 org.drop_closed(&lease);
-            } else if books.held == 0 && books.settling == 0 {
-                // Nothing can reach it now but a new admission, which waits for
-                // `renewing`: close it for good.
-                org.current.lock().unwrap_or_else(|e| e.into_inner()).lease = None;
-                returned += close(&self.0.pool, &lease.id, &org.org, "idle").await?;
-                self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
-            } else if books.available > 0 {
-                returned += self.give_back(&org.org, &lease, books.available).await?;
+            } else if whole {
+                org.drop_closed(&lease);
+                match close(&self.0.pool, &lease.id, &org.org, "idle").await {
+                    Ok(micros) => {
+                        returned += micros;
+                        self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        // Still open in the database: keep spending it, and try again.
+                        tracing::warn!("returning {}'s idle budget lease: {e}", org.org);
+                        lease.books.lock().unwrap_or_else(|e| e.into_inner()).closed = false;
+                        org.current.lock().unwrap_or_else(|e| e.into_inner()).lease.get_or_insert(lease);
+                    }
+                }
+            } else if available > 0 {
+                match self.give_back(&org.org, &lease, available).await {
+                    Ok(micros) => returned += micros,
+                    Err(e) => tracing::warn!("returning {}'s unused budget: {e}", org.org),
+                }
             }
         }
         Ok(returned)
@@ -470,10 +495,19 @@ impl Leases {
             self.0.orgs.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, o)| o).collect();
         let mut returned = 0;
         for org in orgs {
+            // After any renewal in flight, which would otherwise leave a lease behind.
+            let _one = org.renewing.lock().await;
             let lease = org.current.lock().unwrap_or_else(|e| e.into_inner()).lease.take();
             if let Some(lease) = lease {
-                returned += close(&self.0.pool, &lease.id, &org.org, "shutdown").await?;
-                self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
+                lease.books.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+                match close(&self.0.pool, &lease.id, &org.org, "shutdown").await {
+                    Ok(micros) => {
+                        returned += micros;
+                        self.0.stats.returns.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Another control plane expires it once this one's heart stops.
+                    Err(e) => tracing::error!("returning {}'s budget lease at shutdown: {e}", org.org),
+                }
             }
         }
         Ok(returned)
@@ -712,10 +746,11 @@ async fn write_batch(pool: &AnyPool, batch: &[Settling]) -> Result<Written, Ledg
         }
     }
 
-    for (_, org, charged) in &by_lease {
-        if *charged > 0 {
-            ledger::open_account(&mut tx, &ledger::revenue_account(org)).await?;
-        }
+    // In name order, as every transaction takes accounts.
+    let revenue: std::collections::BTreeSet<String> =
+        by_lease.iter().filter(|(_, _, c)| *c > 0).map(|(_, org, _)| ledger::revenue_account(org)).collect();
+    for account in &revenue {
+        ledger::open_account(&mut tx, account).await?;
     }
     let charged: Vec<&&Settling> = fresh.iter().filter(|s| s.usage.cost_micros > 0).collect();
     if !charged.is_empty() {

@@ -272,11 +272,18 @@ impl Ledger {
             .collect::<Result<_, sqlx::Error>>()?)
     }
 
-    /// An organization's spendable credit: its own account, and what control planes
-    /// have leased of it and not yet charged (holds of requests in flight excluded).
+    /// An organization's credit not yet charged: its own account, and what control
+    /// planes have leased of it (per-request holds of requests in flight excluded; the
+    /// worst cases held in memory against leases included), read together.
     pub async fn balance(&self, org_id: &str) -> Result<i64, LedgerError> {
-        Ok(account_balance(&self.pool, &org_account(org_id)).await?
-            + account_balance(&self.pool, &leases_account(org_id)).await?)
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) AS balance FROM ledger_accounts WHERE id IN ($1, $2)",
+        )
+        .bind(org_account(org_id))
+        .bind(leases_account(org_id))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.try_get("balance")?)
     }
 
     /// Credit held by an organization's requests in flight.

@@ -233,7 +233,9 @@ impl Billing {
                 Err(e) => return Err(failed(&e)),
             }
         }
-        if let Some((leases, _)) = &self.leases {
+        if let Some((leases, _)) = &self.leases
+            && worst > 0
+        {
             return match leases.hold(&key.org_id, worst).await {
                 Ok(Ok(lease)) => Ok((Funding::Credits, Some(lease))),
                 Ok(Err(balance)) => Err(Refused::Credit { balance }),
