@@ -233,22 +233,33 @@ impl Leases {
     /// the lease. `Err(balance)` when the organization's credit (its account and this
     /// lease) does not cover it.
     pub async fn hold(&self, org_id: &str, worst: u64) -> Result<Result<LeaseHold, i64>, LedgerError> {
+        if let Some(hold) = self.hold_now(org_id, worst) {
+            return Ok(Ok(hold));
+        }
+        self.hold_waiting(org_id, worst).await
+    }
+
+    /// `hold` without waiting: the hold when the lease covers it now (counting the
+    /// request's arrival either way), else None, and then `hold_waiting`.
+    pub fn hold_now(&self, org_id: &str, worst: u64) -> Option<LeaseHold> {
+        let worst = i64::try_from(worst).ok().filter(|&w| w > 0)?;
+        let org = self.org(org_id);
+        let target = self.target(&org, worst);
+        let hold = org.take(worst)?;
+        self.renew_ahead(&org, target);
+        Some(hold)
+    }
+
+    /// The rest of `hold` once `hold_now` found the lease short: waits for a renewal
+    /// (one at a time per organization).
+    pub async fn hold_waiting(&self, org_id: &str, worst: u64) -> Result<Result<LeaseHold, i64>, LedgerError> {
         let worst = ledger::amount(worst)?;
         if worst == 0 {
             // Nothing to lease for (a free request takes a hold of its own).
             return Err(LedgerError::Invalid("a lease holds a positive amount".into()));
         }
         let org = self.org(org_id);
-        let target = {
-            let mut c = org.current.lock().unwrap_or_else(|e| e.into_inner());
-            c.spend.add(crate::limits::now_us(), worst);
-            c.last_used = Instant::now();
-            (c.spend.per_sec() * self.0.config.seconds_of_spend) as i64
-        };
-        if let Some(hold) = org.take(worst) {
-            self.renew_ahead(&org, target);
-            return Ok(Ok(hold));
-        }
+        let target = self.target(&org, 0);
         let _one = org.renewing.lock().await;
         loop {
             if let Some(hold) = org.take(worst) {
@@ -260,6 +271,17 @@ impl Leases {
                 Renewed::Short(balance) => return Ok(Err(balance + org.available())),
             }
         }
+    }
+
+    /// What a lease should hold for the organization now, counting an arrival of
+    /// `worst` first (0: none).
+    fn target(&self, org: &OrgLease, worst: i64) -> i64 {
+        let mut c = org.current.lock().unwrap_or_else(|e| e.into_inner());
+        if worst > 0 {
+            c.spend.add(crate::limits::now_us(), worst);
+        }
+        c.last_used = Instant::now();
+        (c.spend.per_sec() * self.0.config.seconds_of_spend) as i64
     }
 
     /// Renews in the background once the lease is down to half its target, so that
@@ -786,39 +808,8 @@ async fn write_batch(pool: &AnyPool, batch: &[Settling]) -> Result<Written, Ledg
         q.execute(&mut *tx).await?;
     }
 
-    if !fresh.is_empty() {
-        const COLUMNS: usize = 15;
-        let mut sql = String::from(
-            "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
-             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at, \
-             client_request_id) VALUES ",
-        );
-        for i in 0..fresh.len() {
-            let cells: Vec<String> = (1..=COLUMNS).map(|c| format!("${}", i * COLUMNS + c)).collect();
-            sql.push_str(&format!("{}({})", if i == 0 { "" } else { ", " }, cells.join(", ")));
-        }
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for s in &fresh {
-            let u = &s.usage;
-            q = q
-                .bind(&u.request_id)
-                .bind(&u.org_id)
-                .bind(&u.key_id)
-                .bind(&u.model)
-                .bind(&u.endpoint)
-                .bind(u.prompt_tokens as i64)
-                .bind(u.cached_tokens as i64)
-                .bind(u.completion_tokens as i64)
-                .bind(u.reasoning_tokens as i64)
-                .bind(u.cost_micros as i64)
-                .bind("credits")
-                .bind(u.multiplier_bp as i64)
-                .bind(&u.finish_reason)
-                .bind(now_us)
-                .bind(&u.client_request_id);
-        }
-        q.execute(&mut *tx).await?;
-    }
+    // Credit requests: the meter records them funded by credits, at no discount.
+    ledger::insert_usage(&mut tx, &fresh.iter().map(|s| &s.usage).collect::<Vec<_>>()).await?;
 
     // The balances, per organization, last.
     let mut deltas: Vec<(String, i64)> = Vec::new();

@@ -383,28 +383,7 @@ impl Ledger {
             }
         }
         let u = UsageRecord { cost_micros: cost as u64, org_id: org, funding, ..usage.clone() };
-        sqlx::query(
-            "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
-             completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at, \
-             client_request_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
-        )
-        .bind(&u.request_id)
-        .bind(&u.org_id)
-        .bind(&u.key_id)
-        .bind(&u.model)
-        .bind(&u.endpoint)
-        .bind(u.prompt_tokens as i64)
-        .bind(u.cached_tokens as i64)
-        .bind(u.completion_tokens as i64)
-        .bind(u.reasoning_tokens as i64)
-        .bind(u.cost_micros as i64)
-        .bind(&u.funding)
-        .bind(u.multiplier_bp as i64)
-        .bind(&u.finish_reason)
-        .bind(crate::limits::now_us())
-        .bind(&u.client_request_id)
-        .execute(&mut *tx)
-        .await?;
+        insert_usage(&mut tx, &[&u]).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -565,6 +544,45 @@ pub(super) async fn record(
     .bind(now())
     .execute(&mut **tx)
     .await?;
+    Ok(())
+}
+
+/// Writes usage records, settled now, in one statement.
+pub(super) async fn insert_usage(tx: &mut Transaction<'_, Any>, records: &[&UsageRecord]) -> Result<(), LedgerError> {
+    const COLUMNS: usize = 15;
+    if records.is_empty() {
+        return Ok(());
+    }
+    let mut sql = String::from(
+        "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
+         completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at, \
+         client_request_id) VALUES ",
+    );
+    for i in 0..records.len() {
+        let cells: Vec<String> = (1..=COLUMNS).map(|c| format!("${}", i * COLUMNS + c)).collect();
+        sql.push_str(&format!("{}({})", if i == 0 { "" } else { ", " }, cells.join(", ")));
+    }
+    let now_us = crate::limits::now_us();
+    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for u in records {
+        q = q
+            .bind(&u.request_id)
+            .bind(&u.org_id)
+            .bind(&u.key_id)
+            .bind(&u.model)
+            .bind(&u.endpoint)
+            .bind(u.prompt_tokens as i64)
+            .bind(u.cached_tokens as i64)
+            .bind(u.completion_tokens as i64)
+            .bind(u.reasoning_tokens as i64)
+            .bind(u.cost_micros as i64)
+            .bind(&u.funding)
+            .bind(u.multiplier_bp as i64)
+            .bind(&u.finish_reason)
+            .bind(now_us)
+            .bind(&u.client_request_id);
+    }
+    q.execute(&mut **tx).await?;
     Ok(())
 }
 

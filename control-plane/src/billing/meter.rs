@@ -191,12 +191,23 @@ impl Billing {
         let prompts = ask.prompts.iter().map(|&p| p as u64).collect();
         let pending = Pending { record, prompts, outputs: vec![Counted::default(); ask.prompts.len()] };
         let now = (self.clock)();
-        // The hold and the meter that settles it are made together in a task: if this
-        // request is cancelled meanwhile, the meter is dropped unreceived and settles.
+        // A credit request its control plane's lease covers is held at once, with no
+        // await between the hold and the meter that settles it.
+        let leased = match &self.leases {
+            Some((leases, _)) if key.billing_mode == BillingMode::Credits && worst > 0 => {
+                if let Some(hold) = leases.hold_now(&key.org_id, worst) {
+                    return Ok(self.meter(prices, Funding::Credits, Some(hold), pending));
+                }
+                true
+            }
+            _ => false,
+        };
+        // Otherwise the hold and the meter are made together in a task: if this request
+        // is cancelled meanwhile, the meter is dropped unreceived and settles.
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (billing, key) = (self.clone(), key.clone());
         self.tasks.spawn(async move {
-            let admitted = match billing.take_hold(&key, &pending.record, worst, now).await {
+            let admitted = match billing.take_hold(&key, &pending.record, worst, now, leased).await {
                 Ok((funding, lease)) => Ok(billing.meter(prices, funding, lease, pending)),
                 Err(refused) => Err(refused),
             };
@@ -212,12 +223,14 @@ impl Billing {
 
     /// Subscription keys draw included usage at the current discount; when it cannot
     /// pay, keys with credit fallback (and credits keys) draw credit at standard rates.
+    /// `leased`: the lease was tried already (`Leases::hold_now`) and found short.
     async fn take_hold(
         &self,
         key: &ApiKey,
         record: &UsageRecord,
         worst: u64,
         now: i64,
+        leased: bool,
     ) -> Result<(Funding, Option<LeaseHold>), Refused> {
         let failed = |e: &dyn std::fmt::Display| {
             tracing::error!("billing hold: {e}");
@@ -236,7 +249,12 @@ impl Billing {
         if let Some((leases, _)) = &self.leases
             && worst > 0
         {
-            return match leases.hold(&key.org_id, worst).await {
+            let held = if leased {
+                leases.hold_waiting(&key.org_id, worst).await
+            } else {
+                leases.hold(&key.org_id, worst).await
+            };
+            return match held {
                 Ok(Ok(lease)) => Ok((Funding::Credits, Some(lease))),
                 Ok(Err(balance)) => Err(Refused::Credit { balance }),
                 Err(e) => Err(failed(&e)),
@@ -528,22 +546,42 @@ mod tests {
 
     const PRICES: Prices = Prices { input: 1_000_000, cache_read: None, output: 2_000_000 };
 
+    /// A request holding 1,000 micro-dollars: from the database, or from the billing's
+    /// budget lease when it has leases.
     async fn held_request(billing: &Billing, db: &Db, org: &str, id: &str) -> Meter {
-        let hold = NewHold { request_id: id.into(), org_id: org.into(), amount: 1_000 };
-        assert_eq!(db.ledger().hold(&hold).await.unwrap(), Admission::Held);
+        let lease = match billing.leases() {
+            Some(leases) => Some(leases.hold(org, 1_000).await.unwrap().unwrap()),
+            None => {
+                let hold = NewHold { request_id: id.into(), org_id: org.into(), amount: 1_000 };
+                assert_eq!(db.ledger().hold(&hold).await.unwrap(), Admission::Held);
+                None
+            }
+        };
         let record = UsageRecord { key_id: "key_t".into(), ..UsageRecord::unused(id, org) };
         let pending = Pending { record, prompts: vec![10], outputs: vec![Counted::default()] };
-        billing.meter(PRICES, Funding::Credits, None, pending)
+        billing.meter(PRICES, Funding::Credits, lease, pending)
     }
 
     #[tokio::test]
     async fn every_way_a_request_ends_settles_it_once() {
+        every_way_settles_once(false).await;
+    }
+
+    #[tokio::test]
+    async fn every_way_a_leased_request_ends_settles_it_once() {
+        every_way_settles_once(true).await;
+    }
+
+    async fn every_way_settles_once(leased: bool) {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(&format!("sqlite://{}", dir.path().join("t.db").display())).await.unwrap();
         let org = db.accounts().create_org("o").await.unwrap().id;
         let ledger = db.ledger();
         ledger.grant(&org, 10_000, "t").await.unwrap();
-        let billing = db.billing(Arc::new(crate::billing::payments::DevProcessor::default()));
+        let mut billing = db.billing(Arc::new(crate::billing::payments::DevProcessor::default()));
+        if leased {
+            billing = billing.with_leases(LeaseConfig::default());
+        }
 
         // Settled by the endpoint: 10 prompt tokens at $1/M and 5 completion tokens at $2/M.
         let done = held_request(&billing, &db, &org, "r-done").await;
@@ -571,6 +609,9 @@ mod tests {
         assert_eq!(by_id("r-open").cost_micros, 12);
         assert_eq!(ledger.held(&org).await.unwrap(), 0);
         assert_eq!(ledger.balance(&org).await.unwrap(), 10_000 - 20 - 14 - 12);
+        if let Some(leases) = billing.leases() {
+            assert_eq!(leases.books(&org), None, "the lease went back at shutdown");
+        }
         drop(open);
         ledger.audit().await.unwrap();
     }
