@@ -108,3 +108,36 @@ async fn token_leases_on_postgresql() {
     let server = postgres::Server::start();
     fast_organizations_lease_tokens(Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap()).await;
 }
+
+/// The real clock's path, with the next lease taken in the background at half spent:
+/// two control planes asking as fast as they can admit no more than the limit over the
+/// time they took, plus the burst, plus fewer than 1.5 n (n = 10) each.
+async fn leases_taken_ahead_hold_the_limit(a: Db, b: Db) {
+    let org = a.accounts().create_org("ahead").await.unwrap();
+    let (la, lb) = (a.rate_limiter(CONFIG), b.rate_limiter(CONFIG));
+    assert!(la.set_org_rpm(&org.id, Some(120_000)).await.unwrap());
+    let start = std::time::Instant::now();
+    let mut allowed = 0u64;
+    for i in 0..4_000 {
+        let limiter = if i % 2 == 0 { &la } else { &lb };
+        allowed += limiter.check(&org.id).await.unwrap().allowed as u64;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    // The TAT's start may lie up to one burst before the first request.
+    let bound = (elapsed * 2_000.0).ceil() as u64 + 20 + 2 * 15;
+    assert!(allowed <= bound, "{allowed} admitted in {elapsed:.3} s; the bound is {bound}");
+    assert!(allowed >= 20, "{allowed} admitted: not even the burst");
+}
+
+#[tokio::test]
+async fn leases_ahead_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("t.db").display());
+    leases_taken_ahead_hold_the_limit(Db::open(&url).await.unwrap(), Db::open(&url).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn leases_ahead_on_postgresql() {
+    let server = postgres::Server::start();
+    leases_taken_ahead_hold_the_limit(Db::open(&server.url).await.unwrap(), Db::open(&server.url).await.unwrap()).await;
+}
