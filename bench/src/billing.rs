@@ -16,7 +16,7 @@ use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tessera_control_plane::accounts::{BillingMode, NewKey};
+use tessera_control_plane::accounts::{BillingMode, NewKey, Org};
 use tessera_control_plane::billing::lease::{LeaseConfig, Leases};
 use tessera_control_plane::billing::ledger::{NewHold, UsageRecord};
 use tessera_control_plane::billing::payments::{DEV_CARD, DevProcessor};
@@ -59,6 +59,21 @@ pub fn run(args: Args) -> Result<()> {
     rt.block_on(bench("postgresql", &url, &args))
 }
 
+/// An organization granted `micros` of credit, and the secret of a credits key of it.
+pub(crate) async fn funded_org(db: &Db, name: &str, micros: u64) -> Result<(Org, String)> {
+    let org = db.accounts().create_org(name).await?;
+    let new = NewKey {
+        org_id: &org.id,
+        name: "bench",
+        billing_mode: BillingMode::Credits,
+        fallback_to_credits: false,
+        created_by: None,
+    };
+    let (_, secret) = db.accounts().create_key(new).await?;
+    db.ledger().grant(&org.id, micros, "benchmark").await?;
+    Ok((org, secret))
+}
+
 fn usage(request_id: String, org: &str) -> UsageRecord {
     UsageRecord {
         key_id: "key_bench".into(),
@@ -75,17 +90,8 @@ fn usage(request_id: String, org: &str) -> UsageRecord {
 async fn bench(name: &str, url: &str, args: &Args) -> Result<()> {
     let db = Db::open(url).await?;
     let store = db.accounts();
-    let org = store.create_org("bench").await?;
-    let new = NewKey {
-        org_id: &org.id,
-        name: "bench",
-        billing_mode: BillingMode::Credits,
-        fallback_to_credits: false,
-        created_by: None,
-    };
-    let (_, secret) = store.create_key(new).await?;
+    let (org, secret) = funded_org(&db, "bench", 1 << 50).await?;
     let ledger = db.ledger();
-    ledger.grant(&org.id, 1 << 50, "benchmark").await?;
     let limiter = db.rate_limiter(RateConfig::default());
     limiter.set_org_rpm(&org.id, Some(u32::MAX)).await?;
 
@@ -198,16 +204,7 @@ struct Plane {
 /// and settlement — per request, then against leases — `concurrency` at once on each.
 async fn leased_admissions(name: &str, url: &str, planes: usize, args: &Args) -> Result<()> {
     let first = Db::open(url).await?;
-    let org = first.accounts().create_org("leased").await?;
-    let new = NewKey {
-        org_id: &org.id,
-        name: "bench",
-        billing_mode: BillingMode::Credits,
-        fallback_to_credits: false,
-        created_by: None,
-    };
-    let (_, secret) = first.accounts().create_key(new).await?;
-    first.ledger().grant(&org.id, 1 << 50, "benchmark").await?;
+    let (org, secret) = funded_org(&first, "leased", 1 << 50).await?;
     // The limit out of reach: 4 billion a minute, 1,000 at once.
     let limits = RateConfig { default_rpm: 200, burst: 1_000 };
     first.rate_limiter(limits).set_org_rpm(&org.id, Some(u32::MAX)).await?;

@@ -13,7 +13,6 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_control_plane::accounts::{BillingMode, NewKey};
 use tessera_control_plane::catalog::Catalog;
 use tessera_control_plane::config::ApiArgs;
 use tessera_control_plane::db::Db;
@@ -82,16 +81,7 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
         // The control plane: its database, an organization with credit and a key, the
         // model's pool of one replica, the API over HTTP.
         let db = Db::open(&format!("sqlite://{}", data.path().join("tessera.db").display())).await?;
-        let org = db.accounts().create_org("bench").await?;
-        db.ledger().grant(&org.id, 1_000_000_000_000, "bench credit").await?;
-        let new = NewKey {
-            org_id: &org.id,
-            name: "bench",
-            billing_mode: BillingMode::Credits,
-            fallback_to_credits: false,
-            created_by: None,
-        };
-        let (_, key) = db.accounts().create_key(new).await?;
+        let (_, key) = crate::billing::funded_org(&db, "bench", 1_000_000_000_000).await?;
         let replica = Arc::new(Replica::connect(&worker).await?);
         let pool = Arc::new(Pool::new(&replica.card.model, Routing::CacheAware));
         pool.add(&worker, replica.clone())?;
