@@ -18,7 +18,7 @@ use tessera_control_plane::config::ApiArgs;
 use tessera_control_plane::db::Db;
 use tessera_control_plane::router::choice::Routing;
 use tessera_control_plane::router::{Models, Pool, Replica};
-use tessera_proto::scripted::{GenerateStream, Script, ScriptedWorker};
+use tessera_proto::scripted::{self, GenerateStream, Script, ScriptedWorker};
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::worker_server::WorkerServer;
 use tessera_proto::worker::{self as pb};
@@ -41,13 +41,8 @@ impl Script for AtOnce {
     fn generate(&self, r: pb::GenerateRequest) -> Result<GenerateStream, Status> {
         let (tx, rx) = mpsc::channel(1);
         let answer = pb::GenerateResponse {
-            index: 0,
-            text: "hello".into(),
-            tokens: vec![pb::GeneratedToken { token_id: 1, logprob: None, top_logprobs: vec![] }],
-            finish_reason: pb::FinishReason::Length as i32,
             prompt_tokens: r.prompt_token_ids.len() as u32,
-            cached_prompt_tokens: 0,
-            prompt_logprobs: vec![],
+            ..scripted::delta(0, "hello", pb::FinishReason::Length)
         };
         tx.try_send(Ok(answer)).map_err(|_| Status::internal("closed"))?;
         Ok(ReceiverStream::new(rx))

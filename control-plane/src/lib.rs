@@ -17,6 +17,7 @@ pub mod keep_alive;
 pub mod limits;
 pub mod metrics;
 pub mod ops;
+pub mod rate;
 pub mod router;
 pub mod serve;
 pub mod status;

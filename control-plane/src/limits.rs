@@ -15,6 +15,7 @@
 //! fewer than 1.5 n unspent, so admits fewer than 1.5 n beyond the bound in any window. Near the limit GCRA admits
 //! fewer at once, and n falls to 1.
 
+use crate::rate::Rate;
 use sqlx::{AnyPool, Row};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -22,8 +23,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The time a token lease stands for, at most, and the arrivals it is sized to: 50 ms.
 pub const TOKEN_LEASE_US: i64 = 50_000;
-/// Arrivals are counted over windows this long to size token leases.
-const ARRIVAL_WINDOW_US: i64 = 250_000;
 
 /// The server's defaults (organizations may have their own rpm).
 #[derive(Debug, Clone, Copy)]
@@ -40,7 +39,7 @@ impl Default for RateConfig {
 }
 
 /// What the limiter decided, with what the x-ratelimit-* headers report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Decision {
     pub allowed: bool,
     pub limit: u32,
@@ -78,9 +77,8 @@ struct Tokens {
     /// Refused until here: the TAT only moves forward, so no request is admitted
     /// sooner (unless the organization's limit is raised meanwhile).
     refused_until: i64,
-    window_start: i64,
-    arrivals: u32,
-    per_sec: f64,
+    /// Arrivals per second here.
+    arrivals: Rate,
 }
 
 impl Tokens {
@@ -90,12 +88,10 @@ impl Tokens {
             left: 0,
             leased: 0,
             until: 0,
-            decision: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
-            refused: Decision { allowed: false, limit: 0, remaining: 0, reset_us: 0, retry_after_us: 0 },
+            decision: Decision::default(),
+            refused: Decision::default(),
             refused_until: 0,
-            window_start: now,
-            arrivals: 0,
-            per_sec: 0.0,
+            arrivals: Rate::new(now),
         }
     }
 
@@ -130,21 +126,10 @@ impl Tokens {
         None
     }
 
-    fn arrive(&mut self, now: i64) {
-        let dt = now - self.window_start;
-        if dt >= ARRIVAL_WINDOW_US {
-            let recent = self.arrivals as f64 * 1e6 / dt as f64;
-            self.per_sec = if dt > 8 * ARRIVAL_WINDOW_US { recent } else { (self.per_sec + recent) / 2.0 };
-            (self.window_start, self.arrivals) = (now, 0);
-        }
-        self.arrivals += 1;
-    }
-
     /// How many tokens to lease: 50 ms of arrivals (the window in progress counted as
     /// if whole), within `most`.
     fn batch(&self, most: u32) -> u32 {
-        let per_sec = self.per_sec.max(self.arrivals as f64 * 1e6 / ARRIVAL_WINDOW_US as f64);
-        ((per_sec * TOKEN_LEASE_US as f64 / 1e6) as u32).clamp(1, most.max(1))
+        ((self.arrivals.per_sec() * TOKEN_LEASE_US as f64 / 1e6) as u32).clamp(1, most.max(1))
     }
 }
 
@@ -183,10 +168,10 @@ impl RateLimiter {
             let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
             if local.len() >= 65_536 {
                 // Forget organizations quiet for a minute rather than grow without end.
-                local.retain(|_, t| now - t.window_start < 60_000_000);
+                local.retain(|_, t| now - t.arrivals.since() < 60_000_000);
             }
             let t = local.entry(org_id.to_string()).or_insert_with(|| Tokens::new(now));
-            t.arrive(now);
+            t.arrivals.add(now, 1);
             if let Some(d) = t.decide(now) {
                 return Ok(d);
             }

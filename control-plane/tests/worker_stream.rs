@@ -19,7 +19,7 @@ use tessera_control_plane::db::Db;
 use tessera_control_plane::router::choice::Routing;
 use tessera_control_plane::router::{Models, Pool, Replica};
 use tessera_proto::errors;
-use tessera_proto::scripted::{GenerateStream, Script, ScriptedWorker};
+use tessera_proto::scripted::{GenerateStream, Script, ScriptedWorker, delta};
 use tessera_proto::worker::worker_server::WorkerServer;
 use tessera_proto::worker::{self as pb, ErrorKind};
 use tokio::sync::{Notify, mpsc};
@@ -85,19 +85,6 @@ prices = { input = 1_000_000, output = 2_000_000 }
 capabilities = { image_input = false, video_input = false, tool_calling = true, structured_output = true }
 reasoning = { default = "off", control = "none" }
 "#;
-
-/// A delta of choice `index`: `text` as one token (id 1), ending as `finish` says.
-fn delta(index: u32, text: &str, finish: pb::FinishReason) -> pb::GenerateResponse {
-    pb::GenerateResponse {
-        index,
-        text: text.into(),
-        tokens: vec![pb::GeneratedToken { token_id: 1, logprob: Some(-0.5), top_logprobs: vec![] }],
-        finish_reason: finish as i32,
-        prompt_tokens: 2,
-        cached_prompt_tokens: 0,
-        prompt_logprobs: vec![],
-    }
-}
 
 fn more(index: u32, text: &str) -> Step {
     Step::Send(delta(index, text, pb::FinishReason::Unspecified))

@@ -61,6 +61,20 @@ pub const WORD_TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding"
 "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
 "model":{"type":"WordLevel","vocab":{"<unk>":0,"hello":1,"world":2,"again":3},"unk_token":"<unk>"}}"#;
 
+/// A delta of choice `index`: `text` as one token (id 1, log-probability −0.5) of a
+/// 2-token prompt, ending as `finish` says.
+pub fn delta(index: u32, text: &str, finish: pb::FinishReason) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        index,
+        text: text.into(),
+        tokens: vec![pb::GeneratedToken { token_id: 1, logprob: Some(-0.5), top_logprobs: vec![] }],
+        finish_reason: finish as i32,
+        prompt_tokens: 2,
+        cached_prompt_tokens: 0,
+        prompt_logprobs: vec![],
+    }
+}
+
 /// The card of a scripted worker serving `model`: the four-word tokenizer, a template
 /// that joins the messages' contents, 4,096 tokens of context.
 pub fn model_card(model: &str) -> pb::ModelCard {

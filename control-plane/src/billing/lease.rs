@@ -24,6 +24,7 @@
 
 use super::ledger::{self, LedgerError, UsageRecord};
 use crate::accounts::keys;
+pub use crate::rate::Rate;
 use sqlx::{AnyPool, Row};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +37,6 @@ use tokio::sync::{mpsc, oneshot};
 const SHARE_DIVISOR: i64 = 4;
 /// Settlements written in one transaction, at most.
 const MAX_BATCH: usize = 256;
-/// How long a rate estimate's window runs before it is folded in, µs.
-const RATE_WINDOW_US: i64 = 250_000;
 
 /// What the operator tunes.
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +100,7 @@ struct Current {
     last_used: Instant,
 }
 
-/// A lease's in-memory books; `Books::remainder` equals its row's remainder.
+/// A lease's in-memory books: available + held + settling equals its row's remainder.
 struct Lease {
     id: String,
     books: Mutex<Books>,
@@ -137,38 +136,6 @@ struct Settling {
     held: i64,
     usage: UsageRecord,
     done: oneshot::Sender<bool>,
-}
-
-/// An organization's worst-case spend per second at this control plane (times in µs,
-/// so that a simulation can drive it on its own clock).
-#[derive(Debug, Clone)]
-pub struct Rate {
-    since: i64,
-    sum: i64,
-    per_sec: f64,
-}
-
-impl Rate {
-    pub fn new(now_us: i64) -> Self {
-        Self { since: now_us, sum: 0, per_sec: 0.0 }
-    }
-
-    pub fn add(&mut self, now_us: i64, micros: i64) {
-        let dt = now_us - self.since;
-        if dt >= RATE_WINDOW_US {
-            let recent = self.sum as f64 * 1e6 / dt as f64;
-            // A window after a long quiet spell is the rate; otherwise half old, half new.
-            self.per_sec = if dt > 8 * RATE_WINDOW_US { recent } else { (self.per_sec + recent) / 2.0 };
-            (self.since, self.sum) = (now_us, 0);
-        }
-        self.sum += micros;
-    }
-
-    /// The estimate, counting the window in progress as if it were a whole window
-    /// already, so that a burst from quiet sizes its lease at once.
-    pub fn per_sec(&self) -> f64 {
-        self.per_sec.max(self.sum as f64 * 1e6 / RATE_WINDOW_US as f64)
-    }
 }
 
 /// What a renewal takes from an account holding `balance`: at least `need` (None if
@@ -212,6 +179,9 @@ impl Leases {
 
     fn org(&self, org_id: &str) -> Arc<OrgLease> {
         let mut orgs = self.0.orgs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(org) = orgs.get(org_id) {
+            return org.clone();
+        }
         orgs.entry(org_id.to_string())
             .or_insert_with(|| {
                 Arc::new(OrgLease {
@@ -380,11 +350,7 @@ impl Leases {
     /// with the next batch. True once written; false when it could not be (its lease
     /// expired, or the database failed every retry): then it is not charged at all.
     pub async fn settle(&self, hold: LeaseHold, usage: UsageRecord) -> bool {
-        let cost = ledger::amount(usage.cost_micros).unwrap_or(i64::MAX);
-        if cost > hold.held {
-            tracing::warn!("{}: cost {cost} exceeds its hold {}; charging the hold", usage.request_id, hold.held);
-        }
-        let cost = cost.min(hold.held);
+        let cost = ledger::within_hold(&usage, hold.held);
         {
             let mut b = hold.lease.books.lock().unwrap_or_else(|e| e.into_inner());
             b.held -= hold.held;
@@ -712,26 +678,21 @@ async fn write_batch(pool: &AnyPool, batch: &[Settling]) -> Result<Written, Ledg
     let now_s = now_us / 1_000_000;
     let mut tx = pool.begin().await?;
 
-    let mut sql = String::from(
-        "INSERT INTO holds (request_id, org_id, amount, created_at, settled_at, funding, owner, lease_id) VALUES ",
+    let sql = format!(
+        "INSERT INTO holds (request_id, org_id, amount, created_at, settled_at, funding, lease_id) VALUES {} \
+         ON CONFLICT (request_id) DO NOTHING RETURNING request_id",
+        ledger::placeholders(batch.len(), 7)
     );
-    for i in 0..batch.len() {
-        let p = i * 5;
-        sql.push_str(&format!(
-            "{}(${}, ${}, ${}, ${}, ${}, 'credits', NULL, ${})",
-            if i == 0 { "" } else { ", " },
-            p + 1,
-            p + 2,
-            p + 3,
-            p + 4,
-            p + 4,
-            p + 5
-        ));
-    }
-    sql.push_str(" ON CONFLICT (request_id) DO NOTHING RETURNING request_id");
     let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
     for s in batch {
-        q = q.bind(&s.usage.request_id).bind(&s.usage.org_id).bind(s.held).bind(now_s).bind(&s.lease.id);
+        q = q
+            .bind(&s.usage.request_id)
+            .bind(&s.usage.org_id)
+            .bind(s.held)
+            .bind(now_s)
+            .bind(now_s)
+            .bind("credits")
+            .bind(&s.lease.id);
     }
     let mut inserted: std::collections::HashSet<String> =
         q.fetch_all(&mut *tx).await?.iter().map(|r| r.try_get("request_id")).collect::<Result<_, _>>()?;
@@ -776,24 +737,11 @@ async fn write_batch(pool: &AnyPool, batch: &[Settling]) -> Result<Written, Ledg
     }
     let charged: Vec<&&Settling> = fresh.iter().filter(|s| s.usage.cost_micros > 0).collect();
     if !charged.is_empty() {
-        let mut sql = String::from(
+        let sql = format!(
             "INSERT INTO ledger_transfers (id, from_account, to_account, amount, kind, request_id, memo, created_at) \
-             VALUES ",
+             VALUES {}",
+            ledger::placeholders(charged.len(), 8)
         );
-        for i in 0..charged.len() {
-            let p = i * 7;
-            sql.push_str(&format!(
-                "{}(${}, ${}, ${}, ${}, 'charge', ${}, ${}, ${})",
-                if i == 0 { "" } else { ", " },
-                p + 1,
-                p + 2,
-                p + 3,
-                p + 4,
-                p + 5,
-                p + 6,
-                p + 7
-            ));
-        }
         let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
         for s in &charged {
             q = q
@@ -801,6 +749,7 @@ async fn write_batch(pool: &AnyPool, batch: &[Settling]) -> Result<Written, Ledg
                 .bind(ledger::leases_account(&s.usage.org_id))
                 .bind(ledger::revenue_account(&s.usage.org_id))
                 .bind(s.usage.cost_micros as i64)
+                .bind("charge")
                 .bind(&s.usage.request_id)
                 .bind(&s.lease.id)
                 .bind(now_s);

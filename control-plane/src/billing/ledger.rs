@@ -359,12 +359,7 @@ impl Ledger {
         let held: i64 = row.try_get("amount")?;
         let funding: String = row.try_get("funding")?;
         let user: Option<String> = row.try_get("user_id")?;
-        let asked = amount(usage.cost_micros)?;
-        if asked > held {
-            // A correct worst case never allows this: charge what was held, and say so.
-            tracing::warn!("{}: cost {asked} exceeds its hold {held}; charging the hold", usage.request_id);
-        }
-        let cost = asked.min(held);
+        let cost = within_hold(usage, held);
         match user.filter(|_| funding == "subscription") {
             // Included usage, which is not money in the ledger.
             Some(user) => super::subscriptions::settle(&mut tx, &user, held, cost).await?,
@@ -547,21 +542,37 @@ pub(super) async fn record(
     Ok(())
 }
 
+/// What a request is charged: its cost, at most what it held.
+pub(super) fn within_hold(usage: &UsageRecord, held: i64) -> i64 {
+    let asked = i64::try_from(usage.cost_micros).unwrap_or(i64::MAX);
+    if asked > held {
+        // A correct worst case never allows this: charge what was held, and say so.
+        tracing::warn!("{}: cost {asked} exceeds its hold {held}; charging the hold", usage.request_id);
+    }
+    asked.min(held)
+}
+
+/// `rows` rows of `columns` numbered placeholders, for a multi-row VALUES:
+/// `($1, $2), ($3, $4)`.
+pub(super) fn placeholders(rows: usize, columns: usize) -> String {
+    let row = |r: usize| {
+        let cells: Vec<String> = (1..=columns).map(|c| format!("${}", r * columns + c)).collect();
+        format!("({})", cells.join(", "))
+    };
+    (0..rows).map(row).collect::<Vec<_>>().join(", ")
+}
+
 /// Writes usage records, settled now, in one statement.
 pub(super) async fn insert_usage(tx: &mut Transaction<'_, Any>, records: &[&UsageRecord]) -> Result<(), LedgerError> {
-    const COLUMNS: usize = 15;
     if records.is_empty() {
         return Ok(());
     }
-    let mut sql = String::from(
+    let sql = format!(
         "INSERT INTO usage_records (request_id, org_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
          completion_tokens, reasoning_tokens, cost_micros, funding, multiplier_bp, finish_reason, created_at, \
-         client_request_id) VALUES ",
+         client_request_id) VALUES {}",
+        placeholders(records.len(), 15)
     );
-    for i in 0..records.len() {
-        let cells: Vec<String> = (1..=COLUMNS).map(|c| format!("${}", i * COLUMNS + c)).collect();
-        sql.push_str(&format!("{}({})", if i == 0 { "" } else { ", " }, cells.join(", ")));
-    }
     let now_us = crate::limits::now_us();
     let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
     for u in records {
@@ -605,4 +616,13 @@ fn usage_from_row(r: &sqlx::any::AnyRow) -> Result<UsageRecord, LedgerError> {
         finish_reason: r.try_get("finish_reason")?,
         created_at: r.try_get("created_at")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn placeholders_number_rows_then_columns() {
+        assert_eq!(super::placeholders(2, 3), "($1, $2, $3), ($4, $5, $6)");
+        assert_eq!(super::placeholders(1, 1), "($1)");
+    }
 }
