@@ -5,7 +5,9 @@
 //! settlements of subscription requests are timed too. Then one organization's
 //! admissions across 1 and `control_planes` control planes (each its own pool, limiter
 //! and budget leases) sharing the database: per-request holds against leases, with the
-//! database transactions the leases cost.
+//! database transactions the leases cost. Last, the most one personal plan's row
+//! admits across the control planes with its concurrency taken by instant requests:
+//! the ceiling its per-request holds put on a plan (not leased; docs/architecture.md).
 
 #[path = "../../control-plane/tests/support/postgres.rs"]
 mod postgres;
@@ -161,6 +163,7 @@ async fn bench(name: &str, url: &str, args: &Args) -> Result<()> {
     for planes in [1, args.control_planes] {
         leased_admissions(name, url, planes, args).await?;
     }
+    plan_row(name, url, args).await?;
     println!(
         "{}",
         json!({
@@ -287,6 +290,62 @@ async fn leased_admissions(name: &str, url: &str, planes: usize, args: &Args) ->
             "rate_limit_db_checks_per_s_leased": round(rates[1].1),
             "write_transactions_per_s_leased": round((renewals + batches) as f64 / leased_s + rates[1].1),
             "write_transactions_per_s_per_request_holds": round(rates[0].0 * 2.0 + rates[0].1),
+        })
+    );
+    Ok(())
+}
+
+/// The most requests one subscription's row admits a second, its plan's concurrency
+/// taken by instant requests spread over `control_planes` control planes, each a
+/// hold and a settlement on the row. A plan's concurrency caps its rate at
+/// concurrency ÷ request time, so the row limits a plan only when its requests take
+/// less than `row_bound_below_request_ms`.
+async fn plan_row(name: &str, url: &str, args: &Args) -> Result<()> {
+    let plan = Plan::Max;
+    let first = Db::open(url).await?;
+    let user = first.accounts().create_user(&format!("plan-row-{name}@example.com")).await?;
+    first.subscriptions(Arc::new(DevProcessor::default())).start(&user.id, plan, DEV_CARD, now_us()).await?;
+    let mut planes = Vec::new();
+    for p in 0..args.control_planes {
+        let db = Db::open(url).await?;
+        let owner = format!("cp_plan_row_{name}_{p}");
+        planes.push((db.subscriptions(Arc::new(DevProcessor::default())).owned_by(&owner), db.ledger()));
+    }
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(args.seconds);
+    let mut tasks = Vec::new();
+    for w in 0..plan.concurrency() as usize {
+        let (subscriptions, ledger) = planes[w % planes.len()].clone();
+        let (done, org) = (done.clone(), user.org_id.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while Instant::now() < deadline {
+                let id = format!("plan-row-{w}-{i}");
+                let admitted = subscriptions.hold(&org, &id, 5_000, now_us()).await?;
+                anyhow::ensure!(admitted.is_ok(), "the plan refused a benchmark request: {admitted:?}");
+                ledger.settle(&UsageRecord { funding: "subscription".into(), ..usage(id, &org) }).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let rate = done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+    first.ledger().audit().await?;
+    println!(
+        "{}",
+        json!({
+            "bench": "billing_plan_row",
+            "db": name,
+            "control_planes": args.control_planes,
+            "plan": plan.as_str(),
+            "concurrency": plan.concurrency(),
+            "admitted_per_s": round(rate),
+            "row_bound_below_request_ms": round(plan.concurrency() as f64 / rate * 1e3),
         })
     );
     Ok(())
