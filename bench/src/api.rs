@@ -1,6 +1,7 @@
 //! The HTTP API as the load generators meet it: a throwaway `tessera serve` (its own
 //! data folder, a free port, the bootstrap key it writes), and one streamed request over
-//! a fresh HTTP/1.1 connection, each server-sent event timed as it arrives.
+//! a fresh or a kept-alive HTTP/1.1 connection, each server-sent event timed as it
+//! arrives.
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -151,20 +152,55 @@ pub fn latency<'a>(timings: impl Iterator<Item = &'a Timing> + Clone) -> serde_j
 /// The longest silence a stream may have.
 const READ_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// POSTs `body` to `path` and reads its event stream to `[DONE]`.
+/// POSTs `body` to `path` on a fresh connection and reads its event stream to `[DONE]`.
 pub async fn stream(port: u16, key: &str, path: &str, body: &Value) -> Result<Vec<Event>> {
     let start = Instant::now();
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    socket.set_nodelay(true)?;
+    exchange(&mut socket, start, key, path, body, false).await
+}
+
+/// One kept-alive HTTP/1.1 connection, as the SDKs' pooled clients keep them: requests
+/// on it one after another, each read to the end of its response.
+pub struct Conn {
+    socket: tokio::net::TcpStream,
+}
+
+impl Conn {
+    pub async fn open(port: u16) -> Result<Self> {
+        let socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        socket.set_nodelay(true)?;
+        Ok(Self { socket })
+    }
+
+    /// POSTs `body` to `path` and reads its event stream to `[DONE]` and the response's end.
+    pub async fn stream(&mut self, key: &str, path: &str, body: &Value) -> Result<Vec<Event>> {
+        exchange(&mut self.socket, Instant::now(), key, path, body, true).await
+    }
+}
+
+/// Sends one request on `socket` and reads its events, timed from `start`; with
+/// `keep_alive`, also the rest of the response, so that the connection can carry the next.
+async fn exchange(
+    socket: &mut tokio::net::TcpStream,
+    start: Instant,
+    key: &str,
+    path: &str,
+    body: &Value,
+    keep_alive: bool,
+) -> Result<Vec<Event>> {
     let body = body.to_string();
+    let connection = if keep_alive { "keep-alive" } else { "close" };
     let request = format!(
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n\
-         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+         Connection: {connection}\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     socket.write_all(request.as_bytes()).await?;
     let mut reader = Body::default();
     let mut buf = [0u8; 16384];
     let mut events = Vec::new();
+    let mut done = false;
     loop {
         // A server that stalls fails the run rather than hanging it.
         let n = tokio::time::timeout(READ_TIMEOUT, socket.read(&mut buf))
@@ -174,13 +210,20 @@ pub async fn stream(port: u16, key: &str, path: &str, body: &Value) -> Result<Ve
             bail!("the connection closed before [DONE]: {}", String::from_utf8_lossy(&reader.raw));
         }
         reader.push(&buf[..n])?;
+        if keep_alive && reader.head_done && !reader.chunked {
+            bail!("a response without chunks cannot be read to its end on a kept-alive connection");
+        }
         let at = start.elapsed();
         while let Some(event) = reader.next_event() {
             let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
             if data == "[DONE]" {
-                return Ok(events);
+                done = true;
+                break;
             }
             events.push(Event { at, data: serde_json::from_str(data).context("an event's JSON")? });
+        }
+        if done && (!keep_alive || reader.ended) {
+            return Ok(events);
         }
     }
 }
@@ -194,6 +237,8 @@ struct Body {
     chunked: bool,
     /// Undone bytes not yet split into events (a character may span two chunks).
     text: Vec<u8>,
+    /// The last chunk (size 0) has arrived.
+    ended: bool,
 }
 
 impl Body {
@@ -220,6 +265,7 @@ impl Body {
             if self.raw.len() < line_end + 2 + size + 2 {
                 break;
             }
+            self.ended |= size == 0;
             self.text.extend_from_slice(&self.raw[line_end + 2..line_end + 2 + size]);
             self.raw.drain(..line_end + 2 + size + 2);
         }
@@ -232,5 +278,32 @@ impl Body {
         let event = String::from_utf8_lossy(&self.text[..end]).into_owned();
         self.text.drain(..end + 2);
         Some(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Body;
+
+    #[test]
+    fn a_chunked_stream_is_read_to_its_last_chunk_across_reads() {
+        let response = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+            f\r\ndata: {\"a\":1}\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n";
+        let mut body = Body::default();
+        let mut events = Vec::new();
+        // Split at every 7 bytes: heads, sizes and events across reads.
+        for piece in response.chunks(7) {
+            assert!(!body.ended, "ended before its last chunk");
+            body.push(piece).unwrap();
+            events.extend(std::iter::from_fn(|| body.next_event()));
+        }
+        assert_eq!(events, ["data: {\"a\":1}", "data: [DONE]"]);
+        assert!(body.ended, "the last chunk was read");
+    }
+
+    #[test]
+    fn an_answer_other_than_200_fails_the_run() {
+        let mut body = Body::default();
+        assert!(body.push(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 0\r\n\r\n").is_err());
     }
 }

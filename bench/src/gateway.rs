@@ -170,9 +170,29 @@ pub(crate) async fn grpc(
 /// A streamed legacy completion of the same token ids.
 pub(crate) async fn http(port: u16, key: &str, model: &str, prompt: &[u32], max_tokens: u32) -> Result<Timing> {
     let start = Instant::now();
-    let body = json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "stream": true});
-    let events = api::stream(port, key, "/v1/completions", &body).await?;
+    let events = api::stream(port, key, "/v1/completions", &completion(model, prompt, max_tokens)).await?;
+    timing(start, &events)
+}
+
+/// The same on a kept-alive connection.
+pub(crate) async fn http_on(
+    conn: &mut api::Conn,
+    key: &str,
+    model: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> Result<Timing> {
+    let start = Instant::now();
+    let events = conn.stream(key, "/v1/completions", &completion(model, prompt, max_tokens)).await?;
+    timing(start, &events)
+}
+
+fn completion(model: &str, prompt: &[u32], max_tokens: u32) -> Value {
+    json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true})
+}
+
+/// When the first text arrived, and the whole reply, since `start`.
+fn timing(start: Instant, events: &[api::Event]) -> Result<Timing> {
     let total = start.elapsed();
     let has_text = |e: &&api::Event| e.data["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty());
     let first = events.iter().find(has_text).map(|e| e.at);

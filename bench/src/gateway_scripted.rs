@@ -4,10 +4,11 @@
 //! API (`api::router` over HTTP on the loopback, its SQLite database, key check, rate
 //! limit, billing hold and settlement, routing and gRPC client), all in this process.
 //! Time to first token through the API against calling the worker directly, at
-//! concurrency 1 (the two interleaved) and open loop at `rate` requests per second (each
+//! concurrency 1 (interleaved: the API on a kept-alive connection, as the SDKs send, and
+//! on a fresh connection each) and open loop (fresh connections) at `rate` requests per second (each
 //! path alone for `seconds`): p50, p99 and what the API adds.
 
-use crate::gateway::{Timing, grpc, http, report, run_level};
+use crate::gateway::{Timing, grpc, http, http_on, report, run_level};
 use anyhow::{Context, Result};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -33,6 +34,17 @@ pub struct ScriptedArgs {
 }
 
 const MODEL: &str = "bench/scripted";
+
+/// How a concurrency-1 request is sent.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    /// To the worker's gRPC directly.
+    Grpc,
+    /// Through the API on the one kept-alive connection.
+    Kept,
+    /// Through the API on a connection of its own.
+    Fresh,
+}
 
 /// Answers every generation at once: one token, then the end.
 struct AtOnce;
@@ -65,13 +77,13 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
     let data = tempfile::tempdir()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let line = runtime.block_on(async {
-        // The worker.
+        // The worker, its connections without Nagle's delay as `tessera-worker` serves them.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let worker = listener.local_addr()?.to_string();
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(WorkerServer::new(ScriptedWorker(AtOnce)))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
         );
         // The control plane: its database, an organization with credit and a key, the
         // model's pool of one replica, the API over HTTP.
@@ -86,7 +98,8 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
         let app = tessera_control_plane::serve::app_state(db, models, None, &config).await?;
         let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let port = http_listener.local_addr()?.port();
-        tokio::spawn(async move { axum::serve(http_listener, tessera_control_plane::api::router(app)).await });
+        let listener = tessera_control_plane::serve::no_delay(http_listener);
+        tokio::spawn(async move { axum::serve(listener, tessera_control_plane::api::router(app)).await });
 
         let client = WorkerClient::connect(format!("http://{worker}")).await?;
         let prompt = vec![1u32, 2, 3];
@@ -95,19 +108,26 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
             grpc(client.clone(), prompt.clone(), 1).await?;
             http(port, &key, MODEL, &prompt, 1).await?;
         }
-        // Concurrency 1, the two paths interleaved.
-        let jobs: Vec<bool> = (0..args.requests.max(2)).map(|i| i % 2 == 0).collect();
+        // Concurrency 1, the paths interleaved: gRPC on its channel, the API on one
+        // kept-alive connection (as the SDKs' pooled clients send) and on a fresh one each.
+        let kept = Arc::new(tokio::sync::Mutex::new(crate::api::Conn::open(port).await?));
+        let jobs: Vec<Path> = (0..args.requests.max(3)).map(|i| [Path::Grpc, Path::Kept, Path::Fresh][i % 3]).collect();
         let (c, k, p) = (client.clone(), key.clone(), prompt.clone());
-        let timings = run_level(1, jobs, move |direct| {
-            let (c, k, p) = (c.clone(), k.clone(), p.clone());
+        let timings = run_level(1, jobs, move |path| {
+            let (c, k, p, kept) = (c.clone(), k.clone(), p.clone(), kept.clone());
             async move {
-                let t = if direct { grpc(c, p, 1).await? } else { http(port, &k, MODEL, &p, 1).await? };
-                anyhow::Ok((direct, t))
+                let t = match path {
+                    Path::Grpc => grpc(c, p, 1).await?,
+                    Path::Kept => http_on(&mut *kept.lock().await, &k, MODEL, &p, 1).await?,
+                    Path::Fresh => http(port, &k, MODEL, &p, 1).await?,
+                };
+                anyhow::Ok((path, t))
             }
         })
         .await?;
-        let pick = |want: bool| timings.iter().filter(|(d, _)| *d == want).map(|(_, t)| *t).collect::<Vec<_>>();
-        let closed = report(1, &pick(true), &pick(false));
+        let pick = |want: Path| timings.iter().filter(|(p, _)| *p == want).map(|(_, t)| *t).collect::<Vec<_>>();
+        let closed = report(1, &pick(Path::Grpc), &pick(Path::Kept));
+        let fresh = report(1, &pick(Path::Grpc), &pick(Path::Fresh));
         // Open loop: requests start on the clock whatever the answers do.
         let direct = open_loop(args.rate, args.seconds, {
             let (c, p) = (client.clone(), prompt.clone());
@@ -132,6 +152,7 @@ pub fn run(args: ScriptedArgs) -> Result<()> {
             "bench": "gateway_scripted",
             "worker": "scripted, answers at once with one token",
             "concurrency_1": closed,
+            "concurrency_1_fresh_connections": fresh,
             "open_loop": open,
             "load_average_before": crate::peer::load_average(),
         }))

@@ -169,7 +169,7 @@ pub async fn app_state(
 /// Connections accepted with TCP_NODELAY. Streamed events are small writes: with Nagle's
 /// algorithm each waits for the ACK of the one before, which the client's delayed ACK can
 /// hold for 40 ms.
-fn no_delay(
+pub fn no_delay(
     listener: tokio::net::TcpListener,
 ) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
     listener.tap_io(|tcp| {
