@@ -12,6 +12,7 @@ mod gateway_scripted;
 mod gpu;
 mod grammar;
 mod kernels;
+mod kv_tiers;
 mod leases_model;
 mod metrics_cost;
 mod peer;
@@ -44,6 +45,10 @@ enum Command {
     Console(console::Args),
     /// Continuous batching throughput against one request at a time, offline.
     Engine(engine::Args),
+    /// The second KV tier on multi-turn chat whose working set is several times the
+    /// cache: prefix hit rate and time to first token without it, in host memory, on
+    /// disk, and across a restart.
+    KvTiers(kv_tiers::Args),
     /// Constrained decoding against free decoding, and the token mask's time per step.
     Grammar(grammar::Args),
     /// The CPU backend's matrix products and paged attention on SmolLM2-135M's shapes.
@@ -88,6 +93,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(args) => forward::run(args),
         Command::Engine(args) => engine::run(args),
+        Command::KvTiers(args) => kv_tiers::run(args),
         Command::Console(args) => console::run(args),
         Command::Billing(args) => billing::run(args),
         Command::LeasesModel(args) => leases_model::run(args),

@@ -119,6 +119,14 @@ pub struct ServeConfig {
     /// KV cache size of each worker, in bytes (default: the worker's).
     #[arg(long)]
     pub kv_cache_bytes: Option<u64>,
+    /// Host memory of each worker for KV blocks its cache evicts (the second tier): a
+    /// prompt whose prefix was evicted copies it back instead of computing it again.
+    #[arg(long)]
+    pub kv_offload_bytes: Option<u64>,
+    /// Disk for each worker's evicted KV blocks, under `<data-dir>/kv-cache/<replica>`,
+    /// kept across restarts (a warm restart); off when not given.
+    #[arg(long)]
+    pub kv_disk_bytes: Option<u64>,
     /// Each worker's fair sharing: while organizations contend, a step runs at most this
     /// many rows, split by their weights (default: 8 on a CPU, the batch limit on a GPU).
     #[arg(long)]

@@ -41,6 +41,8 @@ pub async fn run(
         json_logs: log_format == crate::config::LogFormat::Json,
         traces,
         contended_batch: config.contended_batch,
+        kv_offload_bytes: config.kv_offload_bytes,
+        kv_disk: config.kv_disk_bytes.map(|bytes| (data_dir.join("kv-cache"), bytes)),
         ..workers::worker_command(config.worker_bin.as_deref())?
     };
     let mut local = Vec::new();

@@ -35,7 +35,7 @@ fn relay(json_logs: bool, weights: &str, line: &str) {
 }
 
 /// How to start a worker: a program and the arguments before the worker's own.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct WorkerCommand {
     pub program: PathBuf,
     pub prefix: Vec<&'static str>,
@@ -46,19 +46,17 @@ pub struct WorkerCommand {
     pub traces: TraceConfig,
     /// Each worker's `--contended-batch` (fair sharing); None: the worker's default.
     pub contended_batch: Option<usize>,
+    /// Each worker's second KV tier: host bytes, and a folder (one per replica under
+    /// it) with its bytes.
+    pub kv_offload_bytes: Option<u64>,
+    pub kv_disk: Option<(PathBuf, u64)>,
 }
 
 /// The worker: as configured, else the `tessera-worker` beside this executable, else
 /// the worker built into this binary (`tessera worker`), so that `cargo run --bin
 /// tessera` alone, which builds no other binary, serves.
 pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
-    let own = |program: PathBuf| WorkerCommand {
-        program,
-        prefix: Vec::new(),
-        json_logs: false,
-        traces: TraceConfig::default(),
-        contended_batch: None,
-    };
+    let own = |program: PathBuf| WorkerCommand { program, ..WorkerCommand::default() };
     if let Some(p) = configured {
         return Ok(own(p.to_path_buf()));
     }
@@ -66,13 +64,7 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
     let sibling = exe.parent().map(|d| d.join("tessera-worker"));
     Ok(match sibling {
         Some(p) if p.is_file() => own(p),
-        _ => WorkerCommand {
-            program: exe,
-            prefix: vec!["worker"],
-            json_logs: false,
-            traces: TraceConfig::default(),
-            contended_batch: None,
-        },
+        _ => WorkerCommand { program: exe, prefix: vec!["worker"], ..WorkerCommand::default() },
     })
 }
 
@@ -101,6 +93,12 @@ pub async fn start(
     }
     if let Some(rows) = worker.contended_batch {
         cmd.args(["--contended-batch", &rows.to_string()]);
+    }
+    if let Some(bytes) = worker.kv_offload_bytes {
+        cmd.args(["--kv-offload-bytes", &bytes.to_string()]);
+    }
+    if let Some((root, bytes)) = &worker.kv_disk {
+        cmd.arg("--kv-disk-path").arg(root.join(replica)).args(["--kv-disk-bytes", &bytes.to_string()]);
     }
     if let Some(spec) = speculative {
         cmd.args(["--speculative", spec.method.as_str(), "--speculative-tokens", &spec.max_tokens.to_string()]);
@@ -156,28 +154,13 @@ mod tests {
     #[test]
     fn a_configured_worker_wins_else_the_built_in_one_runs_when_none_lies_beside() {
         let configured = worker_command(Some(Path::new("/opt/w/tessera-worker"))).unwrap();
-        assert_eq!(
-            configured,
-            WorkerCommand {
-                program: "/opt/w/tessera-worker".into(),
-                prefix: vec![],
-                json_logs: false,
-                traces: TraceConfig::default(),
-                contended_batch: None,
-            }
-        );
+        assert_eq!(configured, WorkerCommand { program: "/opt/w/tessera-worker".into(), ..WorkerCommand::default() });
         // A test binary has no tessera-worker beside it (target/*/deps).
         let exe = std::env::current_exe().unwrap();
         assert!(!exe.parent().unwrap().join("tessera-worker").exists());
         assert_eq!(
             worker_command(None).unwrap(),
-            WorkerCommand {
-                program: exe,
-                prefix: vec!["worker"],
-                json_logs: false,
-                traces: TraceConfig::default(),
-                contended_batch: None,
-            }
+            WorkerCommand { program: exe, prefix: vec!["worker"], ..WorkerCommand::default() }
         );
     }
 }

@@ -176,6 +176,15 @@ pub trait Backend: Send + Sync {
         self.zeros(len)
     }
 
+    /// Appends whole blocks of a KV cache buffer (`kv_zeros`; `[blocks, block_elems]`) to
+    /// `out`, in the order of `ids`, as stored (`kv_element_bytes` an element): what a
+    /// second KV tier keeps of a block evicted from the device.
+    fn kv_save_blocks(&self, cache: &Self::Buffer, block_elems: usize, ids: &[u32], out: &mut Vec<u8>) -> Result<()>;
+
+    /// Writes blocks saved by `kv_save_blocks` (`ids.len()` of them, in order) into
+    /// blocks `ids` of a KV cache buffer.
+    fn kv_load_blocks(&self, cache: &mut Self::Buffer, block_elems: usize, ids: &[u32], data: &[u8]) -> Result<()>;
+
     /// Runs `f`, one forward step's ops, where this backend runs them best: the CPU
     /// backend runs the step on its thread pool, so that each of the step's hundreds of
     /// parallel products forks from a pool thread — whose partner is still awake from

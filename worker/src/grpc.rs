@@ -5,6 +5,7 @@ use crate::engine::core::{EngineError, FinishReason, Output, Request as EngineRe
 use crate::engine::grammar::{Constraint, GrammarError, GrammarSource, GrammarSpec};
 use crate::engine::runner::{EngineHandle, OutputEvent};
 use crate::engine::sampler::SamplingParams;
+use crate::engine::scheduler::Place;
 use crate::engine::sequence::SeqId;
 use crate::engine::thinking::ThinkingBudget;
 use crate::vision::Use;
@@ -126,6 +127,11 @@ impl WorkerService {
     }
 
     /// The same, ending its load streams when `closing` turns true.
+    /// The engine this service feeds.
+    pub fn engine(&self) -> EngineHandle {
+        self.engine.clone()
+    }
+
     pub fn closing_on(self, closing: tokio::sync::watch::Receiver<bool>) -> Self {
         Self { closing, ..self }
     }
@@ -434,7 +440,7 @@ impl pb::worker_server::Worker for WorkerService {
         let cached = self.engine.cached_blocks().await.map_err(|e| Status::unavailable(e.to_string()))?;
         let mut closing = self.closing.clone();
         let stream = async_stream(move |tx| async move {
-            let first = pb::LoadReport { snapshot: true, stored_block_hashes: cached, ..Default::default() };
+            let first = pb::LoadReport { snapshot: true, ..with_places(cached) };
             if tx.send(Ok(first)).await.is_err() {
                 return;
             }
@@ -451,12 +457,11 @@ impl pb::worker_server::Worker for WorkerService {
                             kv_blocks_used: r.kv_blocks_used as u32,
                             kv_blocks_total: r.kv_blocks_total as u32,
                             tokens_per_s: r.tokens_per_s,
-                            stored_block_hashes: r.kv_events.stored,
-                            removed_block_hashes: r.kv_events.removed,
                             prefix_queried_blocks: r.prefix_queried_blocks,
                             prefix_hit_blocks: r.prefix_hit_blocks,
                             snapshot: false,
                             preemptions: r.preemptions,
+                            ..with_places(r.kv_changes)
                         };
                         if tx.send(Ok(report)).await.is_err() {
                             return;
@@ -473,6 +478,20 @@ impl pb::worker_server::Worker for WorkerService {
         });
         Ok(Response::new(stream))
     }
+}
+
+/// A report's block lists: each block in the list of where it is now.
+fn with_places(blocks: impl IntoIterator<Item = (u64, Place)>) -> pb::LoadReport {
+    let mut r = pb::LoadReport::default();
+    for (hash, place) in blocks {
+        match place {
+            Place::Device => r.stored_block_hashes.push(hash),
+            Place::Host => r.host_block_hashes.push(hash),
+            Place::Disk => r.disk_block_hashes.push(hash),
+            Place::Gone => r.removed_block_hashes.push(hash),
+        }
+    }
+    r
 }
 
 /// A stream fed by a task through a small channel.

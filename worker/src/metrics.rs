@@ -46,6 +46,17 @@ pub const TENANT_SHARE: &str = "tessera:tenant_batch_share";
 /// Preemptions that made room for another tenant's sequence (of `PREEMPTIONS`).
 pub const FAIR_PREEMPTIONS: &str = "tessera:fair_preemptions_total";
 pub const TOP_TENANTS: usize = 8;
+/// The second KV tier (`engine::kv_tier`), by `tier` (host, disk): what it holds, the
+/// blocks copied back from it (prefix hits there), and the bytes moved each way.
+/// Recorded when the tier is on.
+pub const TIER_BYTES: &str = "tessera:kv_tier_bytes";
+pub const TIER_BLOCKS: &str = "tessera:kv_tier_blocks";
+pub const TIER_HITS: &str = "tessera:kv_tier_hits_total";
+pub const TIER_OFFLOADED_BYTES: &str = "tessera:kv_tier_offloaded_bytes_total";
+pub const TIER_ONLOADED_BYTES: &str = "tessera:kv_tier_onloaded_bytes_total";
+/// Blocks dropped from the lowest tier for room, and disk reads or writes that failed.
+pub const TIER_DROPPED: &str = "tessera:kv_tier_dropped_blocks_total";
+pub const TIER_DISK_ERRORS: &str = "tessera:kv_tier_disk_errors_total";
 /// Gauges not set for this long leave the exposition; the engine's own are set every
 /// report interval, so only tenants' series fall out of the top go.
 const TENANT_SERIES_EXPIRE: std::time::Duration = std::time::Duration::from_secs(60);
@@ -87,6 +98,13 @@ pub fn describe() {
     describe_gauge!(TENANT_WAITING, "An organization's sequences waiting (the top 8; the rest as tenant=other).");
     describe_gauge!(TENANT_SHARE, "An organization's share of recent engine steps' rows, 0 to 1.");
     describe_counter!(FAIR_PREEMPTIONS, "Sequences preempted to make room for another organization's.");
+    describe_gauge!(TIER_BYTES, Unit::Bytes, "KV blocks held in the second tier, by tier (host, disk).");
+    describe_gauge!(TIER_BLOCKS, "KV blocks held in the second tier, by tier.");
+    describe_counter!(TIER_HITS, "KV blocks copied back from the second tier instead of computed, by tier.");
+    describe_counter!(TIER_OFFLOADED_BYTES, Unit::Bytes, "Bytes of evicted KV blocks copied to the second tier.");
+    describe_counter!(TIER_ONLOADED_BYTES, Unit::Bytes, "Bytes of KV blocks copied back from the second tier.");
+    describe_counter!(TIER_DROPPED, "KV blocks dropped from the lowest tier for room.");
+    describe_counter!(TIER_DISK_ERRORS, "Disk-tier reads and writes that failed (the block is computed again).");
     describe_histogram!(TTFT, Unit::Seconds, "From arrival to the first generated token.");
     describe_histogram!(ITL, Unit::Seconds, "Between consecutive tokens of a request.");
     describe_histogram!(E2E, Unit::Seconds, "From arrival to the last token.");

@@ -4,6 +4,7 @@ use crate::device;
 use crate::engine::core::{
     CPU_CONTENDED_BATCH, DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore,
 };
+use crate::engine::kv_tier::TierConfig;
 use crate::engine::runner::EngineHandle;
 use crate::engine::speculate::{DEFAULT_SPEC_TOKENS, MAX_SPEC_TOKENS, SpecConfig, SpecMethod};
 use crate::grpc::{WorkerServer, WorkerService};
@@ -78,6 +79,17 @@ pub struct ServeConfig {
     /// on a GPU.
     #[arg(long)]
     pub contended_batch: Option<usize>,
+    /// Host memory for KV blocks the cache evicts (the second tier): a prompt whose
+    /// prefix was evicted copies it back instead of computing it again; 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub kv_offload_bytes: u64,
+    /// A folder for KV blocks evicted from the cache and from host memory, kept across
+    /// restarts of a worker serving the same weights (a warm restart).
+    #[arg(long)]
+    pub kv_disk_path: Option<std::path::PathBuf>,
+    /// Bytes `--kv-disk-path` may hold.
+    #[arg(long, default_value_t = 8 << 30)]
+    pub kv_disk_bytes: u64,
     /// Memory for image features kept after encoding, so that a repeated image (and
     /// requests in flight with the same one) is encoded once; a vision model's only.
     #[arg(long, default_value_t = 256)]
@@ -200,6 +212,38 @@ fn gpu_kv_budget(model: &Model<tessera_kernels::cuda::CudaBackend>, config: &Ser
     (allowed - activations as i64).max(0) as u64
 }
 
+/// What a KV block's contents depend on: the model and its weight files (names, sizes,
+/// modification times), the backend, the cache's element format and layout, and the
+/// tensor-parallel split. A disk tier serves blocks only to a worker with the same.
+fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
+    let mut files: Vec<String> = match std::fs::read_dir(path) {
+        Ok(entries) => entries.filter_map(|e| e.ok()).map(|e| file_identity(&e.path())).collect(),
+        Err(_) => vec![file_identity(path)],
+    };
+    files.sort();
+    let c = &rank0.config;
+    format!(
+        "{model}|{}|{}|kv {} bytes|{} layers × {}|{BLOCK_TOKENS}-token blocks|{ranks} ranks",
+        files.join(","),
+        rank0.backend().name(),
+        rank0.backend().kv_element_bytes(),
+        c.num_layers,
+        c.kv_width(),
+    )
+}
+
+fn file_identity(path: &std::path::Path) -> String {
+    let meta = std::fs::metadata(path).ok();
+    let modified =
+        meta.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+    format!(
+        "{}:{}:{}",
+        path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
+        meta.map_or(0, |m| m.len()),
+        modified.map_or(0, |d| d.as_nanos())
+    )
+}
+
 /// Opens the model at `path`, loads its ranks with `load_ranks` (one model, or the
 /// shards of a tensor-parallel group, rank 0 first) and a draft model with
 /// `load_draft` if speculation drafts, sizes each rank's KV cache from `kv_budget`
@@ -253,6 +297,11 @@ fn build<B: Backend + 'static>(
             "cpu" => CPU_CONTENDED_BATCH,
             _ => config.max_num_seqs,
         }),
+        kv_tiers: TierConfig {
+            host_bytes: config.kv_offload_bytes,
+            disk: config.kv_disk_path.clone().map(|p| (p, config.kv_disk_bytes)),
+            identity: kv_identity(path, &config.model, rank0, ranks.len()),
+        },
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;
@@ -359,6 +408,7 @@ pub async fn serve(
     };
     // gRPC, and beside it (over HTTP/1.1) GET /metrics for Prometheus.
     let metrics = service.metrics.clone();
+    let engine = service.engine();
     // A request carries its images' bytes: up to the control plane's per-request cap,
     // far over tonic's 4 MiB default.
     let server =
@@ -371,6 +421,12 @@ pub async fn serve(
         .add_routes(routes.into())
         .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await?;
+    // Drained: what the KV cache holds goes to the disk tier, for the next start.
+    match engine.stop().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!("kept {n} KV blocks on disk for the next start"),
+        Err(e) => tracing::warn!("stopping the engine: {e}"),
+    }
     Ok(())
 }
 

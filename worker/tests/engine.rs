@@ -8,6 +8,7 @@ use common::smollm2_path;
 use std::collections::HashMap;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_worker::engine::core::{EngineConfig, EngineCore, EngineError, FinishReason, Output, Request};
+use tessera_worker::engine::kv_tier::TierConfig;
 use tessera_worker::engine::sampler::SamplingParams;
 use tessera_worker::load::load_model;
 
@@ -99,6 +100,51 @@ fn a_shared_thousand_token_prefix_is_computed_once() {
     let cold = run_all(&mut cold).remove(&2).unwrap();
     assert_eq!(cold.cached, 0);
     assert_eq!((warm.tokens, warm.text), (cold.tokens, cold.text));
+}
+
+#[test]
+fn evicted_prefixes_come_back_from_the_second_tier_unchanged_and_survive_a_restart() {
+    // A cache of 24 blocks (384 tokens); a host tier of 5 blocks over a disk tier.
+    let disk = tempfile::tempdir().unwrap();
+    let block = 2 * 30 * 16 * 192 * 2; // SmolLM2's layers × block tokens × KV width, in halves
+    let tiers = |identity: &str| TierConfig {
+        host_bytes: 5 * block,
+        disk: Some((disk.path().into(), 1 << 30)),
+        identity: identity.into(),
+    };
+    let config = |identity| EngineConfig { num_blocks: 24, kv_tiers: tiers(identity), ..EngineConfig::default() };
+    let mut e = engine(config("smollm2"));
+    let text = |topic: &str| format!("Notes on {topic}, written carefully and at length. ").repeat(40);
+    let a: Vec<u32> = e.tokenizer().encode(&text("tides")).unwrap()[..300].to_vec();
+    let b: Vec<u32> = e.tokenizer().encode(&text("glaciers")).unwrap()[..300].to_vec();
+    e.add_request(Request::greedy(1, a.clone(), 4)).unwrap();
+    let cold = run_all(&mut e).remove(&1).unwrap();
+    // B's blocks evict most of A's: down to host memory, and from there to disk.
+    e.add_request(Request::greedy(2, b, 4)).unwrap();
+    run_all(&mut e);
+    let tier = e.scheduler().tiers().unwrap();
+    assert!(tier.blocks().0 > 0 && tier.blocks().1 > 0, "held: {:?}", tier.blocks());
+    // A again: its prefix comes back from the device, host memory and disk, not computed.
+    let before = e.stats().prompt_tokens_computed;
+    e.add_request(Request::greedy(3, a.clone(), 4)).unwrap();
+    let warm = run_all(&mut e).remove(&3).unwrap();
+    let stats = e.scheduler().tiers().unwrap().stats();
+    assert!(stats.host_hits > 0 && stats.disk_hits > 0, "{stats:?}");
+    assert_eq!(warm.cached, 288, "every full block but the one holding the last token");
+    assert_eq!(e.stats().prompt_tokens_computed - before, 12);
+    assert_eq!((&warm.tokens, &warm.text), (&cold.tokens, &cold.text), "the same keys and values");
+    // Stopped: what it holds goes to disk, and a new engine of the same identity finds it.
+    assert!(e.persist_kv() >= 18);
+    drop(e);
+    let mut restarted = engine(config("smollm2"));
+    restarted.add_request(Request::greedy(4, a.clone(), 4)).unwrap();
+    let again = run_all(&mut restarted).remove(&4).unwrap();
+    assert_eq!(again.cached, 288, "a warm restart");
+    assert_eq!(again.tokens, cold.tokens);
+    // Another model's (or other weights') blocks are never served.
+    let mut other = engine(config("another model"));
+    other.add_request(Request::greedy(5, a, 4)).unwrap();
+    assert_eq!(run_all(&mut other).remove(&5).unwrap().cached, 0);
 }
 
 #[test]

@@ -6,6 +6,7 @@
 mod common;
 
 use common::{request, serve_config, serve_in_process};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
 use tessera_proto::worker::{self as pb};
@@ -71,6 +72,41 @@ async fn a_load_stream_opens_with_the_prefix_cache_then_its_changes() {
     }
     let snap: std::collections::BTreeSet<u64> = snapshot.stored_block_hashes.into_iter().collect();
     assert_eq!(learnt, snap);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_evicted_to_the_second_tier_are_reported_where_they_went() {
+    // A cache of 24 blocks and a host tier of 64: a second 300-token prompt evicts the
+    // first's blocks, which move to host memory.
+    let block = 2 * 30 * 16 * 192 * 2;
+    let config = tessera_worker::serve::ServeConfig { kv_offload_bytes: 64 * block, ..serve_config(24 * block) };
+    let mut client = serve_in_process(config).await;
+    let mut watch = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    assert!(watch.message().await.unwrap().unwrap().snapshot);
+    let a: Vec<u32> = (0..300).map(|i| 1000 + i).collect();
+    let b: Vec<u32> = (0..300).map(|i| 5000 + i).collect();
+    collect(client.clone(), request("a", a, 1)).await;
+    collect(client.clone(), request("b", b, 1)).await;
+    // Each report says where each changed block is now.
+    let mut places: HashMap<u64, &str> = HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while places.values().filter(|p| **p == "host").count() < 10 {
+        let r = tokio::time::timeout_at(deadline, watch.message()).await.expect("reported").unwrap().unwrap();
+        let lists =
+            [(&r.stored_block_hashes, "device"), (&r.host_block_hashes, "host"), (&r.disk_block_hashes, "disk")];
+        for (hashes, place) in lists {
+            places.extend(hashes.iter().map(|&h| (h, place)));
+        }
+        for h in &r.removed_block_hashes {
+            places.remove(h);
+        }
+    }
+    // A new watcher starts from the same picture.
+    let mut second = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
+    let snapshot = second.message().await.unwrap().unwrap();
+    let host: BTreeSet<u64> = places.iter().filter(|(_, p)| **p == "host").map(|(h, _)| *h).collect();
+    assert_eq!(snapshot.host_block_hashes.iter().copied().collect::<BTreeSet<_>>(), host);
+    assert!(snapshot.stored_block_hashes.iter().all(|h| places.get(h) == Some(&"device")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -162,7 +162,8 @@ impl Pool {
             metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => "none").increment(1);
             return None;
         };
-        let held = matched.get(&chosen.id).copied().unwrap_or(0).min(blocks.len());
+        let m = matched.get(&chosen.id).copied().unwrap_or_default();
+        let held = (m.device + m.tier).min(blocks.len());
         let outcome = if held > 0 { "cached" } else { "uncached" };
         metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => outcome).increment(1);
         metrics::counter!(m::ROUTED_BLOCKS, "model" => self.model.clone()).increment(blocks.len() as u64);
@@ -251,10 +252,13 @@ fn apply(member: &Weak<Member>, index: &Mutex<PrefixIndex>, id: &str, report: pb
     let Some(m) = member.upgrade() else { return false };
     {
         let mut ix = index.lock().unwrap_or_else(|e| e.into_inner());
+        // Each block is in one list, the one that says where it is now.
+        let tier = [&report.host_block_hashes[..], &report.disk_block_hashes[..]].concat();
         if report.snapshot {
-            ix.reset(id, &report.stored_block_hashes);
+            ix.reset(id, &report.stored_block_hashes, &tier);
         } else {
             ix.store(id, &report.stored_block_hashes);
+            ix.store_in_tier(id, &tier);
             ix.remove(id, &report.removed_block_hashes);
         }
     }

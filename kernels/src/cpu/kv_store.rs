@@ -33,6 +33,29 @@ impl KvStore {
     }
 }
 
+/// Floats of the backend's buffer one block of `block_elems` elements takes; a block
+/// that does not fill whole floats (an odd count of halves) is refused.
+pub(super) fn block_floats(store: KvStore, block_elems: usize, op: &'static str) -> crate::Result<usize> {
+    if store == KvStore::F16 && block_elems % 2 == 1 {
+        return Err(crate::KernelError::shape(op, "a block of an odd count of halves"));
+    }
+    Ok(store.buffer_floats(block_elems))
+}
+
+/// The floats of block `id` in a buffer of `len` floats, or why not.
+pub(super) fn block_range(
+    len: usize,
+    floats: usize,
+    id: u32,
+    op: &'static str,
+) -> crate::Result<std::ops::Range<usize>> {
+    let start = id as usize * floats;
+    if start + floats > len {
+        return Err(crate::KernelError::shape(op, "a block past the cache's end"));
+    }
+    Ok(start..start + floats)
+}
+
 /// A cache buffer's elements as stored.
 #[derive(Clone, Copy)]
 pub(super) enum Cache<'a> {
@@ -216,5 +239,32 @@ mod tests {
             unsafe { std::arch::x86_64::_mm512_storeu_ps(got.as_mut_ptr(), u16::load16(halves.as_ptr())) };
             assert_eq!(got.map(f32::to_bits)[..], want[..]);
         }
+    }
+
+    #[test]
+    fn blocks_are_saved_and_loaded_whole_in_either_store() {
+        use crate::Backend;
+        use crate::cpu::CpuBackend;
+        for backend in [CpuBackend::default(), CpuBackend::exact()] {
+            let elems = 6;
+            let mut cache = backend.kv_zeros(4 * elems).unwrap();
+            for (i, f) in cache.iter_mut().enumerate() {
+                *f = i as f32;
+            }
+            let mut saved = Vec::new();
+            backend.kv_save_blocks(&cache, elems, &[2, 0], &mut saved).unwrap();
+            assert_eq!(saved.len(), 2 * elems * backend.kv_element_bytes());
+            let mut other = backend.kv_zeros(4 * elems).unwrap();
+            backend.kv_load_blocks(&mut other, elems, &[1, 3], &saved).unwrap();
+            let floats = cache.len() / 4;
+            assert_eq!(other[floats..2 * floats], cache[2 * floats..3 * floats], "block 2 into block 1");
+            assert_eq!(other[3 * floats..], cache[..floats], "block 0 into block 3");
+            assert!(other[..floats].iter().all(|&f| f == 0.0), "block 0 untouched");
+            // Past the end, or saved bytes of the wrong size: refused, nothing written.
+            assert!(backend.kv_save_blocks(&cache, elems, &[4], &mut saved).is_err());
+            assert!(backend.kv_load_blocks(&mut other, elems, &[1], &saved).is_err());
+        }
+        let halves = CpuBackend::default();
+        assert!(halves.kv_save_blocks(&vec![0.0; 8], 3, &[0], &mut Vec::new()).is_err(), "an odd count of halves");
     }
 }

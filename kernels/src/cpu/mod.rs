@@ -225,6 +225,25 @@ impl Backend for CpuBackend {
         self.kv_store().element_bytes()
     }
 
+    fn kv_save_blocks(&self, cache: &Vec<f32>, block_elems: usize, ids: &[u32], out: &mut Vec<u8>) -> Result<()> {
+        let floats = kv_store::block_floats(self.kv_store(), block_elems, "kv_save_blocks")?;
+        for &id in ids {
+            let block = kv_store::block_range(cache.len(), floats, id, "kv_save_blocks")?;
+            out.extend_from_slice(bytemuck::cast_slice(&cache[block]));
+        }
+        Ok(())
+    }
+
+    fn kv_load_blocks(&self, cache: &mut Vec<f32>, block_elems: usize, ids: &[u32], data: &[u8]) -> Result<()> {
+        let floats = kv_store::block_floats(self.kv_store(), block_elems, "kv_load_blocks")?;
+        expect_len("kv_load_blocks", "saved blocks", data.len(), ids.len() * floats * 4)?;
+        for (&id, saved) in ids.iter().zip(data.chunks_exact(floats * 4)) {
+            let block = kv_store::block_range(cache.len(), floats, id, "kv_load_blocks")?;
+            bytemuck::cast_slice_mut::<f32, u8>(&mut cache[block]).copy_from_slice(saved);
+        }
+        Ok(())
+    }
+
     fn kv_zeros(&self, len: usize) -> Result<Vec<f32>> {
         // Zeroed pages not yet touched: advised first, they fault in huge.
         let cache = vec![0.0; self.kv_store().buffer_floats(len)];

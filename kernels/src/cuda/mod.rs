@@ -663,6 +663,42 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn kv_save_blocks(&self, cache: &CudaBuffer, block_elems: usize, ids: &[u32], out: &mut Vec<u8>) -> Result<()> {
+        const OP: &str = "kv_save_blocks";
+        let Data::Bf16(cache) = &cache.0 else { return Err(KernelError::shape(OP, "a KV cache holds bf16")) };
+        let mut host = vec![bf16::ZERO; block_elems];
+        for &id in ids {
+            let start = id as usize * block_elems;
+            if start + block_elems > cache.len() {
+                return Err(KernelError::shape(OP, "a block past the cache's end"));
+            }
+            // Through pageable memory, waited for: correct, not yet overlapped with the
+            // step (pinned buffers on a copy stream of their own would be).
+            self.stream.memcpy_dtoh(&cache.slice(start..start + block_elems), &mut host).map_err(device_err(OP))?;
+            self.synchronize()?;
+            out.extend(host.iter().flat_map(|h| h.to_bits().to_le_bytes()));
+        }
+        Ok(())
+    }
+
+    fn kv_load_blocks(&self, cache: &mut CudaBuffer, block_elems: usize, ids: &[u32], data: &[u8]) -> Result<()> {
+        const OP: &str = "kv_load_blocks";
+        expect_len(OP, "saved blocks", data.len(), ids.len() * block_elems * 2)?;
+        let Data::Bf16(cache) = &mut cache.0 else { return Err(KernelError::shape(OP, "a KV cache holds bf16")) };
+        for (&id, saved) in ids.iter().zip(data.chunks_exact(block_elems * 2)) {
+            let start = id as usize * block_elems;
+            if start + block_elems > cache.len() {
+                return Err(KernelError::shape(OP, "a block past the cache's end"));
+            }
+            let host: Vec<bf16> =
+                saved.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect();
+            self.stream.memcpy_htod(&host, &mut cache.slice_mut(start..start + block_elems)).map_err(device_err(OP))?;
+            // `host` is pageable and dropped here: the copy must be done first.
+            self.synchronize()?;
+        }
+        Ok(())
+    }
+
     fn copy_into(&self, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
         const OP: &str = "copy_into";
         expect_len(OP, "source", src.len(), dst.len())?;

@@ -52,6 +52,9 @@ pub struct BlockPool {
     cached: HashMap<BlockHash, BlockId>,
     stats: PoolStats,
     events: KvEvents,
+    /// Cached blocks handed out again since the last `take_evicted`, when a second tier
+    /// wants their contents (None: nobody does).
+    evicted: Option<Vec<(BlockId, BlockHash)>>,
 }
 
 impl BlockPool {
@@ -65,6 +68,7 @@ impl BlockPool {
             cached: HashMap::new(),
             stats: PoolStats::default(),
             events: KvEvents::default(),
+            evicted: None,
         };
         for id in 0..num_blocks as u32 {
             pool.push_tail(id);
@@ -100,6 +104,38 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
+    /// Keeps a list of the cached blocks `allocate` evicts (their contents are still
+    /// there until the next forward writes them), for a second tier to copy.
+    pub fn track_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The blocks evicted since the last call, in order, with the hash each held.
+    pub fn take_evicted(&mut self) -> Vec<(BlockId, BlockHash)> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Every cached block and its hash, the least recently used first (those free in
+    /// eviction order, then those in use).
+    pub fn cached_by_age(&self) -> Vec<(BlockId, BlockHash)> {
+        let mut out = Vec::with_capacity(self.cached.len());
+        let mut id = self.head;
+        while id != NONE {
+            let b = &self.blocks[id as usize];
+            if let Some(h) = b.hash {
+                out.push((id, h));
+            }
+            id = b.next;
+        }
+        out.extend(self.cached.iter().filter(|&(_, &id)| self.blocks[id as usize].refs > 0).map(|(&h, &id)| (id, h)));
+        out
+    }
+
+    /// Whether a block holds `hash` now.
+    pub fn holds(&self, hash: BlockHash) -> bool {
+        self.cached.contains_key(&hash)
+    }
+
     /// Takes `n` blocks with one reference each, evicting the least recently used
     /// cached ones as needed; None (and nothing taken) when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
@@ -113,6 +149,9 @@ impl BlockPool {
             if let Some(h) = self.blocks[id as usize].hash.take() {
                 self.cached.remove(&h);
                 self.events.removed.push(h);
+                if let Some(evicted) = &mut self.evicted {
+                    evicted.push((id, h));
+                }
             }
             self.blocks[id as usize].refs = 1;
             out.push(id);

@@ -6,6 +6,7 @@
 use super::detokenizer::Detokenizer;
 use super::executor::Executor;
 use super::grammar::Constraint;
+use super::kv_tier::{KvTiers, TierConfig};
 use super::pacing::Pacer;
 use super::sampler::{PromptScore, Sampled, SamplerState, SamplingParams, StepRule, sample, sample_batch, score_rows};
 use super::scheduler::{Scheduler, SchedulerConfig, Step};
@@ -49,6 +50,8 @@ pub struct EngineConfig {
     pub speculative: Option<SpecConfig>,
     /// Rows a step runs while tenants contend, split among them by weight (`fair`).
     pub contended_batch: usize,
+    /// The second KV tier (`kv_tier`): off unless it has bytes.
+    pub kv_tiers: TierConfig,
 }
 
 /// `contended_batch` on a CPU, where a step's time grows with its rows (about a
@@ -85,6 +88,7 @@ impl Default for EngineConfig {
             prompt_step_percent: DEFAULT_PROMPT_STEP_PERCENT,
             speculative: None,
             contended_batch: CPU_CONTENDED_BATCH,
+            kv_tiers: TierConfig::default(),
         }
     }
 }
@@ -367,7 +371,7 @@ impl<B: Backend + 'static> EngineCore<B> {
         model_name: &str,
     ) -> Result<Self, EngineError> {
         let speculator = speculator(&config, exec.config(), draft)?;
-        let scheduler = Scheduler::new(
+        let mut scheduler = Scheduler::new(
             SchedulerConfig {
                 max_num_batched_tokens: config.max_num_batched_tokens,
                 max_num_seqs: config.max_num_seqs,
@@ -376,6 +380,11 @@ impl<B: Backend + 'static> EngineCore<B> {
             },
             BlockHasher::new(model_name),
         );
+        if config.kv_tiers.enabled() {
+            let tiers = KvTiers::open(&config.kv_tiers)
+                .map_err(|e| EngineError::Config(format!("opening the KV cache's second tier: {e}")))?;
+            scheduler = scheduler.with_tiers(tiers);
+        }
         let eos = tokenizer.eos.iter().map(|t| t.id).collect();
         Ok(Self {
             exec,
@@ -488,9 +497,9 @@ impl<B: Backend> EngineCore<B> {
         self.scheduler.has_work()
     }
 
-    /// Prefix-cache changes since the last call.
-    pub fn take_kv_events(&mut self) -> super::block_pool::KvEvents {
-        self.scheduler.take_kv_events()
+    /// Prefix-cache changes since the last call (`Scheduler::take_kv_changes`).
+    pub fn take_kv_changes(&mut self) -> Vec<(u64, super::scheduler::Place)> {
+        self.scheduler.take_kv_changes()
     }
 
     /// Checks a request and queues its `n` sequences; the second and later wait until
@@ -653,6 +662,7 @@ impl<B: Backend> EngineCore<B> {
     pub fn step(&mut self) -> Result<Vec<Output>, EngineError> {
         self.propose();
         let step = self.schedule();
+        self.move_blocks(&step)?;
         let mut outputs = self.end_exhausted(&step.exhausted);
         if step.scheduled.is_empty() {
             return Ok(outputs);
@@ -675,6 +685,37 @@ impl<B: Backend> EngineCore<B> {
             n => self.pacer.observe(started.elapsed(), shape.decodes, n + shape.proposed),
         }
         Ok(outputs)
+    }
+
+    /// Copies the blocks this step evicts to the second tier, then fills the blocks it
+    /// takes from there, before the forward writes or reads any of them. A block that
+    /// cannot be copied out is only lost to the cache (computed again when asked for).
+    fn move_blocks(&mut self, step: &Step) -> Result<(), EngineError> {
+        for &(id, hash) in &step.offload {
+            match self.exec.save_block(id) {
+                Ok(data) => self.scheduler.offloaded(hash, Arc::new(data)),
+                Err(e) => tracing::warn!("KV block {id} could not be copied to the second tier: {e}"),
+            }
+        }
+        for (id, data, _) in &step.onload {
+            self.exec.load_block(*id, data.clone())?;
+        }
+        Ok(())
+    }
+
+    /// At shutdown, with a disk tier: writes the host tier's blocks and every block of
+    /// the prefix cache to disk (oldest first, so that the newest stay when it is
+    /// full), for a restart to find — a warm restart. Returns how many were written.
+    pub fn persist_kv(&mut self) -> usize {
+        let Some(tiers) = self.scheduler.tiers_mut().filter(|t| t.has_disk()) else { return 0 };
+        let mut written = tiers.spill_host();
+        for (id, hash) in self.scheduler.pool().cached_by_age() {
+            match self.exec.save_block(id) {
+                Ok(data) => written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, &data)) as usize,
+                Err(e) => tracing::warn!("KV block {id} could not be copied to disk at shutdown: {e}"),
+            }
+        }
+        written
     }
 
     /// What a step ran, as pacing counts it. A decode runs the one token sampled

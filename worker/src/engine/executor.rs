@@ -64,6 +64,25 @@ impl<B: Backend> Executor<B> {
     }
 }
 
+impl<B: Backend> Executor<B> {
+    /// Block `id` of the KV cache as stored (each rank's share of it, rank 0 first): what
+    /// the second KV tier keeps of a block the pool evicts.
+    pub fn save_block(&mut self, id: u32) -> Result<Vec<u8>, ModelError> {
+        match self {
+            Executor::Single { model, kv } => model.save_kv_block(kv, id),
+            Executor::Parallel(tp) => tp.save_block(id),
+        }
+    }
+
+    /// Writes a block `save_block` gave back into block `id`.
+    pub fn load_block(&mut self, id: u32, data: Arc<Vec<u8>>) -> Result<(), ModelError> {
+        match self {
+            Executor::Single { model, kv } => model.load_kv_block(kv, id, &data),
+            Executor::Parallel(tp) => tp.load_block(id, data),
+        }
+    }
+}
+
 /// A KV cache of `num_blocks` for `model`, a scratch block past them for padded graph
 /// rows, and its decode graphs of `graph_sizes` where the backend captures them.
 pub(super) fn cache_with_graphs<B: Backend>(
@@ -87,9 +106,21 @@ struct OwnedSeq {
     embeds: Vec<(usize, Vec<f32>)>,
 }
 
+/// What the engine's thread asks of every rank.
+enum Job {
+    Forward(Arc<Vec<OwnedSeq>>),
+    /// Its share of a KV block, as stored.
+    Save(u32),
+    /// A saved block's bytes (every rank's share, each the same length, rank 0 first)
+    /// into a block.
+    Load(u32, Arc<Vec<u8>>),
+}
+
 struct Rank {
-    jobs: Option<Sender<Arc<Vec<OwnedSeq>>>>,
+    jobs: Option<Sender<Job>>,
+    /// Logits of a forward (rank 0's count), or a saved share of a block.
     results: Receiver<Result<Vec<f32>, ModelError>>,
+    saved: Receiver<Result<Vec<u8>, ModelError>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -105,18 +136,21 @@ impl TensorParallel {
         graph_sizes: &[usize],
     ) -> Result<Self, ModelError> {
         let config = models.first().ok_or_else(|| ModelError::Input("no ranks".into()))?.config.clone();
+        let count = models.len();
         let ranks: Vec<Rank> = models
             .into_iter()
             .enumerate()
             .map(|(i, model)| {
-                let (job_tx, job_rx) = channel::<Arc<Vec<OwnedSeq>>>();
+                let (job_tx, job_rx) = channel::<Job>();
                 let (result_tx, result_rx) = channel();
+                let (saved_tx, saved_rx) = channel();
                 let sizes = graph_sizes.to_vec();
+                let (rank, ranks) = (i, count);
                 let thread = std::thread::Builder::new()
                     .name(format!("tp-rank-{i}"))
-                    .spawn(move || rank_loop(model, num_blocks, &sizes, job_rx, result_tx))
+                    .spawn(move || rank_loop(model, num_blocks, &sizes, job_rx, (result_tx, saved_tx), (rank, ranks)))
                     .map_err(|e| ModelError::Input(format!("starting rank {i}: {e}")))?;
-                Ok(Rank { jobs: Some(job_tx), results: result_rx, thread: Some(thread) })
+                Ok(Rank { jobs: Some(job_tx), results: result_rx, saved: saved_rx, thread: Some(thread) })
             })
             .collect::<Result<_, ModelError>>()?;
         let tp = TensorParallel { config, ranks };
@@ -139,13 +173,42 @@ impl TensorParallel {
                 })
                 .collect(),
         );
+        self.send(|| Job::Forward(batch.clone()))?;
+        self.collect()
+    }
+
+    fn send(&self, job: impl Fn() -> Job) -> Result<(), ModelError> {
         for r in &self.ranks {
-            let sent = r.jobs.as_ref().is_some_and(|tx| tx.send(batch.clone()).is_ok());
+            let sent = r.jobs.as_ref().is_some_and(|tx| tx.send(job()).is_ok());
             if !sent {
                 return Err(ModelError::Input("a tensor-parallel rank has stopped".into()));
             }
         }
-        self.collect()
+        Ok(())
+    }
+
+    /// Every rank's share of block `id`, concatenated, rank 0 first.
+    fn save_block(&mut self, id: u32) -> Result<Vec<u8>, ModelError> {
+        self.send(|| Job::Save(id))?;
+        let mut out = Vec::new();
+        let mut error = None;
+        for r in &self.ranks {
+            match r.saved.recv() {
+                Ok(Ok(share)) => out.extend_from_slice(&share),
+                Ok(Err(e)) => {
+                    error.get_or_insert(e);
+                }
+                Err(_) => {
+                    error.get_or_insert(ModelError::Input("a tensor-parallel rank has stopped".into()));
+                }
+            }
+        }
+        error.map_or(Ok(out), Err)
+    }
+
+    fn load_block(&mut self, id: u32, data: Arc<Vec<u8>>) -> Result<(), ModelError> {
+        self.send(|| Job::Load(id, data.clone()))?;
+        self.collect().map(drop)
     }
 
     /// Every rank's answer; rank 0's logits, or the first error.
@@ -172,12 +235,15 @@ impl TensorParallel {
     }
 }
 
+type RankAnswers = (Sender<Result<Vec<f32>, ModelError>>, Sender<Result<Vec<u8>, ModelError>>);
+
 fn rank_loop<B: Backend>(
     model: Model<B>,
     num_blocks: usize,
     graph_sizes: &[usize],
-    jobs: Receiver<Arc<Vec<OwnedSeq>>>,
-    results: Sender<Result<Vec<f32>, ModelError>>,
+    jobs: Receiver<Job>,
+    (results, saved): RankAnswers,
+    (rank, ranks): (usize, usize),
 ) {
     let mut kv = match cache_with_graphs(&model, num_blocks, graph_sizes) {
         Ok(kv) => kv,
@@ -190,7 +256,24 @@ fn rank_loop<B: Backend>(
     if results.send(Ok(Vec::new())).is_err() {
         return;
     }
-    while let Ok(batch) = jobs.recv() {
+    while let Ok(job) = jobs.recv() {
+        let batch = match job {
+            Job::Forward(batch) => batch,
+            Job::Save(id) => {
+                if saved.send(model.save_kv_block(&kv, id)).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Job::Load(id, data) => {
+                let share = data.len() / ranks;
+                let loaded = model.load_kv_block(&mut kv, id, &data[rank * share..(rank + 1) * share]);
+                if results.send(loaded.map(|()| Vec::new())).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
         let embeds: Vec<Vec<Embeds<'_>>> =
             batch.iter().map(|s| s.embeds.iter().map(|(at, rows)| Embeds { at: *at, rows }).collect()).collect();
         let seqs: Vec<SeqInput<'_>> = batch

@@ -11,6 +11,7 @@ pub mod detokenizer;
 pub mod executor;
 pub mod fair;
 pub mod grammar;
+pub mod kv_tier;
 pub mod pacing;
 pub mod runner;
 pub mod sampler;

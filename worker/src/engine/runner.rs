@@ -9,12 +9,13 @@
 //! a busy CPU) never silences them, so a router never mistakes a busy replica for a
 //! gone one.
 
-use super::block_pool::KvEvents;
 use super::core::{EngineCore, EngineError, Output, Request};
+use super::scheduler::Place;
 use super::sequence::SeqId;
 use crate::metrics::{self as m, RequestTimes};
 use metrics_exporter_prometheus::PrometheusRecorder;
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,7 +36,8 @@ pub struct LoadReport {
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
     pub tokens_per_s: f64,
-    pub kv_events: KvEvents,
+    /// Blocks whose place changed since the last report, and where each is now.
+    pub kv_changes: HashMap<u64, Place>,
     pub prefix_queried_blocks: u64,
     pub prefix_hit_blocks: u64,
     /// Sequences sent back to the queue since start.
@@ -53,7 +55,12 @@ enum Command {
         found: oneshot::Sender<bool>,
     },
     CachedBlocks {
-        hashes: oneshot::Sender<Vec<u64>>,
+        hashes: oneshot::Sender<Vec<(u64, Place)>>,
+    },
+    /// The worker is stopping: keep what the KV cache holds on disk
+    /// (`EngineCore::persist_kv`) and end the loop.
+    Stop {
+        written: oneshot::Sender<usize>,
     },
 }
 
@@ -116,9 +123,18 @@ impl EngineHandle {
     /// Every block hash in the prefix cache now. Taken after subscribing to
     /// `watch_load`, it and the reports that follow give the cache exactly: changes
     /// already in it that a report repeats are applied again to the same effect.
-    pub async fn cached_blocks(&self) -> Result<Vec<u64>, EngineError> {
+    /// Every block the cache and its second tier hold, and where.
+    pub async fn cached_blocks(&self) -> Result<Vec<(u64, Place)>, EngineError> {
         let (hashes, answer) = oneshot::channel();
         self.send(Command::CachedBlocks { hashes })?;
+        answer.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Stops the engine once the server has drained: what its KV cache holds is written
+    /// to the disk tier first, where there is one; the blocks written.
+    pub async fn stop(&self) -> Result<usize, EngineError> {
+        let (written, answer) = oneshot::channel();
+        self.send(Command::Stop { written })?;
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
@@ -130,7 +146,7 @@ impl EngineHandle {
 /// The engine's state as of its last step, for the reporter to send on its own clock.
 #[derive(Debug, Default)]
 pub struct Published {
-    /// Counts as of the last step; `kv_events` gathers changes until a report takes them.
+    /// Counts as of the last step; `kv_changes` gathers changes until a report takes them.
     report: LoadReport,
     /// Output tokens since the last report went out.
     tokens: u64,
@@ -155,13 +171,19 @@ impl<B: Backend> Loop<B> {
             // queued.
             if !self.core.has_work() {
                 match commands.recv_timeout(REPORT_INTERVAL.saturating_sub(last_metrics.elapsed())) {
-                    Ok(c) => self.handle(c),
+                    Ok(c) => {
+                        if self.handle(c).is_break() {
+                            return;
+                        }
+                    }
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => return,
                 }
             }
             while let Ok(c) = commands.try_recv() {
-                self.handle(c);
+                if self.handle(c).is_break() {
+                    return;
+                }
             }
             self.drop_departed();
             if self.core.has_work() {
@@ -175,7 +197,8 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    fn handle(&mut self, c: Command) {
+    /// Carries out a command; Break: the loop ends.
+    fn handle(&mut self, c: Command) -> ControlFlow<()> {
         match c {
             Command::Add { request, outputs, accepted } => {
                 let id = request.id;
@@ -196,9 +219,14 @@ impl<B: Backend> Loop<B> {
                 let _ = found.send(!outputs.is_empty());
             }
             Command::CachedBlocks { hashes } => {
-                let _ = hashes.send(self.core.scheduler().pool().cached_hashes());
+                let _ = hashes.send(self.core.scheduler().kv_snapshot());
+            }
+            Command::Stop { written } => {
+                let _ = written.send(self.core.persist_kv());
+                return ControlFlow::Break(());
             }
         }
+        ControlFlow::Continue(())
     }
 
     /// Aborts every request whose client is gone. Only running sequences produce
@@ -270,7 +298,7 @@ impl<B: Backend> Loop<B> {
 
     /// Hands the reporter the state after this step: counts, cache changes, tokens.
     fn publish(&mut self) {
-        let events = self.core.take_kv_events();
+        let changes = self.core.take_kv_changes();
         let preemptions = self.core.stats().preemptions;
         let s = self.core.scheduler();
         let pool = s.pool();
@@ -284,8 +312,7 @@ impl<B: Backend> Loop<B> {
         r.prefix_queried_blocks = stats.queried_blocks;
         r.prefix_hit_blocks = stats.hit_blocks;
         r.preemptions = preemptions;
-        r.kv_events.stored.extend(events.stored);
-        r.kv_events.removed.extend(events.removed);
+        r.kv_changes.extend(changes);
         p.tokens += std::mem::take(&mut self.tokens);
     }
 
@@ -306,6 +333,21 @@ impl<B: Backend> Loop<B> {
             metrics::gauge!(m::TENANT_RUNNING, "tenant" => tenant.clone()).set(running as f64);
             metrics::gauge!(m::TENANT_WAITING, "tenant" => tenant.clone()).set(waiting as f64);
             metrics::gauge!(m::TENANT_SHARE, "tenant" => tenant).set(share);
+        }
+        if let Some(tiers) = s.tiers() {
+            let (stats, (host_bytes, disk_bytes), (host_blocks, disk_blocks)) =
+                (tiers.stats(), tiers.occupancy(), tiers.blocks());
+            for (tier, bytes, blocks, hits) in
+                [("host", host_bytes, host_blocks, stats.host_hits), ("disk", disk_bytes, disk_blocks, stats.disk_hits)]
+            {
+                metrics::gauge!(m::TIER_BYTES, "tier" => tier).set(bytes as f64);
+                metrics::gauge!(m::TIER_BLOCKS, "tier" => tier).set(blocks as f64);
+                metrics::counter!(m::TIER_HITS, "tier" => tier).absolute(hits);
+            }
+            metrics::counter!(m::TIER_OFFLOADED_BYTES).absolute(stats.offloaded_bytes);
+            metrics::counter!(m::TIER_ONLOADED_BYTES).absolute(stats.onloaded_bytes);
+            metrics::counter!(m::TIER_DROPPED).absolute(stats.dropped_blocks);
+            metrics::counter!(m::TIER_DISK_ERRORS).absolute(stats.disk_errors);
         }
         // Exported with speculation off too (as zeros), so that dashboards find them.
         let spec = self.core.spec_stats().cloned().unwrap_or_default();
@@ -343,7 +385,7 @@ mod reporter {
                         let tokens = std::mem::take(&mut p.tokens);
                         LoadReport {
                             tokens_per_s: tokens as f64 / elapsed.as_secs_f64(),
-                            kv_events: std::mem::take(&mut p.report.kv_events),
+                            kv_changes: std::mem::take(&mut p.report.kv_changes),
                             ..p.report.clone()
                         }
                     };
@@ -357,7 +399,9 @@ mod reporter {
 
     #[cfg(test)]
     mod tests {
+        use super::super::Place;
         use super::*;
+        use std::collections::HashMap;
 
         #[test]
         fn reports_go_out_on_time_while_the_engine_publishes_nothing() {
@@ -367,7 +411,7 @@ mod reporter {
             {
                 let mut p = published.lock().unwrap();
                 p.report.running = 3;
-                p.report.kv_events.stored = vec![7, 8];
+                p.report.kv_changes = HashMap::from([(7, Place::Device), (8, Place::Host)]);
                 p.tokens = 5;
             }
             let (reports, mut rx) = broadcast::channel(64);
@@ -379,8 +423,8 @@ mod reporter {
             }
             assert!(got.len() >= 10, "{} reports in a second at 20 ms", got.len());
             assert!(got.iter().all(|r| r.running == 3));
-            assert_eq!(got[0].kv_events.stored, vec![7, 8], "changes go out once");
-            assert!(got[1..].iter().all(|r| r.kv_events.stored.is_empty()));
+            assert_eq!(got[0].kv_changes.len(), 2, "changes go out once");
+            assert!(got[1..].iter().all(|r| r.kv_changes.is_empty()));
             assert!(got[0].tokens_per_s > 0.0 && got[1..].iter().all(|r| r.tokens_per_s == 0.0));
             drop(stop);
             // Stopped: the sender goes with the thread.

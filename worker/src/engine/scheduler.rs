@@ -29,11 +29,12 @@
 
 use super::block_pool::{BlockId, BlockPool, KvEvents, PoolStats};
 use super::fair::{self, Fairness};
+use super::kv_tier::{KvTiers, Tier};
 use super::sequence::{SeqId, Sequence};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -66,6 +67,12 @@ pub struct Step {
     /// Of `preempted`, those preempted to make room for another tenant's sequence
     /// (`rebalance`).
     pub fair_preemptions: usize,
+    /// Cached blocks this step hands out again: copy each to the second tier
+    /// (`Scheduler::offloaded`) before anything writes them.
+    pub offload: Vec<(BlockId, u64)>,
+    /// Blocks to fill from the second tier before the forward (after `offload`): a
+    /// prefix found there, each block's saved contents and the tier it came from.
+    pub onload: Vec<(BlockId, Arc<Vec<u8>>, Tier)>,
 }
 
 pub struct Scheduler {
@@ -79,6 +86,29 @@ pub struct Scheduler {
     fair: Fairness,
     /// Steps planned.
     steps: u64,
+    /// The second KV tier, when there is one, and this step's moves to and from it.
+    tiers: Option<KvTiers>,
+    offload: Vec<(BlockId, u64)>,
+    onload: HashMap<BlockId, (u64, Arc<Vec<u8>>, Tier)>,
+}
+
+/// Where a block is, as the router's prefix index keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Device,
+    Host,
+    Disk,
+    /// Held nowhere any more.
+    Gone,
+}
+
+impl From<Tier> for Place {
+    fn from(t: Tier) -> Self {
+        match t {
+            Tier::Host => Place::Host,
+            Tier::Disk => Place::Disk,
+        }
+    }
 }
 
 /// A tenant's load on the replica, as metrics report it.
@@ -148,6 +178,34 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             steps: 0,
+            tiers: None,
+            offload: Vec::new(),
+            onload: HashMap::new(),
+        }
+    }
+
+    /// Keeps the blocks the pool evicts in `tiers`, and finds prefixes there.
+    pub fn with_tiers(mut self, tiers: KvTiers) -> Self {
+        self.pool.track_evictions();
+        self.tiers = Some(tiers);
+        self
+    }
+
+    pub fn tiers(&self) -> Option<&KvTiers> {
+        self.tiers.as_ref()
+    }
+
+    pub fn tiers_mut(&mut self) -> Option<&mut KvTiers> {
+        self.tiers.as_mut()
+    }
+
+    /// A block of `Step::offload`, copied: into the second tier, unless the device holds
+    /// its hash again.
+    pub fn offloaded(&mut self, hash: u64, data: Arc<Vec<u8>>) {
+        if let Some(tiers) = &mut self.tiers
+            && !self.pool.holds(hash)
+        {
+            tiers.put(hash, data);
         }
     }
 
@@ -192,8 +250,36 @@ impl Scheduler {
         self.pool.stats()
     }
 
-    pub fn take_kv_events(&mut self) -> KvEvents {
-        self.pool.take_events()
+    /// Each block whose place changed since the last call, and where it is now: the net
+    /// of every change between (a block evicted to the second tier and found again is
+    /// on the device), so that a report's order does not matter.
+    pub fn take_kv_changes(&mut self) -> Vec<(BlockHash, Place)> {
+        let KvEvents { stored, removed } = self.pool.take_events();
+        let tiers = self.tiers.as_mut().map(KvTiers::take_events).unwrap_or_default();
+        let mut touched: Vec<BlockHash> = stored
+            .into_iter()
+            .chain(removed)
+            .chain(tiers.stored.into_iter().map(|(h, _)| h))
+            .chain(tiers.removed)
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        touched.into_iter().map(|h| (h, self.place(h))).collect()
+    }
+
+    /// Every block held and where: what a new watcher of the cache starts from.
+    pub fn kv_snapshot(&self) -> Vec<(BlockHash, Place)> {
+        let device = self.pool.cached_hashes().into_iter().map(|h| (h, Place::Device));
+        let tiers = self.tiers.iter().flat_map(KvTiers::held).map(|(h, t)| (h, Place::from(t)));
+        device.chain(tiers).collect()
+    }
+
+    /// Where a block is now.
+    pub fn place(&self, hash: BlockHash) -> Place {
+        if self.pool.holds(hash) {
+            return Place::Device;
+        }
+        self.tiers.as_ref().and_then(|t| t.find(hash)).map_or(Place::Gone, Place::from)
     }
 
     /// Plans the next forward.
@@ -254,7 +340,38 @@ impl Scheduler {
         if !rows.is_empty() {
             self.fair.record_step(&rows);
         }
+        step.offload = std::mem::take(&mut self.offload);
+        step.onload = self.onload.drain().map(|(id, (_, data, tier))| (id, data, tier)).collect();
         step
+    }
+
+    /// `pool.allocate`, noting the cached blocks it evicts for the second tier: copied
+    /// before the step writes them, or, if this step was to fill one from the tier, that
+    /// block's contents go back to the tier untouched.
+    fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        let blocks = self.pool.allocate(n)?;
+        if let Some(tiers) = &mut self.tiers {
+            for (id, hash) in self.pool.take_evicted() {
+                match self.onload.remove(&id) {
+                    Some((loading, data, _)) if loading == hash => tiers.put(hash, data),
+                    _ => self.offload.push((id, hash)),
+                }
+            }
+        }
+        Some(blocks)
+    }
+
+    /// Takes the blocks `tier_prefix` found into `blocks` (fresh from `allocate`), to be
+    /// filled before the step's forward; how many it could (a file that fails to read
+    /// ends the prefix there).
+    fn take_from_tiers(&mut self, hashes: &[u64], blocks: &[BlockId]) -> usize {
+        let Some(tiers) = &mut self.tiers else { return 0 };
+        for (i, (&hash, &id)) in hashes.iter().zip(blocks).enumerate() {
+            let Some((data, tier)) = tiers.take(hash) else { return i };
+            self.pool.cache(id, hash);
+            self.onload.insert(id, (hash, data, tier));
+        }
+        hashes.len().min(blocks.len())
     }
 
     /// Each tenant known here: its sequences running and waiting, and its share of
@@ -483,8 +600,13 @@ impl Scheduler {
             let usable =
                 if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
             update_hashes(&self.hasher, seq);
-            let hits = self.pool.take_cached_prefix(&seq.block_hashes[..usable.min(seq.block_hashes.len())]);
-            let mut n = (seq.tokens.len() - hits.len() * BLOCK_TOKENS).min(*budget);
+            let prefix = &seq.block_hashes[..usable.min(seq.block_hashes.len())];
+            let hits = self.pool.take_cached_prefix(prefix);
+            // The prefix goes on in the second tier: those blocks are copied, not computed.
+            let rest = &prefix[hits.len()..];
+            let tiered = rest[..tier_prefix(self.tiers.as_ref(), rest)].to_vec();
+            let found = hits.len() + tiered.len();
+            let mut n = (seq.tokens.len() - found * BLOCK_TOKENS).min(*budget);
             if let Some(share) = share {
                 n = share.allowed(&seq.tenant, n);
             }
@@ -492,8 +614,8 @@ impl Scheduler {
                 self.pool.release(hits.into_iter().rev());
                 continue;
             }
-            let need = (hits.len() * BLOCK_TOKENS + n).div_ceil(BLOCK_TOKENS) - hits.len();
-            let Some(fresh) = self.pool.allocate(need) else {
+            let need = (found * BLOCK_TOKENS + n).div_ceil(BLOCK_TOKENS) - hits.len();
+            let Some(fresh) = self.allocate(need) else {
                 self.pool.release(hits.into_iter().rev());
                 if self.running.is_empty() {
                     // Not even an empty cache holds it: waiting would block the queue forever.
@@ -503,11 +625,13 @@ impl Scheduler {
                 }
                 break;
             };
-            seq.num_computed = hits.len() * BLOCK_TOKENS;
+            let loaded = self.take_from_tiers(&tiered, &fresh);
+            let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
+            seq.num_computed = (hits.len() + loaded) * BLOCK_TOKENS;
             if seq.num_output() == 0 {
                 seq.num_cached_prompt = seq.num_computed;
             }
-            seq.num_cached_blocks = hits.len();
+            seq.num_cached_blocks = hits.len() + loaded;
             seq.block_table = hits;
             seq.block_table.extend(fresh);
             seq.preempted = false;
@@ -592,9 +716,9 @@ impl Scheduler {
     fn grow(&mut self, id: SeqId, n: usize) -> bool {
         let seq = self.seqs.get_mut(&id).expect("running sequences are known");
         let need = (seq.num_computed + n).div_ceil(BLOCK_TOKENS).saturating_sub(seq.block_table.len());
-        match self.pool.allocate(need) {
+        match self.allocate(need) {
             Some(blocks) => {
-                seq.block_table.extend(blocks);
+                self.seqs.get_mut(&id).expect("running sequences are known").block_table.extend(blocks);
                 true
             }
             None => false,
@@ -657,6 +781,10 @@ impl Scheduler {
         let full = seq.num_computed / BLOCK_TOKENS;
         for b in seq.num_cached_blocks..full {
             self.pool.cache(seq.block_table[b], seq.block_hashes[b]);
+            // The device holds it again: no tier keeps another copy.
+            if let Some(tiers) = &mut self.tiers {
+                tiers.forget(seq.block_hashes[b]);
+            }
         }
         seq.num_cached_blocks = seq.num_cached_blocks.max(full);
     }
@@ -683,6 +811,12 @@ impl Scheduler {
     }
 }
 
+/// How many of `hashes` (the blocks after a prompt's cached prefix on the device) the
+/// second tier holds, in a row from the first.
+fn tier_prefix(tiers: Option<&KvTiers>, hashes: &[u64]) -> usize {
+    tiers.map_or(0, |t| hashes.iter().take_while(|&&h| t.find(h).is_some()).count())
+}
+
 /// Extends the sequence's block hashes over its full blocks, each block holding an
 /// image's tokens keyed by that image's content too.
 fn update_hashes(hasher: &BlockHasher, seq: &mut Sequence) {
@@ -692,6 +826,7 @@ fn update_hashes(hasher: &BlockHasher, seq: &mut Sequence) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kv_tier::TierConfig;
     use super::*;
 
     fn sched(tokens: usize, seqs: usize, blocks: usize) -> Scheduler {
@@ -1075,9 +1210,16 @@ mod tests {
         // sequence that `fits` gets all its tokens; the pool ends whole.
         // Half the seeds with three tenants of random weights and priorities, contending
         // throughout (a long grace), in steps of a random few rows.
+        // A third with a second KV tier (host memory of a few blocks; every sixth a disk
+        // tier below it): the device's contents are modelled block by block (the hash of
+        // what each holds), so that every block a step reads must hold the keys of the
+        // tokens it stands for — computed, cached or copied back — and no block moves
+        // down holding another's.
         let mut preemptions = 0;
         let mut refused = 0;
         let mut drafted = 0;
+        let mut loaded = [0usize; 2];
+        let disks = tempfile::tempdir().unwrap();
         for seed in 1..=300u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
             let num_blocks = rng.below(24) + 1;
@@ -1088,6 +1230,13 @@ mod tests {
                 let config = SchedulerConfig { contended_batch: [1, 3, 16][rng.below(3)], ..s.config };
                 s = Scheduler::with_grace(config, BlockHasher::new("test"), Duration::from_secs(3600));
             }
+            let host_bytes = 8 * rng.below(8) as u64;
+            if seed % 3 == 0 {
+                let disk = (seed % 6 == 0).then(|| (disks.path().join(seed.to_string()), 8 * rng.below(12) as u64 + 8));
+                let tiers = KvTiers::open(&TierConfig { host_bytes, disk, identity: "test".into() }).unwrap();
+                s = s.with_tiers(tiers);
+            }
+            let mut device: Vec<Option<u64>> = vec![None; num_blocks];
             let weights: Vec<u32> = (0..tenants).map(|_| rng.below(3) as u32 + 1).collect();
             let stems: Vec<Vec<u32>> = (0..3).map(|k| prompt(num_blocks * BLOCK_TOKENS + 40, 1000 * k)).collect();
             let mut arrivals: Vec<(usize, Vec<u32>, usize, usize, usize, i32)> = (0..30)
@@ -1137,9 +1286,36 @@ mod tests {
                 assert_eq!(had_work, !step.scheduled.is_empty(), "seed {seed}: step {steps} advanced nothing");
                 preemptions += step.preempted.len();
                 drafted += step.scheduled.iter().map(|x| x.draft).sum::<usize>();
+                // The engine's copies: evicted blocks down, then found ones up.
+                for &(id, hash) in &step.offload {
+                    assert_eq!(device[id as usize], Some(hash), "seed {seed}: block {id} moved down holding another's");
+                    s.offloaded(hash, Arc::new(hash.to_le_bytes().to_vec()));
+                }
+                for (id, data, tier) in &step.onload {
+                    device[*id as usize] = Some(u64::from_le_bytes(data[..].try_into().unwrap()));
+                    loaded[(*tier == Tier::Disk) as usize] += 1;
+                }
+                // The forward reads every full block before each chunk.
+                for x in &step.scheduled {
+                    let q = s.get(x.id).unwrap();
+                    for b in 0..x.start / BLOCK_TOKENS {
+                        let held = device[q.block_table[b] as usize];
+                        assert_eq!(held, Some(q.block_hashes[b]), "seed {seed}: sequence {} read a stale block", x.id);
+                    }
+                }
                 let drafts: HashMap<SeqId, Vec<u32>> =
                     step.scheduled.iter().map(|x| (x.id, s.get(x.id).unwrap().draft.clone())).collect();
                 s.complete(&step);
+                // ...and writes the keys of the tokens it ran.
+                let wrote = |s: &Scheduler, id: SeqId, device: &mut Vec<Option<u64>>| {
+                    let q = s.get(id).unwrap();
+                    for b in 0..q.num_computed / BLOCK_TOKENS {
+                        device[q.block_table[b] as usize] = Some(q.block_hashes[b]);
+                    }
+                };
+                for x in &step.scheduled {
+                    wrote(&s, x.id, &mut device);
+                }
                 for x in step.scheduled.iter().filter(|x| x.sample) {
                     let accepted = drafts[&x.id].iter().take_while(|&&d| d == 1).count();
                     let mut finished = false;
@@ -1155,6 +1331,7 @@ mod tests {
                     }
                     if !finished {
                         let kept = s.settle(x.id);
+                        wrote(&s, x.id, &mut device);
                         assert_eq!(kept, accepted, "seed {seed}: every accepted proposal counts as computed");
                         let q = s.get(x.id).unwrap();
                         assert_eq!(q.num_pending(), 1, "seed {seed}");
@@ -1165,6 +1342,12 @@ mod tests {
                     }
                 }
                 check_blocks(&s, seed);
+                if let Some(tiers) = s.tiers() {
+                    for (hash, tier) in tiers.held() {
+                        assert!(!s.pool.holds(hash), "seed {seed}: {hash:x} on the device and in {tier:?}");
+                    }
+                    assert!(tiers.occupancy().0 <= host_bytes, "seed {seed}: host tier over its size");
+                }
             }
             assert_eq!(got, want, "seed {seed}: every admitted sequence ran to its end");
             assert_eq!(s.pool().num_free(), num_blocks, "seed {seed}: every block returned");
@@ -1173,6 +1356,7 @@ mod tests {
         assert!(preemptions > 100, "{preemptions} preemptions");
         assert!(refused > 100, "{refused} refused");
         assert!(drafted > 1000, "{drafted} proposed tokens verified");
+        assert!(loaded[0] > 100 && loaded[1] > 20, "blocks copied back from host and disk: {loaded:?}");
     }
 
     #[test]
@@ -1245,6 +1429,25 @@ mod tests {
         s.add(Sequence::new(1, prompt(3, 0)));
         s.propose(1, vec![1]);
         assert!(s.get(1).unwrap().draft.is_empty());
+    }
+
+    #[test]
+    fn a_block_evicted_before_its_copy_in_goes_back_to_the_tier_untouched() {
+        let tiers = KvTiers::open(&TierConfig { host_bytes: 1 << 10, disk: None, identity: "t".into() }).unwrap();
+        let mut s = sched(64, 4, 2).with_tiers(tiers);
+        let saved = Arc::new(vec![7u8; 8]);
+        s.tiers.as_mut().unwrap().put(42, saved.clone());
+        // Admitted from the tier into a fresh block (its copy-in pending), then released
+        // (its sequence preempted) and evicted again in the same step.
+        let block = s.allocate(1).unwrap();
+        assert_eq!(s.take_from_tiers(&[42], &block), 1);
+        assert_eq!(s.place(42), Place::Device);
+        s.pool.release(block);
+        s.allocate(2).unwrap();
+        let step = s.schedule();
+        assert!(step.onload.is_empty() && step.offload.is_empty(), "{step:?}");
+        assert_eq!(s.place(42), Place::Host);
+        assert_eq!(s.tiers.as_mut().unwrap().take(42), Some((saved, Tier::Host)), "the saved bytes, not the block's");
     }
 
     #[test]

@@ -129,6 +129,38 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { block_size, num_blocks, layers, graphs: None })
     }
 
+    /// Block `id` of `kv` as stored, every layer's keys then its values: what a second KV
+    /// tier keeps of a block the pool evicts.
+    pub fn save_kv_block(&self, kv: &KvCache<B>, id: u32) -> Result<Vec<u8>, ModelError> {
+        let elems = self.attention_shape(kv.block_size).block_floats();
+        let mut out = Vec::with_capacity(2 * kv.layers.len() * elems * self.backend.kv_element_bytes());
+        for (k, v) in &kv.layers {
+            self.backend.kv_save_blocks(k, elems, &[id], &mut out)?;
+            self.backend.kv_save_blocks(v, elems, &[id], &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes a block `save_kv_block` gave into block `id` of `kv`.
+    pub fn load_kv_block(&self, kv: &mut KvCache<B>, id: u32, data: &[u8]) -> Result<(), ModelError> {
+        let parts = 2 * kv.layers.len();
+        if parts == 0 || !data.len().is_multiple_of(parts) {
+            return Err(ModelError::Input(format!(
+                "a saved KV block of {} bytes for {parts} layer halves",
+                data.len()
+            )));
+        }
+        let elems = self.attention_shape(kv.block_size).block_floats();
+        let mut halves = data.chunks_exact(data.len() / parts);
+        for (k, v) in &mut kv.layers {
+            for cache in [k, v] {
+                let saved = halves.next().expect("2 × layers parts");
+                self.backend.kv_load_blocks(cache, elems, &[id], saved)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs the batch; returns `[n, vocab]` logits for the `n` sequences that asked.
     /// A batch of single-token decodes runs as a captured graph when the cache holds
     /// one big enough (see `capture_decode_graphs`).

@@ -1,0 +1,498 @@
+//! The second KV tier: full blocks the device pool evicts, kept under their prefix hash
+//! in host memory and, below it, on disk; a prompt whose prefix continues into them
+//! copies them back instead of computing them again.
+//!
+//! A block's bytes live in exactly one place that claims its hash: the device pool, the
+//! host tier or the disk tier. An evicted block moves down (device → host → disk, each
+//! tier dropping its least recently used when full), a block found moves back up to the
+//! device and leaves the tier, and a block the device computes again is dropped from the
+//! tiers (`forget`). Nothing here touches the device: the scheduler says which blocks
+//! move (`Step::offload`, `Step::onload`) and the engine copies them.
+//!
+//! The disk tier survives a restart: its files sit in a folder named for the model's
+//! identity (model, weights, KV layout), each headed by that identity and its hash,
+//! written whole under a temporary name and renamed, and checked again when read.
+
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tessera_proto::block_hash::BlockHash;
+
+/// Where a block of the second tier is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Host,
+    Disk,
+}
+
+/// The tiers' sizes, and what the disk tier's blocks must match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierConfig {
+    /// Bytes of host memory for evicted blocks (0: none).
+    pub host_bytes: u64,
+    /// A folder for evicted blocks, and the bytes it may take.
+    pub disk: Option<(PathBuf, u64)>,
+    /// What makes a block's contents: the model, its weights, the backend and the KV
+    /// layout. The disk tier serves only blocks written under the same identity.
+    pub identity: String,
+}
+
+impl TierConfig {
+    pub fn enabled(&self) -> bool {
+        self.host_bytes > 0 || self.disk.as_ref().is_some_and(|(_, bytes)| *bytes > 0)
+    }
+}
+
+/// Counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Blocks (and bytes) the device evicted into the tiers.
+    pub offloaded_blocks: u64,
+    pub offloaded_bytes: u64,
+    /// Blocks (and bytes) copied back to the device, by the tier they came from.
+    pub host_hits: u64,
+    pub disk_hits: u64,
+    pub onloaded_bytes: u64,
+    /// Blocks moved from host to disk.
+    pub spilled_blocks: u64,
+    /// Blocks dropped for room, from the lowest tier.
+    pub dropped_blocks: u64,
+    /// Disk reads and writes that failed (the block is then recomputed).
+    pub disk_errors: u64,
+}
+
+/// What changed in the tiers, for the router's prefix index.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierEvents {
+    pub stored: Vec<(BlockHash, Tier)>,
+    /// Gone from the tiers (to the device, or dropped).
+    pub removed: Vec<BlockHash>,
+}
+
+/// Blocks by hash, least recently used first, within a byte budget.
+#[derive(Debug, Default)]
+struct Lru {
+    entries: HashMap<BlockHash, (u64, u64)>,
+    order: BTreeMap<u64, BlockHash>,
+    tick: u64,
+    bytes: u64,
+}
+
+impl Lru {
+    fn insert(&mut self, hash: BlockHash, bytes: u64) {
+        self.remove(hash);
+        self.tick += 1;
+        self.entries.insert(hash, (self.tick, bytes));
+        self.order.insert(self.tick, hash);
+        self.bytes += bytes;
+    }
+
+    fn remove(&mut self, hash: BlockHash) -> bool {
+        let Some((tick, bytes)) = self.entries.remove(&hash) else { return false };
+        self.order.remove(&tick);
+        self.bytes -= bytes;
+        true
+    }
+
+    fn oldest(&self) -> Option<BlockHash> {
+        self.order.values().next().copied()
+    }
+
+    fn contains(&self, hash: BlockHash) -> bool {
+        self.entries.contains_key(&hash)
+    }
+}
+
+/// The host and disk tiers of one engine.
+pub struct KvTiers {
+    host_capacity: u64,
+    host: Lru,
+    host_data: HashMap<BlockHash, Arc<Vec<u8>>>,
+    disk: Option<DiskTier>,
+    stats: TierStats,
+    events: TierEvents,
+}
+
+impl KvTiers {
+    /// The tiers `config` asks for; the disk tier serves only blocks this engine made (or
+    /// one exactly like it before a restart: `TierConfig::identity`).
+    pub fn open(config: &TierConfig) -> std::io::Result<Self> {
+        let disk = match &config.disk {
+            Some((path, bytes)) if *bytes > 0 => Some(DiskTier::open(path, *bytes, &config.identity)?),
+            _ => None,
+        };
+        let mut tiers = Self {
+            host_capacity: config.host_bytes,
+            host: Lru::default(),
+            host_data: HashMap::new(),
+            disk,
+            stats: TierStats::default(),
+            events: TierEvents::default(),
+        };
+        if let Some(disk) = &tiers.disk {
+            tiers.events.stored.extend(disk.lru.order.values().map(|&h| (h, Tier::Disk)));
+        }
+        Ok(tiers)
+    }
+
+    pub fn stats(&self) -> TierStats {
+        self.stats
+    }
+
+    /// Bytes held now: host, disk.
+    pub fn occupancy(&self) -> (u64, u64) {
+        (self.host.bytes, self.disk.as_ref().map_or(0, |d| d.lru.bytes))
+    }
+
+    /// Blocks held now: host, disk.
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.host.entries.len(), self.disk.as_ref().map_or(0, |d| d.lru.entries.len()))
+    }
+
+    /// Every block held now and where: what a new watcher of the cache starts from.
+    pub fn held(&self) -> Vec<(BlockHash, Tier)> {
+        let host = self.host.entries.keys().map(|&h| (h, Tier::Host));
+        let disk = self.disk.iter().flat_map(|d| d.lru.entries.keys().map(|&h| (h, Tier::Disk)));
+        host.chain(disk).collect()
+    }
+
+    pub fn take_events(&mut self) -> TierEvents {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Where `hash` is held, if it is.
+    pub fn find(&self, hash: BlockHash) -> Option<Tier> {
+        if self.host.contains(hash) {
+            Some(Tier::Host)
+        } else if self.disk.as_ref().is_some_and(|d| d.lru.contains(hash)) {
+            Some(Tier::Disk)
+        } else {
+            None
+        }
+    }
+
+    /// Keeps a block the device evicted: in host memory while it fits (the oldest there
+    /// moving to disk), else on disk, else nowhere.
+    pub fn put(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
+        self.forget(hash);
+        self.stats.offloaded_blocks += 1;
+        self.stats.offloaded_bytes += data.len() as u64;
+        let bytes = data.len() as u64;
+        if bytes <= self.host_capacity {
+            while self.host.bytes + bytes > self.host_capacity {
+                let Some(oldest) = self.host.oldest() else { break };
+                self.host.remove(oldest);
+                let spilled = self.host_data.remove(&oldest).expect("host entries have data");
+                self.stats.spilled_blocks += 1;
+                self.write_down(oldest, &spilled);
+            }
+            self.host.insert(hash, bytes);
+            self.host_data.insert(hash, data);
+            self.events.stored.push((hash, Tier::Host));
+        } else {
+            self.write_down(hash, &data);
+        }
+    }
+
+    /// Takes a block out of the tiers for the device: its bytes and the tier it was in.
+    /// None if it is not held, or its file could not be read back whole (then it is
+    /// dropped, and the block is computed again).
+    pub fn take(&mut self, hash: BlockHash) -> Option<(Arc<Vec<u8>>, Tier)> {
+        if self.host.remove(hash) {
+            let data = self.host_data.remove(&hash).expect("host entries have data");
+            self.stats.host_hits += 1;
+            self.stats.onloaded_bytes += data.len() as u64;
+            self.events.removed.push(hash);
+            return Some((data, Tier::Host));
+        }
+        let disk = self.disk.as_mut()?;
+        if !disk.lru.contains(hash) {
+            return None;
+        }
+        let read = disk.read(hash);
+        disk.remove(hash);
+        self.events.removed.push(hash);
+        match read {
+            Ok(data) => {
+                self.stats.disk_hits += 1;
+                self.stats.onloaded_bytes += data.len() as u64;
+                Some((Arc::new(data), Tier::Disk))
+            }
+            Err(e) => {
+                tracing::warn!("KV block {hash:016x} could not be read back from disk ({e}); computing it again");
+                self.stats.disk_errors += 1;
+                None
+            }
+        }
+    }
+
+    /// Whether blocks outlive this process (a disk tier).
+    pub fn has_disk(&self) -> bool {
+        self.disk.is_some()
+    }
+
+    /// At shutdown: every block in host memory moves to disk, oldest first, so that a
+    /// restart finds them; how many were written.
+    pub fn spill_host(&mut self) -> usize {
+        let mut written = 0;
+        while let Some(oldest) = self.host.oldest() {
+            self.host.remove(oldest);
+            let data = self.host_data.remove(&oldest).expect("host entries have data");
+            written += self.write_down(oldest, &data) as usize;
+        }
+        written
+    }
+
+    /// At shutdown: a block of the device's cache written to disk too (the device's
+    /// copy goes with the process); whether it was.
+    pub fn persist(&mut self, hash: BlockHash, data: &[u8]) -> bool {
+        self.write_down(hash, data)
+    }
+
+    /// Drops `hash` from the tiers: the device holds it again.
+    pub fn forget(&mut self, hash: BlockHash) {
+        let held = if self.host.remove(hash) {
+            self.host_data.remove(&hash);
+            true
+        } else {
+            self.disk.as_mut().is_some_and(|d| d.lru.contains(hash) && d.remove(hash))
+        };
+        if held {
+            self.events.removed.push(hash);
+        }
+    }
+
+    /// Writes a block to disk, the oldest there making room; whether it was written
+    /// (without a disk tier, or too big for it, it is dropped).
+    fn write_down(&mut self, hash: BlockHash, data: &[u8]) -> bool {
+        let bytes = data.len() as u64;
+        let Some(disk) = self.disk.as_mut().filter(|d| bytes <= d.capacity) else {
+            self.stats.dropped_blocks += 1;
+            self.events.removed.push(hash);
+            return false;
+        };
+        while disk.lru.bytes + bytes > disk.capacity {
+            let Some(oldest) = disk.lru.oldest() else { break };
+            disk.remove(oldest);
+            self.stats.dropped_blocks += 1;
+            self.events.removed.push(oldest);
+        }
+        match disk.write(hash, data) {
+            Ok(()) => {
+                self.events.stored.push((hash, Tier::Disk));
+                true
+            }
+            Err(e) => {
+                tracing::warn!("KV block {hash:016x} could not be written to disk: {e}");
+                self.stats.disk_errors += 1;
+                self.events.removed.push(hash);
+                false
+            }
+        }
+    }
+}
+
+/// The format of a block file: this, the identity's digest, the block's hash, the
+/// data's length, the data.
+const MAGIC: &[u8; 8] = b"TSKVBLK1";
+const HEADER: usize = 8 + 32 + 8 + 8;
+
+/// Evicted blocks as files, one a block, in a folder of this identity's own.
+struct DiskTier {
+    folder: PathBuf,
+    identity: [u8; 32],
+    capacity: u64,
+    lru: Lru,
+}
+
+impl DiskTier {
+    /// The folder for `identity` under `root`, and the blocks already in it (oldest by
+    /// modification time first); files that are not whole blocks of this identity are
+    /// removed.
+    fn open(root: &Path, capacity: u64, identity: &str) -> std::io::Result<Self> {
+        let digest: [u8; 32] = Sha256::digest(identity.as_bytes()).into();
+        let folder = root.join(hex(&digest[..16]));
+        std::fs::create_dir_all(&folder)?;
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&folder)? {
+            let entry = entry?;
+            let path = entry.path();
+            match check(&path, &digest) {
+                Some((hash, bytes)) => {
+                    let modified = entry.metadata()?.modified().unwrap_or(std::time::UNIX_EPOCH);
+                    found.push((modified, hash, bytes));
+                }
+                None => {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        found.sort();
+        let mut tier = Self { folder, identity: digest, capacity, lru: Lru::default() };
+        for (_, hash, bytes) in found {
+            tier.lru.insert(hash, bytes);
+        }
+        while tier.lru.bytes > capacity {
+            let Some(oldest) = tier.lru.oldest() else { break };
+            tier.remove(oldest);
+        }
+        Ok(tier)
+    }
+
+    fn path(&self, hash: BlockHash) -> PathBuf {
+        self.folder.join(format!("{hash:016x}.kv"))
+    }
+
+    fn write(&mut self, hash: BlockHash, data: &[u8]) -> std::io::Result<()> {
+        let path = self.path(hash);
+        let partial = path.with_extension("partial");
+        let mut file = std::fs::File::create(&partial)?;
+        file.write_all(MAGIC)?;
+        file.write_all(&self.identity)?;
+        file.write_all(&hash.to_le_bytes())?;
+        file.write_all(&(data.len() as u64).to_le_bytes())?;
+        file.write_all(data)?;
+        drop(file);
+        std::fs::rename(&partial, &path)?;
+        self.lru.insert(hash, data.len() as u64);
+        Ok(())
+    }
+
+    fn read(&self, hash: BlockHash) -> std::io::Result<Vec<u8>> {
+        let mut file = std::fs::File::open(self.path(hash))?;
+        let mut header = [0u8; HEADER];
+        file.read_exact(&mut header)?;
+        let (magic, rest) = header.split_at(8);
+        let (identity, rest) = rest.split_at(32);
+        let (stored, len) = rest.split_at(8);
+        let stored = u64::from_le_bytes(stored.try_into().expect("8 bytes"));
+        if magic != MAGIC || identity != self.identity || stored != hash {
+            return Err(std::io::Error::other("the file is another block's or another model's"));
+        }
+        let len = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+        let mut data = Vec::with_capacity(len as usize);
+        file.take(len + 1).read_to_end(&mut data)?;
+        if data.len() as u64 != len {
+            return Err(std::io::Error::other(format!("{} bytes where the header says {len}", data.len())));
+        }
+        Ok(data)
+    }
+
+    /// Removes a block's file; whether it was held.
+    fn remove(&mut self, hash: BlockHash) -> bool {
+        if !self.lru.remove(hash) {
+            return false;
+        }
+        if let Err(e) = std::fs::remove_file(self.path(hash)) {
+            tracing::debug!("removing KV block file {hash:016x}: {e}");
+        }
+        true
+    }
+}
+
+/// A block file's hash and data length, if it is whole and of `identity`.
+fn check(path: &Path, identity: &[u8; 32]) -> Option<(BlockHash, u64)> {
+    if path.extension().and_then(|e| e.to_str()) != Some("kv") {
+        return None;
+    }
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut header = [0u8; HEADER];
+    file.read_exact(&mut header).ok()?;
+    let hash = u64::from_le_bytes(header[40..48].try_into().ok()?);
+    let len = u64::from_le_bytes(header[48..56].try_into().ok()?);
+    let whole = file.metadata().ok()?.len() == HEADER as u64 + len;
+    let named = path.file_stem()?.to_str()? == format!("{hash:016x}");
+    (&header[..8] == MAGIC && &header[8..40] == identity && whole && named).then_some((hash, len))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(hash: BlockHash, len: usize) -> Arc<Vec<u8>> {
+        Arc::new((0..len).map(|i| (hash as usize * 31 + i) as u8).collect())
+    }
+
+    #[test]
+    fn host_overflow_moves_the_oldest_to_disk_and_a_block_is_in_one_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 200, disk: Some((dir.path().into(), 250)), identity: "model-a".into() };
+        let mut tiers = KvTiers::open(&config).unwrap();
+        for h in 1..=3 {
+            tiers.put(h, block(h, 100));
+        }
+        // Host holds two of 100 bytes: the first went to disk.
+        assert_eq!(tiers.find(1), Some(Tier::Disk));
+        assert_eq!((tiers.find(2), tiers.find(3)), (Some(Tier::Host), Some(Tier::Host)));
+        assert_eq!(tiers.occupancy(), (200, 100));
+        // Two more: disk holds two, and drops its oldest.
+        tiers.put(4, block(4, 100));
+        tiers.put(5, block(5, 100));
+        assert_eq!(tiers.find(1), None, "dropped from the bottom");
+        assert_eq!(tiers.blocks(), (2, 2));
+        assert_eq!(tiers.stats().dropped_blocks, 1);
+        // Taken up to the device, it leaves the tier; its bytes are the same.
+        let (data, tier) = tiers.take(2).unwrap();
+        assert_eq!((data, tier), (block(2, 100), Tier::Disk));
+        assert_eq!(tiers.find(2), None);
+        let (data, tier) = tiers.take(5).unwrap();
+        assert_eq!((data, tier), (block(5, 100), Tier::Host));
+        // Computed again on the device: forgotten here.
+        tiers.forget(4);
+        assert_eq!(tiers.find(4), None);
+        assert_eq!(tiers.take(4), None);
+        let events = tiers.take_events();
+        assert!(events.stored.contains(&(1, Tier::Disk)) && events.removed.contains(&1));
+    }
+
+    #[test]
+    fn the_disk_tier_survives_a_restart_for_the_same_identity_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = |identity: &str| TierConfig {
+            host_bytes: 0,
+            disk: Some((dir.path().into(), 10_000)),
+            identity: identity.into(),
+        };
+        {
+            let mut tiers = KvTiers::open(&disk("model-a weights-1")).unwrap();
+            tiers.put(7, block(7, 300));
+            tiers.put(8, block(8, 300));
+            assert_eq!(tiers.find(7), Some(Tier::Disk));
+        }
+        let mut again = KvTiers::open(&disk("model-a weights-1")).unwrap();
+        let warm = again.take_events().stored;
+        assert_eq!(warm.len(), 2, "a new watcher hears of the blocks found: {warm:?}");
+        assert_eq!(again.take(7), Some((block(7, 300), Tier::Disk)));
+        // Other weights: nothing of the first model's is served.
+        let mut other = KvTiers::open(&disk("model-a weights-2")).unwrap();
+        assert_eq!(other.find(8), None);
+        assert_eq!(other.take(8), None);
+    }
+
+    #[test]
+    fn a_damaged_file_is_not_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((dir.path().into(), 10_000)), identity: "m".into() };
+        let mut tiers = KvTiers::open(&config).unwrap();
+        tiers.put(9, block(9, 300));
+        tiers.put(10, block(10, 300));
+        let folder = tiers.disk.as_ref().unwrap().folder.clone();
+        // Cut short while running: read back, refused, and computed again.
+        let f = std::fs::OpenOptions::new().write(true).open(folder.join(format!("{:016x}.kv", 9u64))).unwrap();
+        f.set_len(100).unwrap();
+        assert_eq!(tiers.take(9), None);
+        assert_eq!(tiers.stats().disk_errors, 1);
+        // Cut short before a restart: not indexed at all.
+        let f = std::fs::OpenOptions::new().write(true).open(folder.join(format!("{:016x}.kv", 10u64))).unwrap();
+        f.set_len(HEADER as u64 + 10).unwrap();
+        drop(tiers);
+        let again = KvTiers::open(&config).unwrap();
+        assert_eq!(again.find(10), None);
+    }
+}
