@@ -36,7 +36,9 @@ fn prometheus_finds_every_worker_through_discovery_and_reads_their_labels() {
     };
     let data = tempfile::tempdir().unwrap();
     // A supply state (and its load) every two seconds rather than ten minutes.
-    let serve = Serve::start(data.path(), &["--replicas", "2", "--supply-refresh-secs", "2"], &[]);
+    // Each worker with a second KV tier, so that its metrics are exported too.
+    let args = ["--replicas", "2", "--supply-refresh-secs", "2", "--kv-offload-bytes", "8000000"];
+    let serve = Serve::start(data.path(), &args, &[]);
     let port = serve.port;
     let mut workers: Vec<String> = serve
         .started
@@ -149,6 +151,8 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
     }
     // The request's organization has a share of the steps, under its id.
     assert!(tenants.iter().any(|l| l.contains("tenant=\"org_")), "{tenants:?}");
+    // `tessera serve --kv-offload-bytes` reached the workers: their tiers report.
+    assert!(exported.iter().any(|n| n == "tessera:kv_tier_bytes"), "no second KV tier's metrics");
     exported.extend(recorded);
     exported.push("up".into());
     // Only a cluster's control plane has these (tests/cluster.rs reads them there).
