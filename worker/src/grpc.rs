@@ -126,12 +126,12 @@ impl WorkerService {
         Self { metrics: Some(metrics), ..self }
     }
 
-    /// The same, ending its load streams when `closing` turns true.
     /// The engine this service feeds.
     pub fn engine(&self) -> EngineHandle {
         self.engine.clone()
     }
 
+    /// The same, ending its load streams when `closing` turns true.
     pub fn closing_on(self, closing: tokio::sync::watch::Receiver<bool>) -> Self {
         Self { closing, ..self }
     }

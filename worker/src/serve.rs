@@ -79,17 +79,8 @@ pub struct ServeConfig {
     /// on a GPU.
     #[arg(long)]
     pub contended_batch: Option<usize>,
-    /// Host memory for KV blocks the cache evicts (the second tier): a prompt whose
-    /// prefix was evicted copies it back instead of computing it again; 0: none.
-    #[arg(long, default_value_t = 0)]
-    pub kv_offload_bytes: u64,
-    /// A folder for KV blocks evicted from the cache and from host memory, kept across
-    /// restarts of a worker serving the same weights (a warm restart).
-    #[arg(long)]
-    pub kv_disk_path: Option<std::path::PathBuf>,
-    /// Bytes `--kv-disk-path` may hold.
-    #[arg(long, default_value_t = 8 << 30)]
-    pub kv_disk_bytes: u64,
+    #[command(flatten)]
+    pub kv_tier: KvTierArgs,
     /// Memory for image features kept after encoding, so that a repeated image (and
     /// requests in flight with the same one) is encoded once; a vision model's only.
     #[arg(long, default_value_t = 256)]
@@ -109,6 +100,34 @@ pub struct ServeConfig {
     /// directory, or a known model name), with the model's tokenizer.
     #[arg(long)]
     pub speculative_draft: Option<String>,
+}
+
+/// The second KV tier (`engine::kv_tier`), as the worker's flags give it (the agent's
+/// too, where the folder holds one per replica).
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct KvTierArgs {
+    /// Host memory for KV blocks the cache evicts (the second tier): a prompt whose
+    /// prefix was evicted copies it back instead of computing it again; 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub kv_offload_bytes: u64,
+    /// A folder for KV blocks evicted from the cache and from host memory, kept across
+    /// restarts of a worker serving the same weights (a warm restart).
+    #[arg(long)]
+    pub kv_disk_path: Option<std::path::PathBuf>,
+    /// Bytes `--kv-disk-path` may hold.
+    #[arg(long, default_value_t = 8 << 30)]
+    pub kv_disk_bytes: u64,
+}
+
+impl KvTierArgs {
+    /// The tier's configuration for blocks of `identity`.
+    pub fn config(&self, identity: String) -> TierConfig {
+        TierConfig {
+            host_bytes: self.kv_offload_bytes,
+            disk: self.kv_disk_path.clone().map(|p| (p, self.kv_disk_bytes)),
+            identity,
+        }
+    }
 }
 
 impl ServeConfig {
@@ -297,11 +316,7 @@ fn build<B: Backend + 'static>(
             "cpu" => CPU_CONTENDED_BATCH,
             _ => config.max_num_seqs,
         }),
-        kv_tiers: TierConfig {
-            host_bytes: config.kv_offload_bytes,
-            disk: config.kv_disk_path.clone().map(|p| (p, config.kv_disk_bytes)),
-            identity: kv_identity(path, &config.model, rank0, ranks.len()),
-        },
+        kv_tiers: config.kv_tier.config(kv_identity(path, &config.model, rank0, ranks.len())),
     };
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;

@@ -79,7 +79,8 @@ async fn blocks_evicted_to_the_second_tier_are_reported_where_they_went() {
     // A cache of 24 blocks and a host tier of 64: a second 300-token prompt evicts the
     // first's blocks, which move to host memory.
     let block = 2 * 30 * 16 * 192 * 2;
-    let config = tessera_worker::serve::ServeConfig { kv_offload_bytes: 64 * block, ..serve_config(24 * block) };
+    let kv_tier = tessera_worker::serve::KvTierArgs { kv_offload_bytes: 64 * block, ..Default::default() };
+    let config = tessera_worker::serve::ServeConfig { kv_tier, ..serve_config(24 * block) };
     let mut client = serve_in_process(config).await;
     let mut watch = client.watch_load(pb::WatchLoadRequest::default()).await.unwrap().into_inner();
     assert!(watch.message().await.unwrap().unwrap().snapshot);

@@ -162,8 +162,8 @@ impl Pool {
             metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => "none").increment(1);
             return None;
         };
-        let m = matched.get(&chosen.id).copied().unwrap_or_default();
-        let held = (m.device + m.tier).min(blocks.len());
+        // The router's prefix hit rate counts the device's cache, as the workers' does.
+        let held = matched.get(&chosen.id).map_or(0, |m| m.device).min(blocks.len());
         let outcome = if held > 0 { "cached" } else { "uncached" };
         metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => outcome).increment(1);
         metrics::counter!(m::ROUTED_BLOCKS, "model" => self.model.clone()).increment(blocks.len() as u64);

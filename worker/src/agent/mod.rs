@@ -56,16 +56,10 @@ pub struct AgentConfig {
     /// --max-num-seqs on a GPU).
     #[arg(long)]
     pub contended_batch: Option<usize>,
-    /// Each replica's second KV tier in host memory, as `tessera-worker serve
-    /// --kv-offload-bytes`; 0: none.
-    #[arg(long, default_value_t = 0)]
-    pub kv_offload_bytes: u64,
-    /// A folder for the replicas' evicted KV blocks (each replica's under its name), kept
-    /// across restarts; with the bytes each may take.
-    #[arg(long)]
-    pub kv_disk_path: Option<std::path::PathBuf>,
-    #[arg(long, default_value_t = 8 << 30)]
-    pub kv_disk_bytes: u64,
+    /// Each replica's second KV tier, as `tessera-worker serve`'s; `--kv-disk-path`
+    /// holds a folder per replica, named after it.
+    #[command(flatten)]
+    pub kv_tier: crate::serve::KvTierArgs,
     /// Milliseconds a draining replica keeps accepting requests, for routers to learn
     /// that it drains.
     #[arg(long, default_value_t = 1000)]
@@ -211,8 +205,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         max_num_batched_tokens: config.max_num_batched_tokens,
         prompt_step_percent: config.prompt_step_percent,
         contended_batch: config.contended_batch,
-        kv_offload_bytes: config.kv_offload_bytes,
-        kv_disk: config.kv_disk_path.clone().map(|p| (p, config.kv_disk_bytes)),
+        kv_tier: config.kv_tier.clone(),
         drain_grace: Duration::from_millis(config.drain_grace_ms),
         drain_deadline: Duration::from_secs(config.drain_timeout_secs),
     };

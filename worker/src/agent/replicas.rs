@@ -21,10 +21,8 @@ pub struct EngineTemplate {
     pub max_num_batched_tokens: usize,
     pub prompt_step_percent: u32,
     pub contended_batch: Option<usize>,
-    /// The second KV tier: host bytes, and a folder (each replica's under its name)
-    /// with the bytes each may take.
-    pub kv_offload_bytes: u64,
-    pub kv_disk: Option<(std::path::PathBuf, u64)>,
+    /// The second KV tier; its folder holds one per replica, named after it.
+    pub kv_tier: crate::serve::KvTierArgs,
     /// Between saying "draining" and refusing new requests: time for routers to hear.
     pub drain_grace: Duration,
     /// The longest a drain waits for running requests before they are cut off.
@@ -149,9 +147,10 @@ impl Replicas {
             max_num_batched_tokens: self.template.max_num_batched_tokens,
             prompt_step_percent: self.template.prompt_step_percent,
             contended_batch: self.template.contended_batch,
-            kv_offload_bytes: self.template.kv_offload_bytes,
-            kv_disk_path: self.template.kv_disk.as_ref().map(|(root, _)| root.join(&a.replica)),
-            kv_disk_bytes: self.template.kv_disk.as_ref().map_or(0, |&(_, bytes)| bytes),
+            kv_tier: crate::serve::KvTierArgs {
+                kv_disk_path: self.template.kv_tier.kv_disk_path.as_ref().map(|root| root.join(&a.replica)),
+                ..self.template.kv_tier.clone()
+            },
             encoder_cache_mb: 256,
             speculative: a.speculative.as_ref().map(|s| s.method),
             speculative_tokens: a

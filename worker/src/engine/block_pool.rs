@@ -131,6 +131,15 @@ impl BlockPool {
         out
     }
 
+    /// Forgets what block `id` holds (its copy-in failed: it holds something else), so
+    /// that no prefix is served from it.
+    pub fn uncache(&mut self, id: BlockId) {
+        if let Some(h) = self.blocks[id as usize].hash.take() {
+            self.cached.remove(&h);
+            self.events.removed.push(h);
+        }
+    }
+
     /// Whether a block holds `hash` now.
     pub fn holds(&self, hash: BlockHash) -> bool {
         self.cached.contains_key(&hash)

@@ -698,7 +698,10 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         for (id, data, _) in &step.onload {
-            self.exec.load_block(*id, data.clone())?;
+            if let Err(e) = self.exec.load_block(*id, data.clone()) {
+                self.scheduler.onload_failed(step);
+                return Err(e.into());
+            }
         }
         Ok(())
     }
@@ -707,9 +710,24 @@ impl<B: Backend> EngineCore<B> {
     /// the prefix cache to disk (oldest first, so that the newest stay when it is
     /// full), for a restart to find — a warm restart. Returns how many were written.
     pub fn persist_kv(&mut self) -> usize {
-        let Some(tiers) = self.scheduler.tiers_mut().filter(|t| t.has_disk()) else { return 0 };
-        let mut written = tiers.spill_host();
-        for (id, hash) in self.scheduler.pool().cached_by_age() {
+        let Some(capacity) = self.scheduler.tiers().and_then(KvTiers::disk_capacity) else { return 0 };
+        let cached = self.scheduler.pool().cached_by_age();
+        let Some(&(newest, _)) = cached.last() else {
+            return self.scheduler.tiers_mut().map_or(0, |t| t.spill_host(capacity));
+        };
+        // Only the newest that fit: older ones would be written to be pushed out.
+        let block = match self.exec.save_block(newest) {
+            Ok(data) => data.len().max(1) as u64,
+            Err(e) => {
+                tracing::warn!("the KV cache could not be copied to disk at shutdown: {e}");
+                return 0;
+            }
+        };
+        let fit = (capacity / block) as usize;
+        let device = &cached[cached.len().saturating_sub(fit)..];
+        let host_room = capacity.saturating_sub(device.len() as u64 * block);
+        let mut written = self.scheduler.tiers_mut().map_or(0, |t| t.spill_host(host_room));
+        for &(id, hash) in device {
             match self.exec.save_block(id) {
                 Ok(data) => written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, &data)) as usize,
                 Err(e) => tracing::warn!("KV block {id} could not be copied to disk at shutdown: {e}"),

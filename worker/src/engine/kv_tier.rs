@@ -228,19 +228,29 @@ impl KvTiers {
         }
     }
 
-    /// Whether blocks outlive this process (a disk tier).
-    pub fn has_disk(&self) -> bool {
-        self.disk.is_some()
+    /// The disk tier's size, when there is one.
+    pub fn disk_capacity(&self) -> Option<u64> {
+        self.disk.as_ref().map(|d| d.capacity)
     }
 
-    /// At shutdown: every block in host memory moves to disk, oldest first, so that a
-    /// restart finds them; how many were written.
-    pub fn spill_host(&mut self) -> usize {
+    /// At shutdown: the newest blocks in host memory, up to `bytes` of them, move to disk
+    /// (oldest first), so that a restart finds them; how many were written.
+    pub fn spill_host(&mut self, bytes: u64) -> usize {
+        let mut newest = Vec::new();
+        let mut total = 0;
+        for &hash in self.host.order.values().rev() {
+            let len = self.host_data[&hash].len() as u64;
+            if total + len > bytes {
+                break;
+            }
+            total += len;
+            newest.push(hash);
+        }
         let mut written = 0;
-        while let Some(oldest) = self.host.oldest() {
-            self.host.remove(oldest);
-            let data = self.host_data.remove(&oldest).expect("host entries have data");
-            written += self.write_down(oldest, &data) as usize;
+        for hash in newest.into_iter().rev() {
+            self.host.remove(hash);
+            let data = self.host_data.remove(&hash).expect("host entries have data");
+            written += self.write_down(hash, &data) as usize;
         }
         written
     }
@@ -295,9 +305,41 @@ impl KvTiers {
 }
 
 /// The format of a block file: this, the identity's digest, the block's hash, the
-/// data's length, the data.
-const MAGIC: &[u8; 8] = b"TSKVBLK1";
-const HEADER: usize = 8 + 32 + 8 + 8;
+/// data's length and CRC-32, the data.
+const MAGIC: &[u8; 8] = b"TSKVBLK2";
+const HEADER: usize = 8 + 32 + 8 + 8 + 4;
+
+/// A block file's header.
+struct Header {
+    identity: [u8; 32],
+    hash: BlockHash,
+    len: u64,
+    crc: u32,
+}
+
+impl Header {
+    fn bytes(&self) -> [u8; HEADER] {
+        let mut out = [0u8; HEADER];
+        out[..8].copy_from_slice(MAGIC);
+        out[8..40].copy_from_slice(&self.identity);
+        out[40..48].copy_from_slice(&self.hash.to_le_bytes());
+        out[48..56].copy_from_slice(&self.len.to_le_bytes());
+        out[56..].copy_from_slice(&self.crc.to_le_bytes());
+        out
+    }
+
+    /// The header at the start of `file`, if it is one.
+    fn read(file: &mut std::fs::File) -> Option<Self> {
+        let mut b = [0u8; HEADER];
+        file.read_exact(&mut b).ok()?;
+        (&b[..8] == MAGIC).then(|| Header {
+            identity: b[8..40].try_into().expect("32 bytes"),
+            hash: u64::from_le_bytes(b[40..48].try_into().expect("8 bytes")),
+            len: u64::from_le_bytes(b[48..56].try_into().expect("8 bytes")),
+            crc: u32::from_le_bytes(b[56..].try_into().expect("4 bytes")),
+        })
+    }
+}
 
 /// Evicted blocks as files, one a block, in a folder of this identity's own.
 struct DiskTier {
@@ -309,22 +351,27 @@ struct DiskTier {
 
 impl DiskTier {
     /// The folder for `identity` under `root`, and the blocks already in it (oldest by
-    /// modification time first); files that are not whole blocks of this identity are
-    /// removed.
+    /// modification time first). Files that are not whole blocks of this identity are
+    /// removed, and so are the folders of other identities (earlier weights: `root` is
+    /// one worker's).
     fn open(root: &Path, capacity: u64, identity: &str) -> std::io::Result<Self> {
         let digest: [u8; 32] = Sha256::digest(identity.as_bytes()).into();
-        let folder = root.join(hex(&digest[..16]));
+        let name = hex(&digest[..16]);
+        let folder = root.join(&name);
         std::fs::create_dir_all(&folder)?;
+        for entry in std::fs::read_dir(root)?.flatten() {
+            let stale = entry.file_name().to_str().is_some_and(|n| n != name && n.len() == 32 && hex_only(n));
+            if stale && let Err(e) = std::fs::remove_dir_all(entry.path()) {
+                tracing::warn!("removing an earlier model's KV blocks at {}: {e}", entry.path().display());
+            }
+        }
         let mut found = Vec::new();
-        for entry in std::fs::read_dir(&folder)? {
-            let entry = entry?;
+        for entry in std::fs::read_dir(&folder)?.flatten() {
             let path = entry.path();
-            match check(&path, &digest) {
-                Some((hash, bytes)) => {
-                    let modified = entry.metadata()?.modified().unwrap_or(std::time::UNIX_EPOCH);
-                    found.push((modified, hash, bytes));
-                }
-                None => {
+            let modified = entry.metadata().and_then(|m| m.modified());
+            match (whole(&path, &digest), modified) {
+                (Some((hash, bytes)), Ok(modified)) => found.push((modified, hash, bytes)),
+                _ => {
                     let _ = std::fs::remove_file(&path);
                 }
             }
@@ -345,37 +392,37 @@ impl DiskTier {
         self.folder.join(format!("{hash:016x}.kv"))
     }
 
+    /// Writes a block whole under a temporary name and renames it: a file of the
+    /// block's name is always whole (a cut-short one is left under the temporary name,
+    /// and removed).
     fn write(&mut self, hash: BlockHash, data: &[u8]) -> std::io::Result<()> {
         let path = self.path(hash);
         let partial = path.with_extension("partial");
-        let mut file = std::fs::File::create(&partial)?;
-        file.write_all(MAGIC)?;
-        file.write_all(&self.identity)?;
-        file.write_all(&hash.to_le_bytes())?;
-        file.write_all(&(data.len() as u64).to_le_bytes())?;
-        file.write_all(data)?;
-        drop(file);
-        std::fs::rename(&partial, &path)?;
+        let header = Header { identity: self.identity, hash, len: data.len() as u64, crc: crc32fast::hash(data) };
+        let written = std::fs::File::create(&partial).and_then(|mut file| {
+            file.write_all(&header.bytes())?;
+            file.write_all(data)
+        });
+        if let Err(e) = written.and_then(|()| std::fs::rename(&partial, &path)) {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
         self.lru.insert(hash, data.len() as u64);
         Ok(())
     }
 
+    /// A block's data, checked against its header: this identity, this hash, its
+    /// length and CRC.
     fn read(&self, hash: BlockHash) -> std::io::Result<Vec<u8>> {
         let mut file = std::fs::File::open(self.path(hash))?;
-        let mut header = [0u8; HEADER];
-        file.read_exact(&mut header)?;
-        let (magic, rest) = header.split_at(8);
-        let (identity, rest) = rest.split_at(32);
-        let (stored, len) = rest.split_at(8);
-        let stored = u64::from_le_bytes(stored.try_into().expect("8 bytes"));
-        if magic != MAGIC || identity != self.identity || stored != hash {
+        let header = Header::read(&mut file).ok_or_else(|| std::io::Error::other("no block header"))?;
+        if header.identity != self.identity || header.hash != hash {
             return Err(std::io::Error::other("the file is another block's or another model's"));
         }
-        let len = u64::from_le_bytes(len.try_into().expect("8 bytes"));
-        let mut data = Vec::with_capacity(len as usize);
-        file.take(len + 1).read_to_end(&mut data)?;
-        if data.len() as u64 != len {
-            return Err(std::io::Error::other(format!("{} bytes where the header says {len}", data.len())));
+        let mut data = Vec::with_capacity(header.len as usize);
+        file.take(header.len + 1).read_to_end(&mut data)?;
+        if data.len() as u64 != header.len || crc32fast::hash(&data) != header.crc {
+            return Err(std::io::Error::other("the block's data is not what was written"));
         }
         Ok(data)
     }
@@ -392,19 +439,21 @@ impl DiskTier {
     }
 }
 
-/// A block file's hash and data length, if it is whole and of `identity`.
-fn check(path: &Path, identity: &[u8; 32]) -> Option<(BlockHash, u64)> {
+/// A block file's hash and data length, if it is named for its hash, of `identity` and
+/// whole (its data is checked when read).
+fn whole(path: &Path, identity: &[u8; 32]) -> Option<(BlockHash, u64)> {
     if path.extension().and_then(|e| e.to_str()) != Some("kv") {
         return None;
     }
     let mut file = std::fs::File::open(path).ok()?;
-    let mut header = [0u8; HEADER];
-    file.read_exact(&mut header).ok()?;
-    let hash = u64::from_le_bytes(header[40..48].try_into().ok()?);
-    let len = u64::from_le_bytes(header[48..56].try_into().ok()?);
-    let whole = file.metadata().ok()?.len() == HEADER as u64 + len;
-    let named = path.file_stem()?.to_str()? == format!("{hash:016x}");
-    (&header[..8] == MAGIC && &header[8..40] == identity && whole && named).then_some((hash, len))
+    let header = Header::read(&mut file)?;
+    let sized = file.metadata().ok()?.len() == HEADER as u64 + header.len;
+    let named = path.file_stem()?.to_str()? == format!("{:016x}", header.hash);
+    (&header.identity == identity && sized && named).then_some((header.hash, header.len))
+}
+
+fn hex_only(s: &str) -> bool {
+    s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -469,10 +518,11 @@ mod tests {
         let warm = again.take_events().stored;
         assert_eq!(warm.len(), 2, "a new watcher hears of the blocks found: {warm:?}");
         assert_eq!(again.take(7), Some((block(7, 300), Tier::Disk)));
-        // Other weights: nothing of the first model's is served.
+        // Other weights: nothing of the first model's is served, and its folder goes.
         let mut other = KvTiers::open(&disk("model-a weights-2")).unwrap();
         assert_eq!(other.find(8), None);
         assert_eq!(other.take(8), None);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "one identity's folder left");
     }
 
     #[test]
@@ -488,6 +538,14 @@ mod tests {
         f.set_len(100).unwrap();
         assert_eq!(tiers.take(9), None);
         assert_eq!(tiers.stats().disk_errors, 1);
+        // A byte changed in place (a torn write the size does not show): refused too.
+        tiers.put(11, block(11, 300));
+        let path = folder.join(format!("{:016x}.kv", 11u64));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[HEADER + 7] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        assert_eq!(tiers.take(11), None);
+        assert_eq!(tiers.stats().disk_errors, 2);
         // Cut short before a restart: not indexed at all.
         let f = std::fs::OpenOptions::new().write(true).open(folder.join(format!("{:016x}.kv", 10u64))).unwrap();
         f.set_len(HEADER as u64 + 10).unwrap();

@@ -120,10 +120,9 @@ impl EngineHandle {
         self.reports.subscribe()
     }
 
-    /// Every block hash in the prefix cache now. Taken after subscribing to
-    /// `watch_load`, it and the reports that follow give the cache exactly: changes
-    /// already in it that a report repeats are applied again to the same effect.
-    /// Every block the cache and its second tier hold, and where.
+    /// Every block the prefix cache and its second tier hold now, and where. Taken after
+    /// subscribing to `watch_load`, it and the reports that follow give the cache
+    /// exactly: a report repeating a change already in it says where the block is now.
     pub async fn cached_blocks(&self) -> Result<Vec<(u64, Place)>, EngineError> {
         let (hashes, answer) = oneshot::channel();
         self.send(Command::CachedBlocks { hashes })?;

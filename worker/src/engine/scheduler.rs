@@ -199,6 +199,15 @@ impl Scheduler {
         self.tiers.as_mut()
     }
 
+    /// The blocks of `Step::onload` could not all be copied in: none of them is served
+    /// from the cache (their sequences end with the failed step; their contents are
+    /// lost to the tiers too).
+    pub fn onload_failed(&mut self, step: &Step) {
+        for (id, _, _) in &step.onload {
+            self.pool.uncache(*id);
+        }
+    }
+
     /// A block of `Step::offload`, copied: into the second tier, unless the device holds
     /// its hash again.
     pub fn offloaded(&mut self, hash: u64, data: Arc<Vec<u8>>) {
@@ -1443,11 +1452,21 @@ mod tests {
         assert_eq!(s.take_from_tiers(&[42], &block), 1);
         assert_eq!(s.place(42), Place::Device);
         s.pool.release(block);
-        s.allocate(2).unwrap();
+        let both = s.allocate(2).unwrap();
         let step = s.schedule();
-        assert!(step.onload.is_empty() && step.offload.is_empty(), "{step:?}");
+        assert!(step.onload.is_empty() && step.offload.is_empty(), "{:?}", step.offload);
         assert_eq!(s.place(42), Place::Host);
-        assert_eq!(s.tiers.as_mut().unwrap().take(42), Some((saved, Tier::Host)), "the saved bytes, not the block's");
+        assert_eq!(s.tiers.as_mut().unwrap().take(42), Some((saved.clone(), Tier::Host)), "the saved bytes");
+        // A copy-in that fails leaves nothing served from the block it was for.
+        s.pool.release(both);
+        s.tiers.as_mut().unwrap().put(42, saved);
+        let block = s.allocate(1).unwrap();
+        s.take_from_tiers(&[42], &block);
+        let step = s.schedule();
+        assert_eq!(step.onload.len(), 1);
+        s.onload_failed(&step);
+        assert_eq!(s.place(42), Place::Gone);
+        assert!(s.pool.take_cached_prefix(&[42]).is_empty());
     }
 
     #[test]
