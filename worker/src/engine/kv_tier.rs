@@ -283,11 +283,9 @@ impl KvTiers {
             self.events.removed.push(hash);
             return false;
         };
-        while disk.lru.bytes + bytes > disk.capacity {
-            let Some(oldest) = disk.lru.oldest() else { break };
-            disk.remove(oldest);
+        for dropped in disk.make_room(bytes) {
             self.stats.dropped_blocks += 1;
-            self.events.removed.push(oldest);
+            self.events.removed.push(dropped);
         }
         match disk.write(hash, data) {
             Ok(()) => {
@@ -381,11 +379,19 @@ impl DiskTier {
         for (_, hash, bytes) in found {
             tier.lru.insert(hash, bytes);
         }
-        while tier.lru.bytes > capacity {
-            let Some(oldest) = tier.lru.oldest() else { break };
-            tier.remove(oldest);
-        }
+        tier.make_room(0);
         Ok(tier)
+    }
+
+    /// Removes the oldest blocks until `bytes` more fit; the blocks removed.
+    fn make_room(&mut self, bytes: u64) -> Vec<BlockHash> {
+        let mut removed = Vec::new();
+        while self.lru.bytes + bytes > self.capacity {
+            let Some(oldest) = self.lru.oldest() else { break };
+            self.remove(oldest);
+            removed.push(oldest);
+        }
+        removed
     }
 
     fn path(&self, hash: BlockHash) -> PathBuf {

@@ -69,7 +69,7 @@ pub struct Step {
     pub fair_preemptions: usize,
     /// Cached blocks this step hands out again: copy each to the second tier
     /// (`Scheduler::offloaded`) before anything writes them.
-    pub offload: Vec<(BlockId, u64)>,
+    pub offload: Vec<(BlockId, BlockHash)>,
     /// Blocks to fill from the second tier before the forward (after `offload`): a
     /// prefix found there, each block's saved contents and the tier it came from.
     pub onload: Vec<(BlockId, Arc<Vec<u8>>, Tier)>,
@@ -88,8 +88,8 @@ pub struct Scheduler {
     steps: u64,
     /// The second KV tier, when there is one, and this step's moves to and from it.
     tiers: Option<KvTiers>,
-    offload: Vec<(BlockId, u64)>,
-    onload: HashMap<BlockId, (u64, Arc<Vec<u8>>, Tier)>,
+    offload: Vec<(BlockId, BlockHash)>,
+    onload: HashMap<BlockId, (BlockHash, Arc<Vec<u8>>, Tier)>,
 }
 
 /// Where a block is, as the router's prefix index keeps it.
@@ -210,7 +210,7 @@ impl Scheduler {
 
     /// A block of `Step::offload`, copied: into the second tier, unless the device holds
     /// its hash again.
-    pub fn offloaded(&mut self, hash: u64, data: Arc<Vec<u8>>) {
+    pub fn offloaded(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
         if let Some(tiers) = &mut self.tiers
             && !self.pool.holds(hash)
         {
@@ -373,7 +373,7 @@ impl Scheduler {
     /// Takes the blocks `tier_prefix` found into `blocks` (fresh from `allocate`), to be
     /// filled before the step's forward; how many it could (a file that fails to read
     /// ends the prefix there).
-    fn take_from_tiers(&mut self, hashes: &[u64], blocks: &[BlockId]) -> usize {
+    fn take_from_tiers(&mut self, hashes: &[BlockHash], blocks: &[BlockId]) -> usize {
         let Some(tiers) = &mut self.tiers else { return 0 };
         for (i, (&hash, &id)) in hashes.iter().zip(blocks).enumerate() {
             let Some((data, tier)) = tiers.take(hash) else { return i };
@@ -822,7 +822,7 @@ impl Scheduler {
 
 /// How many of `hashes` (the blocks after a prompt's cached prefix on the device) the
 /// second tier holds, in a row from the first.
-fn tier_prefix(tiers: Option<&KvTiers>, hashes: &[u64]) -> usize {
+fn tier_prefix(tiers: Option<&KvTiers>, hashes: &[BlockHash]) -> usize {
     tiers.map_or(0, |t| hashes.iter().take_while(|&&h| t.find(h).is_some()).count())
 }
 
