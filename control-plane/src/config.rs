@@ -637,10 +637,17 @@ pub enum DeploymentsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Sets a deployed model's replica count.
+    /// Sets a deployed model's replica count (and its prefill and decode pools').
     Scale {
         model: String,
         replicas: u32,
+        /// Replicas that only compute prompts (disaggregated serving); unchanged when
+        /// not given.
+        #[arg(long)]
+        prefill: Option<u32>,
+        /// Replicas that decode what prefill replicas hand over; unchanged when not given.
+        #[arg(long)]
+        decode: Option<u32>,
         #[command(flatten)]
         etcd: EtcdArgs,
         #[arg(long)]

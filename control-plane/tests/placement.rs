@@ -31,7 +31,14 @@ async fn register(client: &mut Client, id: &str, devices: u32) -> i64 {
 }
 
 async fn deploy(client: &mut Client, model: &str, replicas: u32, tp: u32) {
-    let d = Deployment { model: model.into(), replicas, tensor_parallel: tp, constraints: Default::default() };
+    let d = Deployment {
+        model: model.into(),
+        replicas,
+        tensor_parallel: tp,
+        constraints: Default::default(),
+        prefill_replicas: 0,
+        decode_replicas: 0,
+    };
     client.put(cluster::deployment_key(model), cluster::encode(&d), None).await.unwrap();
 }
 

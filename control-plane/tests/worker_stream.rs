@@ -42,9 +42,15 @@ struct Scripted {
     scripts: Arc<Mutex<VecDeque<Vec<Step>>>>,
     /// Each Generate call's request, in order.
     seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
+    /// The part its card says it plays in disaggregated serving.
+    role: pb::ServingRole,
 }
 
 impl Script for Scripted {
+    fn card(&self) -> pb::ModelCard {
+        pb::ModelCard { role: self.role as i32, ..tessera_proto::scripted::model_card("scripted") }
+    }
+
     fn generate(&self, request: pb::GenerateRequest) -> Result<GenerateStream, Status> {
         self.seen.lock().unwrap().push(request);
         let script = self.scripts.lock().unwrap().pop_front().ok_or_else(|| Status::internal("no script left"))?;
@@ -97,24 +103,39 @@ fn last(index: u32, text: &str, finish: pb::FinishReason) -> Step {
 struct Harness {
     app: App,
     worker: Scripted,
+    /// Every worker, `worker` first, with its address.
+    workers: Vec<(Scripted, String)>,
     key: String,
     org: String,
 }
 
 impl Harness {
     async fn start() -> Self {
-        let worker = Scripted::default();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let serving = WorkerServer::new(ScriptedWorker(worker.clone()));
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(serving)
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        let replica = Arc::new(Replica::connect(&addr).await.unwrap());
-        let pool = Arc::new(Pool::new(&replica.card.model, Routing::CacheAware));
-        pool.add(&addr, replica.clone()).unwrap();
+        Self::with_roles(&[pb::ServingRole::Aggregated]).await
+    }
+
+    /// One scripted worker per role, in one pool.
+    async fn with_roles(roles: &[pb::ServingRole]) -> Self {
+        let mut workers = Vec::new();
+        let mut pool = None;
+        let mut first_replica = None;
+        for &role in roles {
+            let worker = Scripted { role, ..Default::default() };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let serving = WorkerServer::new(ScriptedWorker(worker.clone()));
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(serving)
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            );
+            let replica = Arc::new(Replica::connect(&addr).await.unwrap());
+            let pool = pool.get_or_insert_with(|| Arc::new(Pool::new(&replica.card.model, Routing::CacheAware)));
+            pool.add(&addr, replica.clone()).unwrap();
+            first_replica.get_or_insert(replica);
+            workers.push((worker, addr));
+        }
+        let (pool, replica, worker) = (pool.unwrap(), first_replica.unwrap(), workers[0].0.clone());
         let catalog = Catalog::parse(CATALOG, "test").unwrap();
         let pools = BTreeMap::from([("scripted".to_string(), (replica, pool))]);
         let models = Arc::new(Models::new(&catalog, &pools).unwrap());
@@ -132,11 +153,20 @@ impl Harness {
         };
         let (_, key) = store.create_key(new).await.unwrap();
         let app = tessera_control_plane::serve::app_state(db, models, None, &ApiArgs::defaults()).await.unwrap();
-        Self { app, worker, key, org: org.id }
+        Self { app, worker, workers, key, org: org.id }
     }
 
     fn script(&self, steps: Vec<Step>) {
         self.worker.scripts.lock().unwrap().push_back(steps);
+    }
+
+    /// Scripts the next Generate call to worker `i`.
+    fn script_on(&self, i: usize, steps: Vec<Step>) {
+        self.workers[i].0.scripts.lock().unwrap().push_back(steps);
+    }
+
+    fn seen_on(&self, i: usize) -> Vec<pb::GenerateRequest> {
+        self.workers[i].0.seen.lock().unwrap().clone()
     }
 
     async fn post(&self, path: &str, body: Value) -> axum::response::Response {
@@ -216,6 +246,108 @@ async fn settled(h: &Harness, request_id: &str) -> tessera_control_plane::billin
         }
     };
     tokio::time::timeout(Duration::from_secs(10), wait).await.expect("the request settles")
+}
+
+/// A prefill replica's handoff after its first token: how its transfer went.
+fn handoff(error: &str) -> Step {
+    let transfer =
+        pb::KvTransfer { blocks_sent: 1, bytes_sent: 100, blocks_stored: 1, seconds: 0.001, error: error.into() };
+    Step::Send(pb::GenerateResponse {
+        finish_reason: pb::FinishReason::Handoff as i32,
+        transfer: Some(transfer),
+        ..Default::default()
+    })
+}
+
+/// A prefill replica's first delta: a token of a prompt of 2, 1 of them cached.
+fn first_token() -> Step {
+    Step::Send(pb::GenerateResponse { cached_prompt_tokens: 1, ..delta(0, "a1 ", pb::FinishReason::Unspecified) })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_requests_go_on_whatever_side_fails_and_are_billed_once() {
+    use pb::ServingRole::{Decode, Prefill};
+    let body = json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8});
+    // The decode replica's deltas report the prompt as found in its cache (the blocks
+    // it was sent): the bill keeps the prefill replica's figures.
+    let decoded = |text, finish| Step::Send(pb::GenerateResponse { cached_prompt_tokens: 2, ..delta(0, text, finish) });
+
+    // As it should go: the first token from the prefill replica, which names the decode
+    // replica chosen; the rest from that one, resumed after the first token.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![first_token(), handoff("")]);
+    h.script_on(1, vec![decoded("a2 ", pb::FinishReason::Unspecified), decoded("a3", pb::FinishReason::Stop)]);
+    let (status, id, reply) = h.json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], "a1 a2 a3");
+    assert_eq!(reply["usage"]["completion_tokens"], 3);
+    assert_eq!(reply["usage"]["prompt_tokens_details"]["cached_tokens"], 1, "{reply}");
+    let (prefill, decode) = (h.seen_on(0).remove(0), h.seen_on(1).remove(0));
+    assert_eq!(prefill.handoff.as_ref().unwrap().decode_addr, h.workers[1].1);
+    assert_eq!((prefill.request_id.as_str(), decode.request_id.clone()), (id.as_str(), format!("{id}-d")));
+    assert_eq!((decode.resume_token_ids, decode.handoff), (vec![1], None));
+    assert_eq!(decode.prompt_token_ids, prefill.prompt_token_ids);
+    let bill = settled(&h, &id).await;
+    assert_eq!((bill.prompt_tokens, bill.cached_tokens, bill.completion_tokens), (1, 1, 3));
+
+    // The prefill replica lost mid-transfer, after its first token: the decode replica
+    // goes on (computing the prompt it lacks), streamed.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![first_token(), Step::Fail(Status::unavailable("killed"))]);
+    h.script_on(1, vec![decoded("a2", pb::FinishReason::Length)]);
+    let (status, id, chunks) = h.events("/v1/chat/completions", chat(true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(content_of(&chunks, 0), "a1 a2");
+    assert_eq!(finish_of(&chunks, 0), ["length"]);
+    assert_eq!(h.seen_on(1)[0].resume_token_ids, [1]);
+    assert_eq!(settled(&h, &id).await.completion_tokens, 2);
+
+    // The decode replica lost mid-transfer: the prefill replica reports the failed
+    // transfer, the decode replica refuses, and the request goes on elsewhere (here the
+    // prefill replica itself, resumed: any replica can).
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![first_token(), handoff("sending KV blocks: connection refused")]);
+    h.script_on(1, vec![Step::Fail(Status::unavailable("killed"))]);
+    h.script_on(0, vec![decoded("a2", pb::FinishReason::Stop)]);
+    let (status, id, reply) = h.json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], "a1 a2");
+    let resumed = h.seen_on(0).remove(1);
+    assert_eq!((resumed.resume_token_ids, resumed.handoff), (vec![1], None));
+    assert_eq!(settled(&h, &id).await.completion_tokens, 2);
+
+    // The prefill replica fails before its first token: the request is served whole,
+    // by the decode replica, unbilled until it starts.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![Step::Fail(Status::unavailable("killed"))]);
+    h.script_on(1, vec![last(0, "b1", pb::FinishReason::Stop)]);
+    let (status, id, reply) = h.json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], "b1");
+    let whole = h.seen_on(1).remove(0);
+    assert!(whole.resume_token_ids.is_empty() && whole.handoff.is_none());
+    assert_eq!(settled(&h, &id).await.completion_tokens, 1);
+
+    // The decode replica fails after its first delta: the stream ends with an error,
+    // and what was generated on both sides is billed, once.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![first_token(), handoff("")]);
+    h.script_on(1, vec![decoded("a2 ", pb::FinishReason::Unspecified), Step::Fail(Status::internal("crash"))]);
+    let (status, id, chunks) = h.events("/v1/chat/completions", chat(true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(content_of(&chunks, 0), "a1 a2 ");
+    assert!(chunks.iter().any(|c| c.get("error").is_some()), "{chunks:?}");
+    let bill = settled(&h, &id).await;
+    assert_eq!((bill.prompt_tokens, bill.completion_tokens), (1, 2));
+
+    // n > 1 is never disaggregated: served whole by the decode replica.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(1, vec![last(0, "x", pb::FinishReason::Stop), last(1, "y", pb::FinishReason::Stop)]);
+    let two =
+        json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "n": 2});
+    let (status, _, reply) = h.json("/v1/chat/completions", two).await;
+    assert_eq!(status, 200, "{reply}");
+    assert!(h.seen_on(0).is_empty() && h.seen_on(1)[0].handoff.is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

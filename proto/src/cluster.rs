@@ -153,11 +153,84 @@ pub struct Constraints {
 #[serde(deny_unknown_fields)]
 pub struct Deployment {
     pub model: String,
+    /// Replicas that prefill and decode (aggregated serving).
     pub replicas: u32,
     #[serde(default = "one")]
     pub tensor_parallel: u32,
     #[serde(default)]
     pub constraints: Constraints,
+    /// Disaggregated serving: replicas that only compute prompts, and replicas that
+    /// take the requests they hand over (both 0: none; either alone serves whole
+    /// requests).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prefill_replicas: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_replicas: u32,
+}
+
+impl Deployment {
+    /// Replicas wanted in `role`.
+    pub fn wanted(&self, role: Role) -> u32 {
+        match role {
+            Role::None => self.replicas,
+            Role::Prefill => self.prefill_replicas,
+            Role::Decode => self.decode_replicas,
+        }
+    }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// What a replica does in disaggregated serving (a worker's `--disaggregation-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill and decode both.
+    #[default]
+    None,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::None, Role::Prefill, Role::Decode];
+
+    pub fn is_none(&self) -> bool {
+        *self == Role::None
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::None => "none",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// As a worker's card says it.
+    pub fn proto(self) -> crate::worker::ServingRole {
+        match self {
+            Role::None => crate::worker::ServingRole::Aggregated,
+            Role::Prefill => crate::worker::ServingRole::Prefill,
+            Role::Decode => crate::worker::ServingRole::Decode,
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s).ok_or_else(|| format!("{s:?}: none, prefill or decode"))
+    }
 }
 
 fn one() -> u32 {
@@ -181,6 +254,9 @@ pub struct Assignment {
     /// records written before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpecConfig>,
+    /// Its part in disaggregated serving (absent: none).
+    #[serde(default, skip_serializing_if = "Role::is_none")]
+    pub role: Role,
 }
 
 /// How the catalog has a model served: the weights to load, and its speculation.

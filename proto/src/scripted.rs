@@ -16,6 +16,11 @@ pub type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
 /// What a scripted worker answers to each Generate call.
 pub trait Script: Send + Sync + 'static {
     fn generate(&self, request: pb::GenerateRequest) -> Result<GenerateStream, Status>;
+
+    /// The worker's card (a script may play a prefill or decode replica).
+    fn card(&self) -> pb::ModelCard {
+        model_card("scripted")
+    }
 }
 
 /// The worker around a `Script`, serving `model_card("scripted")`.
@@ -35,7 +40,11 @@ impl<S: Script> Worker for ScriptedWorker<S> {
     }
 
     async fn get_model_card(&self, _: Request<pb::ModelCardRequest>) -> Result<Response<pb::ModelCard>, Status> {
-        Ok(Response::new(model_card("scripted")))
+        Ok(Response::new(self.0.card()))
+    }
+
+    async fn push_kv(&self, _: Request<tonic::Streaming<pb::KvChunk>>) -> Result<Response<pb::KvPushReply>, Status> {
+        Err(Status::unimplemented("a scripted worker keeps no KV blocks"))
     }
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
@@ -72,6 +81,7 @@ pub fn delta(index: u32, text: &str, finish: pb::FinishReason) -> pb::GenerateRe
         prompt_tokens: 2,
         cached_prompt_tokens: 0,
         prompt_logprobs: vec![],
+        transfer: None,
     }
 }
 

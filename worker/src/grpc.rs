@@ -1,9 +1,9 @@
 //! The worker's gRPC service over the engine: requests and outputs converted between
 //! proto and engine types, engine errors mapped once to gRPC status codes.
 
-use crate::engine::core::{EngineError, FinishReason, Output, Request as EngineRequest};
+use crate::engine::core::{EngineError, FinishReason, Handoff, KvBlocks, Output, Request as EngineRequest};
 use crate::engine::grammar::{Constraint, GrammarError, GrammarSource, GrammarSpec};
-use crate::engine::runner::{EngineHandle, OutputEvent};
+use crate::engine::runner::{EngineHandle, OutputEvent, Transfer};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::Place;
 use crate::engine::sequence::SeqId;
@@ -19,10 +19,12 @@ use std::task::{Context, Poll};
 use tessera_proto::errors;
 use tessera_proto::worker as pb;
 use tessera_proto::worker::ErrorKind;
+use tessera_proto::worker::worker_client::WorkerClient;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::Stream;
 use tonic::Code;
-use tonic::{Request, Response, Status};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 pub use pb::worker_server::WorkerServer;
@@ -56,6 +58,96 @@ fn internal(message: String) -> Status {
 /// Client request ids of live requests → engine ids.
 type LiveIds = Arc<Mutex<HashMap<String, SeqId>>>;
 
+/// The version of the KV transfer format this worker speaks (`KvTransferHeader`).
+pub const KV_TRANSFER_VERSION: u32 = 1;
+/// Blocks of a handoff per PushKv message: a few MB, well under the message limit.
+const TRANSFER_CHUNK_BYTES: usize = 4 << 20;
+
+/// The decode replicas this prefill replica hands requests to: one connection each,
+/// kept (a connection per handoff would cost a handshake each time).
+#[derive(Clone)]
+struct Peers {
+    clients: Arc<Mutex<HashMap<String, WorkerClient<Channel>>>>,
+    /// This replica's `ModelCard::kv_identity`, sent in each transfer's header.
+    kv_identity: String,
+    engine: EngineHandle,
+}
+
+impl Peers {
+    fn client(&self, addr: &str) -> Result<WorkerClient<Channel>, String> {
+        let mut clients = self.clients.lock().expect("peers lock");
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| e.to_string())?;
+        let channel = endpoint
+            .connect_timeout(std::time::Duration::from_secs(2))
+            .http2_keep_alive_interval(std::time::Duration::from_secs(1))
+            .keep_alive_timeout(std::time::Duration::from_secs(3))
+            .connect_lazy();
+        let client = WorkerClient::new(channel).max_encoding_message_size(tessera_proto::MAX_MESSAGE_BYTES);
+        clients.insert(addr.to_string(), client.clone());
+        Ok(client)
+    }
+
+    /// Sends a handoff's blocks to the decode replica at `addr`, a few MB per message
+    /// (made as the stream is read, so a slow receiver holds back the copies too), and
+    /// says how it went. A failure is reported, not returned: the decode replica then
+    /// computes what it lacks.
+    fn send(
+        &self,
+        addr: String,
+        request_id: String,
+        blocks: Arc<KvBlocks>,
+    ) -> impl std::future::Future<Output = pb::KvTransfer> + Send + 'static {
+        let peers = self.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let block_bytes = blocks.first().map_or(0, |(_, d)| d.len());
+            let per_message = (TRANSFER_CHUNK_BYTES / block_bytes.max(1)).max(1);
+            let mut transfer = pb::KvTransfer {
+                blocks_sent: blocks.len() as u32,
+                bytes_sent: blocks.iter().map(|(_, d)| d.len() as u64).sum(),
+                ..Default::default()
+            };
+            let header = pb::KvTransferHeader {
+                version: KV_TRANSFER_VERSION,
+                kv_identity: peers.kv_identity.clone(),
+                block_bytes: block_bytes as u64,
+                request_id,
+            };
+            let chunks = (0..blocks.len().div_ceil(per_message)).map(move |c| {
+                let part = &blocks[c * per_message..((c + 1) * per_message).min(blocks.len())];
+                pb::KvChunk {
+                    header: None,
+                    blocks: part.iter().map(|(hash, data)| pb::KvBlock { hash: *hash, data: data.clone() }).collect(),
+                }
+            });
+            let first = pb::KvChunk { header: Some(header), blocks: Vec::new() };
+            let outgoing = tokio_stream::iter(std::iter::once(first).chain(chunks));
+            let sent = match peers.client(&addr) {
+                Ok(mut client) => client.push_kv(outgoing).await.map_err(|s| s.message().to_string()),
+                Err(e) => Err(e),
+            };
+            match sent {
+                Ok(reply) => transfer.blocks_stored = reply.into_inner().blocks_stored,
+                Err(e) => {
+                    tracing::warn!("KV blocks for a handoff could not be sent to {addr}: {e}");
+                    transfer.error = format!("sending KV blocks to {addr}: {e}");
+                }
+            }
+            transfer.seconds = started.elapsed().as_secs_f64();
+            peers.engine.record_transfer(Transfer::Sent {
+                bytes: transfer.bytes_sent,
+                blocks: transfer.blocks_sent as u64,
+                seconds: transfer.seconds,
+                ok: transfer.error.is_empty(),
+            });
+            transfer
+        }
+    }
+}
+
 pub struct WorkerService {
     engine: EngineHandle,
     card: pb::ModelCard,
@@ -69,6 +161,7 @@ pub struct WorkerService {
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     /// The vision encoder, for a model that reads images.
     images: Option<Arc<dyn PlaceImages>>,
+    peers: Peers,
 }
 
 impl WorkerService {
@@ -80,7 +173,8 @@ impl WorkerService {
         ));
         let (_, closing) = tokio::sync::watch::channel(false);
         let next_id = AtomicU64::new(1);
-        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None, images: None }
+        let peers = Peers { clients: Arc::default(), kv_identity: card.kv_identity.clone(), engine: engine.clone() };
+        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None, images: None, peers }
     }
 
     /// The same, reading requests' images with `encoder`.
@@ -204,6 +298,8 @@ fn to_engine(
         tenant: r.tenant,
         weight: r.weight.max(1),
         priority: r.priority,
+        resume: r.resume_token_ids,
+        handoff: r.handoff.map(|h| Handoff { skip_blocks: h.skip_blocks as usize }),
     })
 }
 
@@ -227,6 +323,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         Some(FinishReason::Stop) => pb::FinishReason::Stop,
         Some(FinishReason::Length) => pb::FinishReason::Length,
         Some(FinishReason::Abort) => pb::FinishReason::Abort,
+        Some(FinishReason::Handoff) => pb::FinishReason::Handoff,
     };
     let prompt_logprobs = o
         .prompt_logprobs
@@ -246,6 +343,7 @@ fn to_proto(o: Output) -> pb::GenerateResponse {
         prompt_tokens: o.prompt_tokens as u32,
         cached_prompt_tokens: o.cached_prompt_tokens as u32,
         prompt_logprobs,
+        transfer: None,
     }
 }
 
@@ -257,6 +355,17 @@ pub struct OutputStream {
     live: LiveIds,
     client_id: String,
     log: RequestLog,
+    /// A prefill-only request's handoff: where its blocks go, then the blocks going.
+    handoff: Option<HandoffState>,
+    peers: Peers,
+}
+
+enum HandoffState {
+    /// The decode replica's address, until the first token comes with the blocks.
+    To(String),
+    /// The blocks on their way; the stream's last response says how it went.
+    Sending(Pin<Box<dyn std::future::Future<Output = pb::KvTransfer> + Send>>),
+    Sent,
 }
 
 /// What a request's log line says, gathered as its stream is read.
@@ -323,11 +432,31 @@ impl Stream for OutputStream {
     type Item = Result<pb::GenerateResponse, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(HandoffState::Sending(sending)) = &mut self.handoff {
+            let transfer = std::task::ready!(sending.as_mut().poll(cx));
+            self.handoff = Some(HandoffState::Sent);
+            let done = pb::GenerateResponse {
+                finish_reason: pb::FinishReason::Handoff as i32,
+                transfer: Some(transfer),
+                ..Default::default()
+            };
+            return Poll::Ready(Some(Ok(done)));
+        }
         let polled = self.rx.poll_recv(cx);
         if let Poll::Ready(Some(ev)) = &polled {
             self.log.saw(ev);
         }
-        polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(|e| Status::from(&*e))))
+        let Poll::Ready(Some(Ok(mut out))) = polled else {
+            return polled.map(|ev| ev.map(|ev| ev.map(to_proto).map_err(|e| Status::from(&*e))));
+        };
+        // The first token goes to the control plane at once; the handoff's end, once
+        // the blocks are across.
+        if let (Some(blocks), Some(HandoffState::To(addr))) = (out.handoff.take(), &self.handoff) {
+            let send = self.peers.send(addr.clone(), self.client_id.clone(), blocks);
+            self.handoff = Some(HandoffState::Sending(Box::pin(send)));
+            out.finish = None;
+        }
+        Poll::Ready(Some(Ok(to_proto(out))))
     }
 }
 
@@ -366,7 +495,15 @@ impl WorkerService {
             span,
             timeline: None,
         };
-        let stream = |rx| OutputStream { rx, live: self.live.clone(), client_id: client_id.clone(), log };
+        let handoff = r.handoff.as_ref().map(|h| HandoffState::To(h.decode_addr.clone()));
+        let stream = |rx| OutputStream {
+            rx,
+            live: self.live.clone(),
+            client_id: client_id.clone(),
+            log,
+            handoff,
+            peers: self.peers.clone(),
+        };
         let request = match to_engine(id, r, grammar, images) {
             Ok(request) => request,
             Err(e) => {
@@ -431,6 +568,54 @@ impl pb::worker_server::Worker for WorkerService {
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(pb::HealthResponse { ready: true }))
+    }
+
+    async fn push_kv(&self, req: Request<Streaming<pb::KvChunk>>) -> Result<Response<pb::KvPushReply>, Status> {
+        let refuse = |why: String| errors::status(Code::FailedPrecondition, ErrorKind::InvalidRequest, why);
+        let mut chunks = req.into_inner();
+        let first = chunks.message().await?.ok_or_else(|| refuse("a KV transfer without a header".into()))?;
+        let header = first.header.ok_or_else(|| refuse("a KV transfer's first message has no header".into()))?;
+        if header.version != KV_TRANSFER_VERSION {
+            return Err(refuse(format!(
+                "KV transfer format {} is not spoken here (version {KV_TRANSFER_VERSION})",
+                header.version
+            )));
+        }
+        if header.kv_identity != self.card.kv_identity {
+            return Err(refuse(format!(
+                "KV blocks of {} cannot be used by this replica of {}: other weights or layout",
+                header.kv_identity, self.card.model
+            )));
+        }
+        let mut reply = pb::KvPushReply::default();
+        let mut blocks = first.blocks;
+        loop {
+            if let Some(b) = blocks.iter().find(|b| b.data.len() as u64 != header.block_bytes) {
+                let why =
+                    format!("a KV block of {} bytes in a transfer of {}-byte blocks", b.data.len(), header.block_bytes);
+                return Err(errors::status(Code::InvalidArgument, ErrorKind::InvalidRequest, why));
+            }
+            if !blocks.is_empty() {
+                let bytes = blocks.iter().map(|b| b.data.len() as u64).sum();
+                let count = blocks.len() as u64;
+                // Stored before the next message is read: the sender waits on us.
+                let (stored, held) =
+                    self.engine.import_kv(blocks.into_iter().map(|b| (b.hash, b.data)).collect()).await.map_err(
+                        |e| match e {
+                            EngineError::Config(why) => refuse(why),
+                            e => Status::from(e),
+                        },
+                    )?;
+                self.engine.record_transfer(Transfer::Received { bytes, blocks: count });
+                reply.blocks_stored += stored as u32;
+                reply.blocks_held += held as u32;
+            }
+            match chunks.message().await? {
+                Some(next) => blocks = next.blocks,
+                None => break,
+            }
+        }
+        Ok(Response::new(reply))
     }
 
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {

@@ -57,6 +57,13 @@ pub const TIER_ONLOADED_BYTES: &str = "tessera:kv_tier_onloaded_bytes_total";
 /// Blocks dropped from the lowest tier for room, and disk reads or writes that failed.
 pub const TIER_DROPPED: &str = "tessera:kv_tier_dropped_blocks_total";
 pub const TIER_DISK_ERRORS: &str = "tessera:kv_tier_disk_errors_total";
+/// Disaggregated serving: KV bytes and blocks sent to decode replicas and received
+/// from prefill replicas (`direction`), handoffs by outcome (sent, failed), and how
+/// long each took from its first block to the receiver's reply.
+pub const TRANSFER_BYTES: &str = "tessera:kv_transfer_bytes_total";
+pub const TRANSFER_BLOCKS: &str = "tessera:kv_transfer_blocks_total";
+pub const TRANSFERS: &str = "tessera:kv_transfers_total";
+pub const TRANSFER_SECONDS: &str = "tessera:kv_transfer_seconds";
 /// Gauges not set for this long leave the exposition; the engine's own are set every
 /// report interval, so only tenants' series fall out of the top go.
 const TENANT_SERIES_EXPIRE: std::time::Duration = std::time::Duration::from_secs(60);
@@ -105,6 +112,10 @@ pub fn describe() {
     describe_counter!(TIER_ONLOADED_BYTES, Unit::Bytes, "Bytes of KV blocks copied back from the second tier.");
     describe_counter!(TIER_DROPPED, "KV blocks dropped from the lowest tier for room.");
     describe_counter!(TIER_DISK_ERRORS, "Disk-tier reads and writes that failed (the block is computed again).");
+    describe_counter!(TRANSFER_BYTES, Unit::Bytes, "KV bytes moved between replicas, by direction (sent, received).");
+    describe_counter!(TRANSFER_BLOCKS, "KV blocks moved between replicas, by direction.");
+    describe_counter!(TRANSFERS, "Handoffs to decode replicas, by outcome (sent, failed).");
+    describe_histogram!(TRANSFER_SECONDS, Unit::Seconds, "A handoff's KV transfer, from its first block to the reply.");
     describe_histogram!(TTFT, Unit::Seconds, "From arrival to the first generated token.");
     describe_histogram!(ITL, Unit::Seconds, "Between consecutive tokens of a request.");
     describe_histogram!(E2E, Unit::Seconds, "From arrival to the last token.");

@@ -22,6 +22,7 @@ use tessera_kernels::Backend;
 use tessera_kernels::collective::ThreadGroup;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_proto::block_hash::BLOCK_TOKENS;
+use tessera_proto::cluster::Role;
 use tessera_proto::worker as pb;
 use tokio::net::TcpListener;
 
@@ -81,6 +82,11 @@ pub struct ServeConfig {
     pub contended_batch: Option<usize>,
     #[command(flatten)]
     pub kv_tier: KvTierArgs,
+    /// Disaggregated serving: `prefill` computes prompts and hands each request, with
+    /// its KV blocks, to a decode replica; `decode` takes them (and whole requests when
+    /// no prefill replica can); `none` does both, as a replica does by default.
+    #[arg(long, default_value = "none")]
+    pub disaggregation_mode: Role,
     /// Memory for image features kept after encoding, so that a repeated image (and
     /// requests in flight with the same one) is encoded once; a vision model's only.
     #[arg(long, default_value_t = 256)]
@@ -251,6 +257,31 @@ fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>
     )
 }
 
+/// What the bytes of a KV block depend on, as replicas exchanging blocks compare it
+/// (`ModelCard::kv_identity`): the disk tier's identity without the files' times and
+/// the backend, since another node's copy of the weights, or a GPU's block copied to
+/// the host, has the same bytes. Hex SHA-256.
+fn transfer_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
+    use sha2::{Digest, Sha256};
+    let mut files: Vec<String> = match std::fs::read_dir(path) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok())
+            .map(|e| format!("{}:{}", e.file_name().to_string_lossy(), e.metadata().map_or(0, |m| m.len())))
+            .collect(),
+        Err(_) => vec![std::fs::metadata(path).map_or(0, |m| m.len()).to_string()],
+    };
+    files.sort();
+    let c = &rank0.config;
+    let text = format!(
+        "{model}|{}|kv {} bytes|{} layers × {}|{BLOCK_TOKENS}-token blocks|{ranks} ranks",
+        files.join(","),
+        rank0.backend().kv_element_bytes(),
+        c.num_layers,
+        c.kv_width(),
+    );
+    Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn file_identity(path: &std::path::Path) -> String {
     let meta = std::fs::metadata(path).ok();
     let modified =
@@ -316,8 +347,17 @@ fn build<B: Backend + 'static>(
             "cpu" => CPU_CONTENDED_BATCH,
             _ => config.max_num_seqs,
         }),
-        kv_tiers: config.kv_tier.config(kv_identity(path, &config.model, rank0, ranks.len())),
+        kv_tiers: TierConfig {
+            // Blocks from prefill replicas arrive in the host tier: a decode replica has
+            // one, by default as large as its device cache.
+            host_bytes: match (config.disaggregation_mode, config.kv_tier.kv_offload_bytes) {
+                (Role::Decode, 0) => num_blocks as u64 * block_bytes,
+                (_, bytes) => bytes,
+            },
+            ..config.kv_tier.config(kv_identity(path, &config.model, rank0, ranks.len()))
+        },
     };
+    let kv_identity = transfer_identity(path, &config.model, rank0, ranks.len());
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;
         match draft {
@@ -349,6 +389,8 @@ fn build<B: Backend + 'static>(
         kv_block_size: BLOCK_TOKENS as u32,
         vocab_size: c.vocab_size as u32,
         vision: encoder.as_ref().map(|e| e.card.clone()),
+        role: config.disaggregation_mode.proto() as i32,
+        kv_identity,
     };
     let recorder = match config.no_metrics {
         true => None,

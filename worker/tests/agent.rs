@@ -93,6 +93,7 @@ async fn assign(client: &mut Client, node: &str, replica: &str) {
         leader_revision: 1,
         // Replicas speculate as their assignment says (outputs do not change).
         speculative: Some(SpecConfig { method: SpecMethod::Ngram, max_tokens: 4, draft: None }),
+        role: Default::default(),
     };
     client.put(cluster::assignment_key(node, replica), cluster::encode(&a), None).await.unwrap();
 }
@@ -230,6 +231,7 @@ async fn a_gpu_node_offers_its_gpus_and_serves_on_the_one_assigned() {
         devices: vec![gpu],
         leader_revision: 1,
         speculative: None,
+        role: Default::default(),
     };
     etcd.put(cluster::assignment_key("g1", "g1-r1"), cluster::encode(&a), None).await.unwrap();
     let started = until(&mut etcd, cluster::REPLICAS, |kvs| {

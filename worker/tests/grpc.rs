@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{request, serve_config, serve_in_process};
+use common::{request, serve_config, serve_in_process, serve_in_process_at};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 use tessera_proto::worker::worker_client::WorkerClient;
@@ -108,6 +108,106 @@ async fn blocks_evicted_to_the_second_tier_are_reported_where_they_went() {
     let host: BTreeSet<u64> = places.iter().filter(|(_, p)| **p == "host").map(|(h, _)| *h).collect();
     assert_eq!(snapshot.host_block_hashes.iter().copied().collect::<BTreeSet<_>>(), host);
     assert!(snapshot.stored_block_hashes.iter().all(|h| places.get(h) == Some(&"device")));
+}
+
+/// Reads a prefill replica's stream: its first token (and text), then the handoff's
+/// report.
+async fn prefill(mut client: WorkerClient<Channel>, req: pb::GenerateRequest) -> (Vec<u32>, String, pb::KvTransfer) {
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.finish_reason, pb::FinishReason::Unspecified as i32, "the first token comes at once: {first:?}");
+    let done = stream.message().await.unwrap().unwrap();
+    assert_eq!(done.finish_reason, pb::FinishReason::Handoff as i32);
+    assert!(done.tokens.is_empty() && done.text.is_empty());
+    assert!(stream.message().await.unwrap().is_none(), "the handoff ends the stream");
+    (first.tokens.iter().map(|t| t.token_id).collect(), first.text, done.transfer.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_replica_hands_its_blocks_to_a_decode_replica_which_goes_on_as_one_replica_would() {
+    use tessera_proto::cluster::Role;
+    let block = 2 * 30 * 16 * 192 * 2;
+    let role =
+        |disaggregation_mode| tessera_worker::serve::ServeConfig { disaggregation_mode, ..serve_config(64 * block) };
+    let (p, _) = serve_in_process_at(role(Role::Prefill)).await;
+    let (d, d_addr) = serve_in_process_at(role(Role::Decode)).await;
+    let card = p.clone().get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner();
+    assert_eq!(card.role(), pb::ServingRole::Prefill);
+    assert_eq!(card.kv_identity.len(), 64);
+    assert_eq!(
+        d.clone().get_model_card(pb::ModelCardRequest {}).await.unwrap().into_inner().kv_identity,
+        card.kv_identity
+    );
+
+    // 100 tokens: 6 full blocks go across; sampled with a seed, held to a stop string.
+    let prompt: Vec<u32> = (0..100).map(|i| 2000 + i * 7).collect();
+    let sampling = pb::SamplingParams { temperature: 0.9, seed: Some(7), ..Default::default() };
+    let whole = pb::GenerateRequest {
+        sampling: Some(sampling),
+        stop: vec!["zzzz".into()],
+        ..request("whole", prompt.clone(), 12)
+    };
+    let handoff = pb::KvHandoff { decode_addr: d_addr.clone(), skip_blocks: 0 };
+    let first_half = pb::GenerateRequest { request_id: "p".into(), handoff: Some(handoff), ..whole.clone() };
+    let (first, first_text, transfer) = prefill(p.clone(), first_half.clone()).await;
+    assert_eq!(first.len(), 1);
+    assert_eq!((transfer.blocks_sent, transfer.blocks_stored, transfer.error.as_str()), (6, 6, ""));
+    assert_eq!(transfer.bytes_sent, 6 * block);
+
+    // The decode replica goes on from the first token, the prompt's blocks found here.
+    let second_half = pb::GenerateRequest { request_id: "d".into(), resume_token_ids: first.clone(), ..whole.clone() };
+    let mut stream = d.clone().generate(second_half).await.unwrap().into_inner();
+    let mut rest = Vec::new();
+    let mut text = first_text;
+    let mut cached = None;
+    while let Some(r) = stream.message().await.unwrap() {
+        cached.get_or_insert(r.cached_prompt_tokens);
+        rest.extend(r.tokens.iter().map(|t| t.token_id));
+        text.push_str(&r.text);
+    }
+    assert_eq!(cached, Some(96), "six blocks came from the prefill replica");
+    assert_eq!(rest.len(), 11, "max_tokens counts the resumed token");
+    // As one replica serves it whole (the seed's draws line up).
+    let (tokens, whole_text, _) = collect(p.clone(), whole).await;
+    assert_eq!([first, rest].concat(), tokens);
+    assert_eq!(text, whole_text);
+
+    // A second handoff of the same prompt sends only what the decode replica lacks.
+    let skip = pb::KvHandoff { decode_addr: d_addr.clone(), skip_blocks: 4 };
+    let again = pb::GenerateRequest { request_id: "p2".into(), handoff: Some(skip), ..first_half.clone() };
+    let (_, _, transfer) = prefill(p.clone(), again).await;
+    assert_eq!((transfer.blocks_sent, transfer.blocks_stored), (2, 0), "{transfer:?}");
+
+    // A decode replica that cannot be reached: the first token still comes, and the
+    // report says what failed.
+    let gone = pb::KvHandoff { decode_addr: "127.0.0.1:1".into(), skip_blocks: 0 };
+    let lost = pb::GenerateRequest { request_id: "p3".into(), handoff: Some(gone), ..first_half.clone() };
+    let (tokens, _, transfer) = prefill(p.clone(), lost).await;
+    assert_eq!(tokens.len(), 1);
+    assert!(transfer.error.contains("127.0.0.1:1"), "{transfer:?}");
+
+    // Blocks of other weights, another format, or for a replica without a tier to keep
+    // them in, are refused.
+    let chunk = |version, kv_identity: &str| pb::KvChunk {
+        header: Some(pb::KvTransferHeader {
+            version,
+            kv_identity: kv_identity.into(),
+            block_bytes: 4,
+            request_id: "x".into(),
+        }),
+        blocks: vec![pb::KvBlock { hash: 1, data: vec![0; 4] }],
+    };
+    for (to, c) in [
+        (d.clone(), chunk(1, "other")),
+        (d.clone(), chunk(2, &card.kv_identity)),
+        (p.clone(), chunk(1, &card.kv_identity)),
+    ] {
+        let refused = to.clone().push_kv(tokio_stream::iter([c])).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    }
+    // A resumed request is refused where it cannot be one.
+    let bad = pb::GenerateRequest { request_id: "b".into(), resume_token_ids: vec![1; 12], ..request("b", prompt, 12) };
+    assert_eq!(d.clone().generate(bad).await.unwrap_err().code(), tonic::Code::InvalidArgument);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,8 +4,10 @@
 
 use super::error::ApiError;
 use crate::billing::Meter;
-use crate::router::Pool;
+use crate::router::{Dispatch, Pool, Stage};
 use crate::status::Probe;
+use std::sync::Arc;
+use tessera_proto::block_hash::BlockHash;
 use tessera_proto::errors;
 use tessera_proto::worker::ErrorKind;
 use tessera_proto::worker::{self as pb};
@@ -45,6 +47,28 @@ pub struct Output {
     slot: usize,
     /// Its measurements for GET /status.
     probe: Probe,
+    /// Served disaggregated and still on its prefill replica: how it goes on.
+    decode: Option<Decode>,
+    /// Handed over: the prompt's figures from the prefill replica.
+    prompt_as_computed: Option<(u32, u32)>,
+}
+
+/// A disaggregated request's second half: the decode replica chosen for it with the
+/// prefill, and what it needs to go on there.
+struct Decode {
+    pool: Arc<Pool>,
+    /// The request as sent to the prefill replica, its handoff taken out.
+    request: pb::GenerateRequest,
+    blocks: Vec<BlockHash>,
+    /// The decode replica the prefill replica sends the blocks to (counted in its load
+    /// until it answers).
+    chosen: Option<Dispatch>,
+    /// Tokens the prefill replica generated (its first).
+    generated: Vec<u32>,
+    /// The prompt's figures as the prefill replica computed it: the bill's, whatever
+    /// the decode replica found in its cache (the blocks it was sent).
+    prompt_tokens: u32,
+    cached_prompt_tokens: u32,
 }
 
 /// Most replicas one request tries before it answers 503.
@@ -57,7 +81,7 @@ const ATTEMPTS: usize = 3;
 /// failure ends the request with what it generated (`Output::next`). `probe` measures
 /// the generation, and counts its failure if it fails on our side.
 pub async fn start(
-    pool: &Pool,
+    pool: &Arc<Pool>,
     g: Generation,
     meter: &Meter,
     slot: usize,
@@ -65,9 +89,9 @@ pub async fn start(
 ) -> Result<Output, ApiError> {
     probe.prompt(g.prompt.len());
     match first_delta(pool, g, meter, slot).await {
-        Ok((stream, first)) => {
+        Ok(Started { stream, first, decode }) => {
             probe.first_token(first.as_ref().map_or(0, |f| f.tokens.len()));
-            Ok(Output { stream, first, meter: meter.clone(), slot, probe })
+            Ok(Output { stream, first, meter: meter.clone(), slot, probe, decode, prompt_as_computed: None })
         }
         Err(e) => {
             if e.status().is_server_error() {
@@ -78,10 +102,16 @@ pub async fn start(
     }
 }
 
-type Started = (Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>);
+struct Started {
+    stream: Streaming<pb::GenerateResponse>,
+    first: Option<pb::GenerateResponse>,
+    decode: Option<Decode>,
+}
 
-/// Sends the generation to replicas until one returns its first delta.
-async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> Result<Started, ApiError> {
+/// Sends the generation to replicas until one returns its first delta: disaggregated
+/// when the pool has prefill and decode replicas and the request allows it (one
+/// completion, no prompt scores), else (or if no prefill replica can start it) whole.
+async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize) -> Result<Started, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
         prompt_token_ids: g.prompt,
@@ -105,11 +135,60 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
     };
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);
     let request_id = meter.request_id();
-    let mut tried = Vec::new();
-    while tried.len() < ATTEMPTS {
-        let Some(dispatch) = pool.choose(&blocks, &tried) else { break };
+    let params = (grammar_param, g.prompt_param);
+    let disaggregable = request.n <= 1 && request.prompt_logprobs.is_none() && request.max_tokens > 1;
+    if disaggregable
+        && pool.disaggregated()
+        && let Some(chosen) = pool.choose_stage(Stage::Decode, &blocks, &[])
+    {
+        let handoff = pb::KvHandoff {
+            decode_addr: chosen.replica().addr.clone(),
+            skip_blocks: pool.held_by(chosen.id(), &blocks) as u32,
+        };
+        let prefill = pb::GenerateRequest { handoff: Some(handoff), ..request.clone() };
+        let tried = Vec::new();
+        match attempts(pool, Stage::Prefill, &prefill, &blocks, meter, slot, tried, params, &request_id).await? {
+            Some((stream, first)) => {
+                let decode = Decode {
+                    pool: pool.clone(),
+                    request,
+                    blocks,
+                    chosen: Some(chosen),
+                    generated: Vec::new(),
+                    prompt_tokens: 0,
+                    cached_prompt_tokens: 0,
+                };
+                return Ok(Started { stream, first, decode: Some(decode) });
+            }
+            None => tracing::warn!(request_id, "no prefill replica could start the request; serving it whole"),
+        }
+    }
+    let tried = Vec::new();
+    match attempts(pool, Stage::Whole, &request, &blocks, meter, slot, tried, params, &request_id).await? {
+        Some((stream, first)) => Ok(Started { stream, first, decode: None }),
+        None => Err(ApiError::Overloaded),
+    }
+}
+
+/// Sends `request` to replicas of `stage` (`ATTEMPTS` at most, none in `tried`) until
+/// one returns its first delta; None when none could.
+#[allow(clippy::too_many_arguments)]
+async fn attempts(
+    pool: &Pool,
+    stage: Stage,
+    request: &pb::GenerateRequest,
+    blocks: &[BlockHash],
+    meter: &Meter,
+    slot: usize,
+    mut tried: Vec<String>,
+    (grammar_param, prompt_param): (&str, &'static str),
+    request_id: &str,
+) -> Result<Option<(Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>)>, ApiError> {
+    let first_attempt = tried.len();
+    while tried.len() - first_attempt < ATTEMPTS {
+        let Some(dispatch) = pool.choose_stage(stage, blocks, &tried) else { break };
         let id = dispatch.id().to_string();
-        let attempt_id = attempt_id(&request_id, slot, tried.len() + 1);
+        let attempt_id = attempt_id(request_id, slot, tried.len() + 1, stage);
         let mut attempt =
             tonic::Request::new(pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() });
         // The worker's span for it joins this request's trace.
@@ -128,7 +207,7 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
         match first {
             Ok(started) => {
                 meter.started(slot);
-                return Ok(started);
+                return Ok(Some(started));
             }
             Err(s) if retry_elsewhere(s.code()) => {
                 tracing::warn!(attempt = %attempt_id, "replica {id} failed before the first token ({s}); trying another");
@@ -137,20 +216,24 @@ async fn first_delta(pool: &Pool, g: Generation, meter: &Meter, slot: usize) -> 
                 }
                 tried.push(id);
             }
-            Err(s) => return Err(worker_error(s, grammar_param, g.prompt_param)),
+            Err(s) => return Err(worker_error(s, grammar_param, prompt_param)),
         }
     }
-    Err(ApiError::Overloaded)
+    Ok(None)
 }
 
 /// The id a worker knows one attempt of a request's generation by: the request's own
 /// (its ids are random, so control planes sharing a worker never collide), with the
-/// prompt's place when a request has several (`-p1`) and the attempt's number from the
-/// second (`-a2`), so that every worker line of a request is found by its id.
-fn attempt_id(request_id: &str, slot: usize, attempt: usize) -> String {
+/// prompt's place when a request has several (`-p1`), its decode half's mark when it
+/// was handed over (`-d`) and the attempt's number from the second (`-a2`), so that
+/// every worker line of a request is found by its id.
+fn attempt_id(request_id: &str, slot: usize, attempt: usize, stage: Stage) -> String {
     let mut id = request_id.to_string();
     if slot > 0 {
         id.push_str(&format!("-p{slot}"));
+    }
+    if stage == Stage::Decode {
+        id.push_str("-d");
     }
     if attempt > 1 {
         id.push_str(&format!("-a{attempt}"));
@@ -175,28 +258,151 @@ impl Output {
     }
 
     /// The next message of the worker's stream, or None at its end. (Endpoints read
-    /// it as `stream::Events`.)
+    /// it as `stream::Events`.) A disaggregated request's handoff is followed here: its
+    /// stream goes on from the decode replica, the way one replica's would.
     pub(super) async fn next(&mut self) -> Result<Option<pb::GenerateResponse>, ApiError> {
-        let r = match self.first.take() {
-            Some(first) => Some(first),
-            None => {
-                let r = self.stream.message().await.map_err(|s| worker_error(s, "", ""));
-                if let Ok(Some(r)) = &r {
-                    self.probe.delta(r.tokens.len());
+        loop {
+            // (The first delta was measured when it came.)
+            let (r, measured) = match self.first.take() {
+                Some(first) => (Ok(Some(first)), true),
+                None => (self.stream.message().await, false),
+            };
+            let r = match (r, &self.decode) {
+                // The prefill replica failed, or its stream ended, after its first token
+                // and before its handoff: the decode side computes what it lacks.
+                (Err(_) | Ok(None), Some(d)) if !d.generated.is_empty() => {
+                    tracing::warn!("the prefill replica was lost before its handoff; decoding goes on without its KV");
+                    self.hand_over().await?;
+                    continue;
                 }
-                r.inspect_err(|_| self.probe.failed())?
+                (r, _) => r.map_err(|s| worker_error(s, "", "")).inspect_err(|_| self.probe.failed())?,
+            };
+            let Some(mut r) = r else { return Ok(None) };
+            if r.finish_reason == pb::FinishReason::Handoff as i32 && self.decode.is_some() {
+                if let Some(t) = r.transfer.as_ref().filter(|t| !t.error.is_empty()) {
+                    tracing::warn!(
+                        "a handoff's KV transfer failed ({}); the decode replica computes the prompt",
+                        t.error
+                    );
+                }
+                self.hand_over().await?;
+                continue;
             }
-        };
-        if let Some(r) = &r {
+            match &mut self.decode {
+                Some(_) => self.prefilled(&r),
+                // After a handoff, the prompt is billed as the prefill replica computed it.
+                None => {
+                    if let Some((prompt, cached)) = self.prompt_as_computed {
+                        r.prompt_tokens = prompt;
+                        r.cached_prompt_tokens = cached;
+                    }
+                }
+            }
+            if !measured {
+                self.probe.delta(r.tokens.len());
+            }
             self.meter.record(self.slot, r.cached_prompt_tokens, r.tokens.len());
+            if r.finish_reason == pb::FinishReason::Abort as i32 {
+                self.probe.failed();
+                return Err(ApiError::Overloaded);
+            }
+            return Ok(Some(r));
         }
-        if let Some(r) = &r
-            && r.finish_reason == pb::FinishReason::Abort as i32
-        {
-            self.probe.failed();
-            return Err(ApiError::Overloaded);
+    }
+
+    /// Notes what the prefill replica sent: its tokens, and its prompt's figures.
+    fn prefilled(&mut self, r: &pb::GenerateResponse) {
+        if let Some(d) = &mut self.decode {
+            d.generated.extend(r.tokens.iter().map(|t| t.token_id));
+            d.prompt_tokens = r.prompt_tokens;
+            d.cached_prompt_tokens = r.cached_prompt_tokens;
+            if r.finish_reason != pb::FinishReason::Unspecified as i32 {
+                // It finished there (an end token first): nothing to hand over.
+                self.decode = None;
+            }
         }
-        Ok(r)
+    }
+
+    /// Goes on with a handed-over request on its decode replica: the one chosen with
+    /// the prefill (which holds its blocks), else another decode replica, else any
+    /// replica (each computes what it lacks). Once one answers, its stream is this
+    /// output's; if none can, the request ends with what it generated.
+    async fn hand_over(&mut self) -> Result<(), ApiError> {
+        let Some(mut d) = self.decode.take() else { return Ok(()) };
+        self.prompt_as_computed = Some((d.prompt_tokens, d.cached_prompt_tokens));
+        let request = pb::GenerateRequest { resume_token_ids: d.generated.clone(), handoff: None, ..d.request.clone() };
+        let request_id = self.meter.request_id();
+        let mut tried = Vec::new();
+        if let Some(chosen) = d.chosen.take() {
+            let attempt_id = attempt_id(&request_id, self.slot, 1, Stage::Decode);
+            let mut attempt = tonic::Request::new(pb::GenerateRequest { request_id: attempt_id, ..request.clone() });
+            tessera_worker::telemetry::inject(&tracing::Span::current(), attempt.metadata_mut());
+            match start_on(&chosen, attempt).await {
+                Ok(started) => {
+                    self.continue_with(started);
+                    return Ok(());
+                }
+                Err(s) if retry_elsewhere(s.code()) => {
+                    tracing::warn!(
+                        "decode replica {} failed before its first token ({s}); trying another",
+                        chosen.id()
+                    );
+                    if s.code() != Code::ResourceExhausted {
+                        d.pool.broken(chosen.id());
+                    }
+                    tried.push(chosen.id().to_string());
+                }
+                Err(s) => return Err(self.failed_on(s)),
+            }
+        }
+        for stage in [Stage::Decode, Stage::Whole] {
+            let found = attempts(
+                &d.pool,
+                stage,
+                &request,
+                &d.blocks,
+                &self.meter,
+                self.slot,
+                tried.clone(),
+                ("", ""),
+                &request_id,
+            )
+            .await
+            .inspect_err(|_| self.probe.failed())?;
+            if let Some(started) = found {
+                self.continue_with(started);
+                return Ok(());
+            }
+        }
+        self.probe.failed();
+        Err(ApiError::Overloaded)
+    }
+
+    fn continue_with(&mut self, (stream, first): (Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>)) {
+        if let Some(f) = &first {
+            self.probe.delta(f.tokens.len());
+        }
+        self.stream = stream;
+        self.first = first;
+    }
+
+    fn failed_on(&mut self, s: Status) -> ApiError {
+        self.probe.failed();
+        worker_error(s, "", "")
+    }
+}
+
+/// Starts a generation on a chosen replica and reads its first delta.
+async fn start_on(
+    dispatch: &Dispatch,
+    attempt: tonic::Request<pb::GenerateRequest>,
+) -> Result<(Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>), Status> {
+    let mut stream = dispatch.replica().client.clone().generate(attempt).await?.into_inner();
+    match stream.message().await? {
+        Some(first) if aborted_before_output(&first) => {
+            Err(Status::aborted("the worker aborted the request before its first token"))
+        }
+        first => Ok((stream, first)),
     }
 }
 
@@ -232,10 +438,11 @@ mod tests {
 
     #[test]
     fn each_attempt_is_known_by_the_request_id() {
-        assert_eq!(attempt_id("req_1", 0, 1), "req_1");
-        assert_eq!(attempt_id("req_1", 0, 2), "req_1-a2");
-        assert_eq!(attempt_id("req_1", 2, 1), "req_1-p2");
-        assert_eq!(attempt_id("req_1", 1, 3), "req_1-p1-a3");
+        assert_eq!(attempt_id("req_1", 0, 1, Stage::Whole), "req_1");
+        assert_eq!(attempt_id("req_1", 0, 2, Stage::Prefill), "req_1-a2");
+        assert_eq!(attempt_id("req_1", 2, 1, Stage::Whole), "req_1-p2");
+        assert_eq!(attempt_id("req_1", 1, 3, Stage::Whole), "req_1-p1-a3");
+        assert_eq!(attempt_id("req_1", 0, 2, Stage::Decode), "req_1-d-a2");
     }
 
     #[test]

@@ -33,7 +33,8 @@ impl FinishReason {
         match pb::FinishReason::try_from(code).ok()? {
             pb::FinishReason::Stop => Some(Self::Stop),
             pb::FinishReason::Length => Some(Self::Length),
-            pb::FinishReason::Abort | pb::FinishReason::Unspecified => None,
+            // A handoff goes on at the decode replica (`Output::next` follows it).
+            pb::FinishReason::Abort | pb::FinishReason::Handoff | pb::FinishReason::Unspecified => None,
         }
     }
 }

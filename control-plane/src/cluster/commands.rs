@@ -115,19 +115,26 @@ pub async fn deployments(cmd: DeploymentsCommand) -> Result<()> {
                         .iter()
                         .filter(|r| r.model == d.model && r.state == cluster::ReplicaState::Ready)
                         .count();
-                    format!("{}  {ready}/{} ready  tp {}", d.model, d.replicas, d.tensor_parallel)
+                    let pools = match (d.prefill_replicas, d.decode_replicas) {
+                        (0, 0) => String::new(),
+                        (p, dec) => format!("  prefill {p}  decode {dec}"),
+                    };
+                    let wanted = d.replicas + d.prefill_replicas + d.decode_replicas;
+                    format!("{}  {ready}/{wanted} ready  tp {}{pools}", d.model, d.tensor_parallel)
                 })
                 .collect::<Vec<_>>()
                 .join("\n");
             print(json, json!(state.deployments), human);
         }
-        DeploymentsCommand::Scale { model, replicas, etcd, json } => {
+        DeploymentsCommand::Scale { model, replicas, prefill, decode, etcd, json } => {
             let mut c = connect(&etcd).await?;
             let key = cluster::deployment_key(&model);
             let found = c.get(key.clone(), None).await?;
             let kv = found.kvs().first().with_context(|| format!("no deployment of {model}"))?;
             let mut d: Deployment = cluster::decode(kv.value())?;
             d.replicas = replicas;
+            d.prefill_replicas = prefill.unwrap_or(d.prefill_replicas);
+            d.decode_replicas = decode.unwrap_or(d.decode_replicas);
             // Only over the version read: a concurrent change is not undone.
             let unchanged = Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision());
             let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(key, cluster::encode(&d), None)]);

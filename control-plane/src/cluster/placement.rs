@@ -21,7 +21,9 @@
 //!   removed (the most recently placed first).
 
 use std::collections::{BTreeMap, BTreeSet};
-use tessera_proto::cluster::{Assignment, Deployment, DeviceKind, NodeRecord, NodeState, ReplicaRecord, ReplicaState};
+use tessera_proto::cluster::{
+    Assignment, Deployment, DeviceKind, NodeRecord, NodeState, ReplicaRecord, ReplicaState, Role,
+};
 
 /// A live node and what operators said about it.
 #[derive(Debug, Clone)]
@@ -127,11 +129,15 @@ pub fn plan(
         }
     }
 
-    for d in &state.deployments {
-        let current = by_model.get(d.model.as_str()).cloned().unwrap_or_default();
+    for (d, role) in state.deployments.iter().flat_map(|d| Role::ALL.map(|role| (d, role))) {
+        // Each role's replicas are counted and replaced on their own.
+        let current: Vec<&Assignment> = by_model
+            .get(d.model.as_str())
+            .map(|list| list.iter().copied().filter(|a| a.role == role).collect())
+            .unwrap_or_default();
         let (staying, leaving): (Vec<&Assignment>, Vec<&Assignment>) =
             current.into_iter().partition(|a| nodes.get(a.node.as_str()).is_none_or(|n| !n.leaving()));
-        let want = d.replicas as usize;
+        let want = d.wanted(role) as usize;
         // Too many where they may stay: the latest placed go first.
         if staying.len() > want {
             let mut extra = staying.clone();
@@ -170,6 +176,7 @@ pub fn plan(
                         leader_revision,
                         // The leader stamps the catalog's setting.
                         speculative: None,
+                        role,
                     });
                 }
                 None => {
@@ -239,7 +246,14 @@ mod tests {
     }
 
     fn deployment(model: &str, replicas: u32, tp: u32) -> Deployment {
-        Deployment { model: model.into(), replicas, tensor_parallel: tp, constraints: Constraints::default() }
+        Deployment {
+            model: model.into(),
+            replicas,
+            tensor_parallel: tp,
+            constraints: Constraints::default(),
+            prefill_replicas: 0,
+            decode_replicas: 0,
+        }
     }
 
     /// Nodes a and b of one device each, and one replica of model m placed on one of them.
@@ -423,6 +437,34 @@ mod tests {
         apply(&mut s, &p);
         assert_eq!(s.assignments.len(), 1);
         assert!(run(&s).is_empty());
+    }
+
+    #[test]
+    fn prefill_and_decode_pools_are_placed_and_scaled_each_on_its_own() {
+        let pools = |prefill, decode| Deployment {
+            prefill_replicas: prefill,
+            decode_replicas: decode,
+            ..deployment("m", 0, 1)
+        };
+        let mut s = ClusterState { nodes: vec![node("a", 4)], deployments: vec![pools(1, 2)], ..Default::default() };
+        let p = run(&s);
+        let roles = |s: &ClusterState| {
+            let mut r: Vec<Role> = s.assignments.iter().map(|a| a.role).collect();
+            r.sort();
+            r
+        };
+        apply(&mut s, &p);
+        assert_eq!(roles(&s), [Role::Prefill, Role::Decode, Role::Decode]);
+        assert!(run(&s).is_empty());
+        // One decode replica fewer: only a decode replica goes; one aggregated more.
+        s.deployments = vec![Deployment { replicas: 1, ..pools(1, 1) }];
+        let p = run(&s);
+        assert_eq!(p.remove.len(), 1);
+        let removed = s.assignments.iter().find(|a| a.replica == p.remove[0].1).unwrap();
+        assert_eq!(removed.role, Role::Decode);
+        assert_eq!(p.add.iter().map(|a| a.role).collect::<Vec<_>>(), [Role::None]);
+        apply(&mut s, &p);
+        assert_eq!(roles(&s), [Role::None, Role::Prefill, Role::Decode]);
     }
 
     #[test]

@@ -7,7 +7,7 @@ pub mod choice;
 pub mod pool;
 pub mod replica;
 
-pub use pool::{Dispatch, Pool, PoolError};
+pub use pool::{Dispatch, Pool, PoolError, Stage};
 pub use replica::{Replica, ReplicaError};
 
 use crate::catalog::{Catalog, CatalogModel};

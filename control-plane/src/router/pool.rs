@@ -40,6 +40,8 @@ pub struct Pool {
 
 struct Member {
     id: String,
+    /// Its part in disaggregated serving, as its card says.
+    role: pb::ServingRole,
     replica: Arc<Replica>,
     load: Mutex<Load>,
     follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -61,6 +63,17 @@ impl Drop for Member {
             f.abort();
         }
     }
+}
+
+/// Which part of a request a replica is chosen for (`Pool::choose_stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Prefill and decode.
+    Whole,
+    /// The prompt and first token, handed over to a decode replica.
+    Prefill,
+    /// The rest, after a prefill replica's handoff.
+    Decode,
 }
 
 /// A request sent to a replica, counted in its load until the worker answers (the
@@ -109,8 +122,9 @@ impl Pool {
         if card.model != self.model {
             return Err(PoolError::Model { id: id.into(), got: card.model.clone(), want: self.model.clone() });
         }
+        let role = card.role();
         let member =
-            Arc::new(Member { id: id.to_string(), replica, load: Mutex::default(), follower: Mutex::default() });
+            Arc::new(Member { id: id.to_string(), role, replica, load: Mutex::default(), follower: Mutex::default() });
         // Spawned once the member exists, so that the follower's first look finds it.
         let follower = tokio::spawn(follow_load(Arc::downgrade(&member), self.index.clone()));
         *member.follower.lock().unwrap_or_else(|e| e.into_inner()) = Some(follower);
@@ -133,16 +147,60 @@ impl Pool {
         self.hasher.hash_prompt(prompt, images)
     }
 
-    /// The replica for a prompt of these `blocks`, counted in its load while the dispatch
-    /// lives; None when every routable replica is saturated or none is routable (the
-    /// caller answers 503).
+    /// The replica for a whole request (prefill and decode) of these `blocks`, counted
+    /// in its load while the dispatch lives; None when every routable replica is
+    /// saturated or none is routable (the caller answers 503). Aggregated replicas take
+    /// whole requests; without one, any replica does.
     pub fn choose(&self, blocks: &[BlockHash], except: &[String]) -> Option<Dispatch> {
+        self.choose_stage(Stage::Whole, blocks, except)
+    }
+
+    /// Whether requests can be served disaggregated: the pool has a prefill replica and
+    /// a decode replica, routable.
+    pub fn disaggregated(&self) -> bool {
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
+        let routable =
+            |role| members.values().any(|m| m.role == role && !m.load.lock().unwrap_or_else(|e| e.into_inner()).broken);
+        routable(pb::ServingRole::Prefill) && routable(pb::ServingRole::Decode)
+    }
+
+    /// Leading blocks of a prompt replica `id` holds, on its device or in its tier.
+    pub fn held_by(&self, id: &str, blocks: &[BlockHash]) -> usize {
+        let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        index.matched(blocks).get(id).map_or(0, |m| m.device + m.tier)
+    }
+
+    /// The replica for one stage of a request: as `choose`, among the replicas of the
+    /// stage's role (a whole request goes to an aggregated replica, else a decode
+    /// replica, else a prefill replica).
+    pub fn choose_stage(&self, stage: Stage, blocks: &[BlockHash], except: &[String]) -> Option<Dispatch> {
+        use pb::ServingRole::{Aggregated, Decode, Prefill};
+        match stage {
+            Stage::Prefill => self.choose_among(&[Prefill], blocks, except, true),
+            Stage::Decode => self.choose_among(&[Decode], blocks, except, true),
+            // Without aggregated replicas, decode replicas take whole requests (prefill
+            // replicas stay free for prompts) and prefill replicas only when no decode
+            // replica can.
+            Stage::Whole => self
+                .choose_among(&[Aggregated], blocks, except, false)
+                .or_else(|| self.choose_among(&[Decode], blocks, except, false))
+                .or_else(|| self.choose_among(&[Prefill], blocks, except, true)),
+        }
+    }
+
+    fn choose_among(
+        &self,
+        roles: &[pb::ServingRole],
+        blocks: &[BlockHash],
+        except: &[String],
+        count_none: bool,
+    ) -> Option<Dispatch> {
         let members = self.members.read().unwrap_or_else(|e| e.into_inner());
         let (candidates, matched) = {
             let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
             let candidates: Vec<Candidate> = members
                 .values()
-                .filter(|m| !except.contains(&m.id))
+                .filter(|m| !except.contains(&m.id) && roles.contains(&m.role))
                 .filter_map(|m| {
                     let load = m.load.lock().unwrap_or_else(|e| e.into_inner());
                     let reported = load.report.as_ref().map_or(0, |r| r.running + r.waiting);
@@ -159,7 +217,10 @@ impl Pool {
             }
         };
         let Some(chosen) = picked else {
-            metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => "none").increment(1);
+            if count_none {
+                metrics::counter!(m::ROUTING_DECISIONS, "model" => self.model.clone(), "outcome" => "none")
+                    .increment(1);
+            }
             return None;
         };
         // The router's prefix hit rate counts the device's cache, as the workers' does.

@@ -152,6 +152,7 @@ impl Replicas {
                 ..self.template.kv_tier.clone()
             },
             encoder_cache_mb: 256,
+            disaggregation_mode: a.role,
             speculative: a.speculative.as_ref().map(|s| s.method),
             speculative_tokens: a
                 .speculative

@@ -23,7 +23,7 @@ use std::time::Instant;
 use tessera_kernels::Backend;
 use tessera_kernels::pick::PickRow;
 use tessera_kernels::pick::Picked;
-use tessera_proto::block_hash::BlockHasher;
+use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHasher};
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -128,7 +128,23 @@ pub struct Request {
     pub weight: u32,
     /// Lower runs sooner among the tenant's requests.
     pub priority: i32,
+    /// Tokens already generated for this request on another replica (disaggregated
+    /// serving): the output goes on after them as if they had been sampled here.
+    pub resume: Vec<u32>,
+    /// Prefill only: after the first token, the request ends (`FinishReason::Handoff`)
+    /// and its prompt's full blocks, past the first `skip` (which the receiver holds),
+    /// go out with that output (`Output::handoff`).
+    pub handoff: Option<Handoff>,
 }
+
+/// `Request::handoff`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Handoff {
+    pub skip_blocks: usize,
+}
+
+/// A prompt's KV blocks, by prefix hash, as `Backend::kv_save_blocks` copies them.
+pub type KvBlocks = Vec<(u64, Vec<u8>)>;
 
 impl Request {
     pub fn greedy(id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Self {
@@ -151,6 +167,8 @@ impl Request {
             tenant: String::new(),
             weight: 1,
             priority: 0,
+            resume: Vec::new(),
+            handoff: None,
         }
     }
 }
@@ -162,6 +180,9 @@ pub enum FinishReason {
     /// `max_tokens`, or the context is full.
     Length,
     Abort,
+    /// The prompt was computed and the first token sampled here; the request goes on
+    /// elsewhere (`Request::handoff`).
+    Handoff,
 }
 
 impl FinishReason {
@@ -171,6 +192,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Handoff => "handoff",
         }
     }
 }
@@ -198,6 +220,8 @@ pub struct Output {
     /// When the request reached each stage: on its last output, from the runner (which
     /// keeps the times).
     pub timeline: Option<Box<crate::metrics::Timeline>>,
+    /// On a `FinishReason::Handoff` output: the prompt's blocks to send on.
+    pub handoff: Option<Arc<KvBlocks>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -238,6 +262,8 @@ struct RequestState {
     prompt_scores: Vec<Option<PromptScore>>,
     /// `Request::tenant`.
     tenant: Arc<str>,
+    /// `Request::handoff`.
+    handoff: Option<Handoff>,
 }
 
 impl RequestState {
@@ -523,39 +549,42 @@ impl<B: Backend> EngineCore<B> {
             if !req.ignore_eos {
                 sampler.ends.extend(&self.eos);
             }
-            self.requests.insert(
-                seq_id,
-                RequestState {
-                    request: req.id,
-                    index,
-                    sampler,
-                    detok: Detokenizer::new(&req.prompt, req.stop.clone())
-                        .stops_after(req.min_tokens)
-                        .keeping_stop(req.include_stop_str_in_output)
-                        .skipping_special(req.skip_special_tokens),
-                    max_tokens: req.max_tokens,
-                    stop_token_ids: req.stop_token_ids.clone(),
-                    ignore_eos: req.ignore_eos,
-                    min_tokens: req.min_tokens,
-                    thinking: req.thinking.clone().map(Thinking::new),
-                    // The first completion scores the prompt; the others find it cached.
-                    prompt_logprobs: req.prompt_logprobs.filter(|_| index == 0),
-                    prompt_scores: Vec::new(),
-                    tenant: tenant.clone(),
-                },
-            );
+            let mut state = RequestState {
+                request: req.id,
+                index,
+                sampler,
+                detok: Detokenizer::new(&req.prompt, req.stop.clone())
+                    .stops_after(req.min_tokens)
+                    .keeping_stop(req.include_stop_str_in_output)
+                    .skipping_special(req.skip_special_tokens),
+                max_tokens: req.max_tokens,
+                stop_token_ids: req.stop_token_ids.clone(),
+                ignore_eos: req.ignore_eos,
+                min_tokens: req.min_tokens,
+                thinking: req.thinking.clone().map(Thinking::new),
+                // The first completion scores the prompt; the others find it cached.
+                prompt_logprobs: req.prompt_logprobs.filter(|_| index == 0),
+                prompt_scores: Vec::new(),
+                tenant: tenant.clone(),
+                handoff: req.handoff,
+            };
+            self.replay(&mut state, &req.resume)?;
+            self.requests.insert(seq_id, state);
             let after = members.first().copied();
             let score_prompt = index == 0 && req.prompt_logprobs.is_some();
             let images = req.images.clone();
-            self.scheduler.add(Sequence {
-                after,
-                score_prompt,
-                images,
-                tenant: tenant.clone(),
-                weight: req.weight.max(1),
-                priority: req.priority,
-                ..Sequence::new(seq_id, req.prompt.clone())
-            });
+            self.scheduler.add(
+                Sequence {
+                    after,
+                    score_prompt,
+                    images,
+                    tenant: tenant.clone(),
+                    weight: req.weight.max(1),
+                    priority: req.priority,
+                    ..Sequence::new(seq_id, [&req.prompt[..], &req.resume].concat())
+                }
+                .with_prompt_len(req.prompt.len()),
+            );
             members.push(seq_id);
         }
         self.families.insert(req.id, members);
@@ -593,6 +622,19 @@ impl<B: Backend> EngineCore<B> {
         }
         if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
+        }
+        if (!req.resume.is_empty() || req.handoff.is_some()) && (req.n != 1 || req.prompt_logprobs.is_some()) {
+            return bad("a disaggregated request (resume_token_ids, handoff) has n = 1 and no prompt_logprobs".into());
+        }
+        if req.resume.len() >= req.max_tokens.max(1) {
+            return bad(format!(
+                "{} resumed tokens leave nothing to generate under max_tokens {}",
+                req.resume.len(),
+                req.max_tokens
+            ));
+        }
+        if let Some(t) = req.resume.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("resumed token id {t} is outside the vocabulary of {vocab}"));
         }
         if let Some((t, _)) = req.params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
             return bad(format!("logit_bias token id {t} is outside the vocabulary of {vocab}"));
@@ -651,6 +693,7 @@ impl<B: Backend> EngineCore<B> {
                     cached_prompt_tokens: seq.num_cached_prompt,
                     prompt_logprobs: Vec::new(),
                     timeline: None,
+                    handoff: None,
                 })
             })
             .collect()
@@ -1071,6 +1114,7 @@ impl<B: Backend> EngineCore<B> {
                     cached_prompt_tokens: seq.num_cached_prompt,
                     prompt_logprobs: Vec::new(),
                     timeline: None,
+                    handoff: None,
                 })
             })
             .collect()
@@ -1097,6 +1141,7 @@ impl<B: Backend> EngineCore<B> {
                 cached_prompt_tokens: seq.num_cached_prompt,
                 prompt_logprobs,
                 timeline: None,
+                handoff: None,
             });
         }
         let token = s.token;
@@ -1129,7 +1174,15 @@ impl<B: Backend> EngineCore<B> {
         if finish.is_none() && (num_output >= state.max_tokens || total >= self.max_model_len()) {
             finish = Some(FinishReason::Length);
         }
-        if finish.is_some() {
+        let mut handoff = None;
+        if finish.is_none()
+            && let Some(h) = state.handoff
+        {
+            // The text held back (a possible stop string, a partial character) stays
+            // held: the receiver's detokenizer, replaying the same tokens, holds it too.
+            finish = Some(FinishReason::Handoff);
+            handoff = Some(Arc::new(self.export_prompt(seq_id, h.skip_blocks)));
+        } else if finish.is_some() {
             text.push_str(&state.detok.finish());
         }
         let (id, index) = (state.request, state.index);
@@ -1144,6 +1197,65 @@ impl<B: Backend> EngineCore<B> {
             cached_prompt_tokens,
             prompt_logprobs,
             timeline: None,
+            handoff,
         })
+    }
+
+    /// Copies the computed full blocks of a sequence's prompt, from block `skip` on,
+    /// for a handoff. A block that cannot be copied ends the list there: the receiver
+    /// computes what it lacks.
+    fn export_prompt(&mut self, seq_id: SeqId, skip: usize) -> KvBlocks {
+        let seq = self.scheduler.get(seq_id).expect("sampled sequences exist");
+        let full = (seq.num_computed.min(seq.prompt_len) / BLOCK_TOKENS).min(seq.block_hashes.len());
+        let blocks: Vec<(u64, u32)> =
+            (skip.min(full)..full).map(|i| (seq.block_hashes[i], seq.block_table[i])).collect();
+        let mut out = Vec::with_capacity(blocks.len());
+        for (hash, id) in blocks {
+            match self.exec.save_block(id) {
+                Ok(data) => out.push((hash, data)),
+                Err(e) => {
+                    tracing::warn!("KV block {id} could not be copied for a handoff: {e}");
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Brings a completion's state to where it would be had it sampled `tokens` here:
+    /// the seed's draws, the grammar, penalties, the detokenizer (whose text was sent
+    /// by the replica that sampled them) and the thinking budget.
+    fn replay(&self, state: &mut RequestState, tokens: &[u32]) -> Result<(), EngineError> {
+        for &token in tokens {
+            if (!state.ignore_eos && self.eos.contains(&token)) || state.stop_token_ids.contains(&token) {
+                let why = format!("resumed token {token} ends the output: there is nothing to resume");
+                return Err(EngineError::InvalidRequest(why));
+            }
+            state.sampler.replay(token);
+            let delta = state.detok.push(self.tokenizer.inner(), token)?;
+            if let Some(t) = &mut state.thinking {
+                t.observe(&delta.text);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores blocks another replica computed (a prefill replica's handoff) in the
+    /// second tier, where admission finds them as it finds evicted ones. Returns how
+    /// many were stored and how many were already held here.
+    pub fn import_kv(&mut self, blocks: KvBlocks) -> Result<(usize, usize), EngineError> {
+        if self.scheduler.tiers().is_none() {
+            return Err(EngineError::Config("this replica has no second KV tier to take blocks into".into()));
+        }
+        let (mut stored, mut held) = (0, 0);
+        for (hash, data) in blocks {
+            if self.scheduler.place(hash) != super::scheduler::Place::Gone {
+                held += 1;
+                continue;
+            }
+            self.scheduler.tiers_mut().expect("checked above").put(hash, Arc::new(data));
+            stored += 1;
+        }
+        Ok((stored, held))
     }
 }

@@ -62,6 +62,23 @@ enum Command {
     Stop {
         written: oneshot::Sender<usize>,
     },
+    /// A KV transfer between replicas happened: counted in the metrics, which are
+    /// recorded on the engine's thread.
+    Transferred(Transfer),
+    /// Blocks another replica computed, for the second tier (`EngineCore::import_kv`).
+    Import {
+        blocks: super::core::KvBlocks,
+        stored: oneshot::Sender<Result<(usize, usize), EngineError>>,
+    },
+}
+
+/// A KV transfer of disaggregated serving, as this replica's metrics count it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Transfer {
+    /// A handoff's blocks sent to a decode replica, and whether it stored them.
+    Sent { bytes: u64, blocks: u64, seconds: f64, ok: bool },
+    /// Blocks received from a prefill replica.
+    Received { bytes: u64, blocks: u64 },
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -137,8 +154,36 @@ impl EngineHandle {
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
+    /// Stores a prefill replica's blocks in the second tier (between steps): how many
+    /// were stored, and how many were held here already.
+    pub async fn import_kv(&self, blocks: super::core::KvBlocks) -> Result<(usize, usize), EngineError> {
+        let (stored, answer) = oneshot::channel();
+        self.send(Command::Import { blocks, stored })?;
+        answer.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Counts a KV transfer in the replica's metrics (a stopped engine counts nothing).
+    pub fn record_transfer(&self, t: Transfer) {
+        let _ = self.send(Command::Transferred(t));
+    }
+
     fn send(&self, c: Command) -> Result<(), EngineError> {
         self.commands.send(c).map_err(|_| EngineError::Stopped)
+    }
+}
+
+fn record_transfer(t: Transfer) {
+    match t {
+        Transfer::Sent { bytes, blocks, seconds, ok } => {
+            metrics::counter!(m::TRANSFER_BYTES, "direction" => "sent").increment(bytes);
+            metrics::counter!(m::TRANSFER_BLOCKS, "direction" => "sent").increment(blocks);
+            metrics::counter!(m::TRANSFERS, "outcome" => if ok { "sent" } else { "failed" }).increment(1);
+            metrics::histogram!(m::TRANSFER_SECONDS).record(seconds);
+        }
+        Transfer::Received { bytes, blocks } => {
+            metrics::counter!(m::TRANSFER_BYTES, "direction" => "received").increment(bytes);
+            metrics::counter!(m::TRANSFER_BLOCKS, "direction" => "received").increment(blocks);
+        }
     }
 }
 
@@ -223,6 +268,10 @@ impl<B: Backend> Loop<B> {
             Command::Stop { written } => {
                 let _ = written.send(self.core.persist_kv());
                 return ControlFlow::Break(());
+            }
+            Command::Transferred(t) => record_transfer(t),
+            Command::Import { blocks, stored } => {
+                let _ = stored.send(self.core.import_kv(blocks));
             }
         }
         ControlFlow::Continue(())

@@ -181,6 +181,19 @@ impl SamplerState {
         self.redirected
     }
 
+    /// Records a token sampled elsewhere for this sequence (a resumed request), with
+    /// the step's random draw it took there, so that a seeded request goes on as it
+    /// would have.
+    pub fn replay(&mut self, token: u32) {
+        if self.params.temperature > 0.0 {
+            self.rng.random::<f32>();
+        }
+        if let Some(c) = &self.constraint {
+            c.accept(token);
+        }
+        self.push(token);
+    }
+
     /// Records a token the sequence produced.
     pub fn push(&mut self, token: u32) {
         self.drawn = None;

@@ -637,8 +637,8 @@ impl Scheduler {
             let loaded = self.take_from_tiers(&tiered, &fresh);
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
             seq.num_computed = (hits.len() + loaded) * BLOCK_TOKENS;
-            if seq.num_output() == 0 {
-                seq.num_cached_prompt = seq.num_computed;
+            if seq.num_output() == seq.resumed {
+                seq.num_cached_prompt = seq.num_computed.min(seq.prompt_len);
             }
             seq.num_cached_blocks = hits.len() + loaded;
             seq.block_table = hits;

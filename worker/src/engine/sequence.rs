@@ -44,6 +44,8 @@ pub struct Sequence {
     pub preempted: bool,
     /// The step it last ran in: a tenant's rows rotate among its sequences.
     pub last_run: u64,
+    /// Output tokens it arrived with, generated elsewhere (`with_prompt_len`).
+    pub resumed: usize,
 }
 
 impl Sequence {
@@ -66,7 +68,16 @@ impl Sequence {
             priority: 0,
             preempted: false,
             last_run: 0,
+            resumed: 0,
         }
+    }
+
+    /// The same, its first `prompt_len` tokens the prompt and the rest output already
+    /// generated (a resumed request).
+    pub fn with_prompt_len(mut self, prompt_len: usize) -> Self {
+        self.prompt_len = prompt_len.min(self.tokens.len());
+        self.resumed = self.tokens.len() - self.prompt_len;
+        self
     }
 
     pub fn num_output(&self) -> usize {

@@ -59,6 +59,7 @@ pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
         prompt_step_percent: tessera_worker::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
         contended_batch: None,
         kv_tier: Default::default(),
+        disaggregation_mode: Default::default(),
         encoder_cache_mb: 256,
         speculative: None,
         speculative_tokens: tessera_worker::engine::speculate::DEFAULT_SPEC_TOKENS,
@@ -72,12 +73,21 @@ pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
 pub async fn serve_in_process(
     config: tessera_worker::serve::ServeConfig,
 ) -> tessera_proto::worker::worker_client::WorkerClient<tonic::transport::Channel> {
+    serve_in_process_at(config).await.0
+}
+
+/// The same, with the worker's address.
+#[allow(dead_code)] // each test binary uses its own subset of these helpers
+pub async fn serve_in_process_at(
+    config: tessera_worker::serve::ServeConfig,
+) -> (tessera_proto::worker::worker_client::WorkerClient<tonic::transport::Channel>, String) {
     use tessera_worker::serve::{build_service, serve};
     let service = tokio::task::spawn_blocking(move || build_service(&config)).await.unwrap().unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(serve(service, listener, std::future::pending()));
-    tessera_proto::worker::worker_client::WorkerClient::connect(format!("http://{addr}")).await.unwrap()
+    let client = tessera_proto::worker::worker_client::WorkerClient::connect(format!("http://{addr}")).await.unwrap();
+    (client, addr.to_string())
 }
 
 /// A greedy request for `max_tokens` tokens, past any end-of-sequence token.
