@@ -132,9 +132,17 @@ pub struct ServeConfig {
     #[arg(long)]
     pub contended_batch: Option<usize>,
     /// Local workers (data-parallel replicas) for each model's weights, routed by
-    /// `--routing`.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub replicas: u32,
+    /// `--routing`; default 1, or 0 beside prefill and decode workers.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub replicas: Option<u32>,
+    /// Disaggregated serving: local workers for each model's weights that only compute
+    /// prompts, handing each request with its KV blocks to a decode worker.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub prefill_replicas: u32,
+    /// Local workers that decode what prefill workers hand over (and whole requests
+    /// when none can).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub decode_replicas: u32,
     /// Credit granted to the bootstrap organization on first start, in US dollars.
     #[arg(long, env = "TESSERA_DEV_CREDIT_USD", default_value_t = 100.0)]
     pub dev_credit_usd: f64,

@@ -31,6 +31,11 @@ pub const ROUTED_BLOCKS: &str = "tessera_routing_prompt_blocks_total";
 pub const ROUTED_CACHED_BLOCKS: &str = "tessera_routing_cached_blocks_total";
 /// Streams ended by an error after their 200 had gone out, by the error's `code` (or
 /// type): the failures a status count cannot show.
+/// Disaggregated requests handed from a prefill replica to a decode replica, by model
+/// and outcome: `transferred` (the KV blocks arrived), `transfer_failed` (the decode
+/// side computed the prompt again), `prefill_lost` (the prefill replica failed after
+/// its first token).
+pub const HANDOFFS: &str = "tessera_handoffs_total";
 pub const STREAM_ERRORS: &str = "tessera_stream_errors_total";
 /// From a request's end to its bill in the ledger.
 pub const SETTLEMENT: &str = "tessera_billing_settlement_seconds";
@@ -123,6 +128,7 @@ fn describe() {
     describe_counter!(REFUSALS, "Requests refused at admission or dispatch, by outcome.");
     describe_counter!(STREAM_ERRORS, "Streams ended by an error after their 200, by the error's code.");
     describe_counter!(ROUTING_DECISIONS, "Routing choices, by model and outcome (cached, uncached, none).");
+    describe_counter!(HANDOFFS, "Requests handed from a prefill to a decode replica, by model and outcome.");
     describe_counter!(ROUTED_BLOCKS, "Prompt blocks routed, by model.");
     describe_counter!(ROUTED_CACHED_BLOCKS, "Routed prompt blocks the chosen replica held, by model.");
     describe_histogram!(SETTLEMENT, Unit::Seconds, "From a request's end to its bill in the ledger.");

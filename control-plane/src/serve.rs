@@ -23,6 +23,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_proto::cluster::Role;
 
 /// `log_format`: this process's, which its workers log in too.
 /// `traces`: where this process's traces go, and its workers' too.
@@ -47,15 +48,24 @@ pub async fn run(
     };
     let mut local = Vec::new();
     let mut pools = BTreeMap::new();
+    let pooled = config.prefill_replicas + config.decode_replicas > 0;
+    let roles = [
+        (Role::None, config.replicas.unwrap_or(if pooled { 0 } else { 1 })),
+        (Role::Prefill, config.prefill_replicas),
+        (Role::Decode, config.decode_replicas),
+    ];
+    anyhow::ensure!(roles.iter().any(|(_, n)| *n > 0), "--replicas 0 needs prefill or decode replicas");
+    let workers_of = roles.iter().flat_map(|&(role, n)| (0..n).map(move |_| role));
     for weights in catalog.weights() {
         let mut pool: Option<(Arc<Replica>, Arc<Pool>)> = None;
-        for n in 0..config.replicas {
-            eprintln!("starting worker {n} for {weights} (the model is fetched on first use)");
+        for (n, role) in workers_of.clone().enumerate() {
+            let part = if role.is_none() { String::new() } else { format!(" ({role})") };
+            eprintln!("starting worker {n}{part} for {weights} (the model is fetched on first use)");
             let replica = format!("{weights}-{n}");
             let speculative = config.speculative.apply(catalog.speculative(&weights));
             let metrics = !config.api.no_metrics;
-            let worker =
-                workers::start(&worker, &weights, &replica, config.kv_cache_bytes, metrics, speculative).await?;
+            let settings = workers::Settings { kv_cache_bytes: config.kv_cache_bytes, metrics, speculative, role };
+            let worker = workers::start(&worker, &weights, &replica, settings).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
             let (_, pool) = pool
                 .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));

@@ -68,16 +68,21 @@ pub fn worker_command(configured: Option<&Path>) -> Result<WorkerCommand> {
     })
 }
 
+/// One local worker's own settings.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    pub kv_cache_bytes: Option<u64>,
+    /// It records metrics.
+    pub metrics: bool,
+    pub speculative: Option<SpecConfig>,
+    /// Its part in disaggregated serving.
+    pub role: tessera_proto::cluster::Role,
+}
+
 /// Starts a worker serving `weights` (named `replica` in its metrics) and waits until it listens (it fetches and loads
 /// the model first, which may take minutes on a first start).
-pub async fn start(
-    worker: &WorkerCommand,
-    weights: &str,
-    replica: &str,
-    kv_cache_bytes: Option<u64>,
-    metrics: bool,
-    speculative: Option<SpecConfig>,
-) -> Result<LocalWorker> {
+pub async fn start(worker: &WorkerCommand, weights: &str, replica: &str, settings: Settings) -> Result<LocalWorker> {
+    let Settings { kv_cache_bytes, metrics, speculative, role } = settings;
     let mut cmd = Command::new(&worker.program);
     cmd.env("TESSERA_LOG_FORMAT", if worker.json_logs { "json" } else { "text" });
     if let Some(endpoint) = &worker.traces.endpoint {
@@ -99,6 +104,9 @@ pub async fn start(
     }
     if let Some((root, bytes)) = &worker.kv_disk {
         cmd.arg("--kv-disk-path").arg(root.join(replica)).args(["--kv-disk-bytes", &bytes.to_string()]);
+    }
+    if !role.is_none() {
+        cmd.args(["--disaggregation-mode", role.as_str()]);
     }
     if let Some(spec) = speculative {
         cmd.args(["--speculative", spec.method.as_str(), "--speculative-tokens", &spec.max_tokens.to_string()]);

@@ -277,3 +277,39 @@ fn a_frozen_replica_leaves_routing_within_seconds() {
     assert!(out.status.success(), "a request failed or hung: {}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), "6");
 }
+
+/// One greedy prompt three ways: handed over (n = 1), streamed, and whole (n = 2 is
+/// never disaggregated); prints the texts.
+const THREE_WAYS: &str = r#"
+import os, json, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0, timeout=60)
+messages = [{"role": "user", "content": "Write three sentences about the sea, with a number in each. " * 6}]
+kw = dict(model="vendor-c/model-c", messages=messages, max_tokens=24, temperature=0)
+handed = c.chat.completions.create(**kw)
+streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
+whole = c.chat.completions.create(n=2, **kw)
+print(json.dumps({"handed": handed.choices[0].message.content, "streamed": streamed,
+                  "whole": whole.choices[0].message.content, "usage": handed.usage.completion_tokens}))
+"#;
+
+#[test]
+fn disaggregated_serving_answers_as_one_replica_would() {
+    // A prefill worker and a decode worker: each n = 1 request's prompt is computed on
+    // the first, its KV blocks sent to the second, which goes on from the first token.
+    let data = tempfile::tempdir().unwrap();
+    let serve = Serve::start(data.path(), &["--prefill-replicas", "1", "--decode-replicas", "1"], &[]);
+    let out = python(THREE_WAYS, &serve.base_url(), &serve.key, &[]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let texts: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!texts["handed"].as_str().unwrap().is_empty(), "{texts}");
+    assert_eq!(texts["handed"], texts["whole"], "{texts}");
+    assert_eq!(texts["streamed"], texts["whole"], "{texts}");
+    assert_eq!(texts["usage"], 24, "{texts}");
+    // Both n = 1 requests were handed over with their blocks.
+    let metrics = serve.get("/metrics").unwrap();
+    let handed = metrics
+        .lines()
+        .find(|l| l.starts_with("tessera_handoffs_total") && l.contains("outcome=\"transferred\""))
+        .unwrap_or_else(|| panic!("no handoff counted:\n{metrics}"));
+    assert!(handed.ends_with(" 2"), "{handed}");
+}

@@ -272,20 +272,21 @@ impl Output {
                 // and before its handoff: the decode side computes what it lacks.
                 (Err(_) | Ok(None), Some(d)) if !d.generated.is_empty() => {
                     tracing::warn!("the prefill replica was lost before its handoff; decoding goes on without its KV");
-                    self.hand_over().await?;
+                    self.hand_over("prefill_lost").await?;
                     continue;
                 }
                 (r, _) => r.map_err(|s| worker_error(s, "", "")).inspect_err(|_| self.probe.failed())?,
             };
             let Some(mut r) = r else { return Ok(None) };
             if r.finish_reason == pb::FinishReason::Handoff as i32 && self.decode.is_some() {
-                if let Some(t) = r.transfer.as_ref().filter(|t| !t.error.is_empty()) {
-                    tracing::warn!(
-                        "a handoff's KV transfer failed ({}); the decode replica computes the prompt",
-                        t.error
-                    );
-                }
-                self.hand_over().await?;
+                let outcome = match r.transfer.as_ref().filter(|t| !t.error.is_empty()) {
+                    Some(t) => {
+                        tracing::warn!("a handoff's KV transfer failed ({}); the decode replica computes it", t.error);
+                        "transfer_failed"
+                    }
+                    None => "transferred",
+                };
+                self.hand_over(outcome).await?;
                 continue;
             }
             match &mut self.decode {
@@ -327,8 +328,10 @@ impl Output {
     /// the prefill (which holds its blocks), else another decode replica, else any
     /// replica (each computes what it lacks). Once one answers, its stream is this
     /// output's; if none can, the request ends with what it generated.
-    async fn hand_over(&mut self) -> Result<(), ApiError> {
+    async fn hand_over(&mut self, outcome: &'static str) -> Result<(), ApiError> {
         let Some(mut d) = self.decode.take() else { return Ok(()) };
+        let model = d.pool.model().to_string();
+        metrics::counter!(crate::metrics::HANDOFFS, "model" => model, "outcome" => outcome).increment(1);
         self.prompt_as_computed = Some((d.prompt_tokens, d.cached_prompt_tokens));
         let request = pb::GenerateRequest { resume_token_ids: d.generated.clone(), handoff: None, ..d.request.clone() };
         let request_id = self.meter.request_id();

@@ -100,6 +100,11 @@ impl Drop for Dispatch {
 }
 
 impl Pool {
+    /// The served weights' name, as the workers' cards say it.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
     pub fn new(model: &str, routing: Routing) -> Self {
         Self {
             model: model.to_string(),
