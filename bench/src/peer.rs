@@ -307,3 +307,15 @@ impl Drop for LlamaServer {
         let _ = self.child.wait();
     }
 }
+
+/// GET `path` from `addr` (host:port) over a fresh HTTP/1.1 connection; the body.
+pub(crate) fn http_get(addr: &str, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer)?;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "GET {path} from {addr}: {}", head.lines().next().unwrap_or(""));
+    Ok(body.to_string())
+}

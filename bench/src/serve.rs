@@ -86,6 +86,13 @@ pub struct Args {
     /// Streaming clients beside the burst.
     #[arg(long, default_value_t = 4)]
     streams: usize,
+    /// With `--burst`: the burst on one worker using both cores against a prefill worker
+    /// and a decode worker pinned to a core each (disaggregated serving).
+    #[arg(long)]
+    disaggregate: bool,
+    /// Requests each streaming client sends, one after another, with `--burst`.
+    #[arg(long, default_value_t = 2)]
+    requests_per_stream: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -108,10 +115,11 @@ pub fn run(args: Args) -> Result<()> {
         return crate::burst::run(crate::burst::BurstArgs {
             tessera: &tessera,
             streams: args.streams,
-            requests_per_stream: 2,
+            requests_per_stream: args.requests_per_stream,
             max_tokens: args.output_tokens,
             burst: args.burst_prompts,
             burst_tokens: args.burst_tokens,
+            disaggregate: args.disaggregate,
         });
     }
     if let Some(peer) = args.peer {

@@ -340,6 +340,14 @@ async fn disaggregated_requests_go_on_whatever_side_fails_and_are_billed_once() 
     let bill = settled(&h, &id).await;
     assert_eq!((bill.prompt_tokens, bill.completion_tokens), (1, 2));
 
+    // A prompt and one token is a prefill replica's work, whole.
+    let h = Harness::with_roles(&[Prefill, Decode]).await;
+    h.script_on(0, vec![last(0, "p", pb::FinishReason::Length)]);
+    let one = json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1});
+    let (status, _, reply) = h.json("/v1/chat/completions", one).await;
+    assert_eq!(status, 200, "{reply}");
+    assert!(h.seen_on(0)[0].handoff.is_none() && h.seen_on(1).is_empty());
+
     // n > 1 is never disaggregated: served whole by the decode replica.
     let h = Harness::with_roles(&[Prefill, Decode]).await;
     h.script_on(1, vec![last(0, "x", pb::FinishReason::Stop), last(1, "y", pb::FinishReason::Stop)]);

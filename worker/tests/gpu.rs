@@ -15,11 +15,13 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tessera_kernels::Backend;
 use tessera_kernels::cpu::CpuBackend;
 use tessera_kernels::cuda::CudaBackend;
 use tessera_kernels::pick::{Draw, PickRow};
-use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
+use tessera_worker::engine::core::{EngineConfig, EngineCore, FinishReason, Handoff, Output, Request};
+use tessera_worker::engine::kv_tier::TierConfig;
 use tessera_worker::engine::sampler::{SamplerState, SamplingParams, argmax, sample};
 use tessera_worker::engine::speculate::{SpecConfig, SpecMethod, StepCosts};
 use tessera_worker::engine::thinking::ThinkingBudget;
@@ -239,6 +241,115 @@ fn cpu_engine_on_the_tiny_byte_model_batches_like_solo_runs_and_reuses_prefixes(
     let dir = write_model(&wide(), &mut rng(), &root);
     batching_invariance(CpuBackend::default, &dir);
     prefix_cache(CpuBackend::default, &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+fn engine_with_tier<B: Backend + 'static>(backend: B, dir: &Path, num_blocks: usize, host_bytes: u64) -> EngineCore<B> {
+    let loaded = load_model(backend, dir).unwrap();
+    let kv_tiers = TierConfig { host_bytes, disk: None, identity: "wide".into() };
+    let config = EngineConfig { num_blocks, kv_tiers, ..EngineConfig::default() };
+    EngineCore::new(loaded.model, loaded.tokenizer, config, "wide").unwrap()
+}
+
+/// KV blocks saved in one batch (each layer half of all of them in one copy) are the
+/// blocks saved one by one, and loaded in one batch into other blocks they read back
+/// the same.
+fn kv_blocks_round_trip<B: Backend>(model: &Model<B>) {
+    let mut kv = model.new_kv_cache(24, 16).unwrap();
+    let prompt: Vec<u32> = (0..128).map(|i| (i * 13 % 256) as u32).collect();
+    let table: Vec<u32> = (0..8).collect();
+    let seqs = [SeqInput { tokens: &prompt, cached: 0, block_table: &table, logits: false, embeds: &[] }];
+    model.forward(&seqs, &mut kv).unwrap();
+    let ids = [5, 1, 6, 2];
+    let batch = model.save_kv_blocks(&kv, &ids).unwrap();
+    for (&id, saved) in ids.iter().zip(&batch) {
+        assert_eq!(&model.save_kv_blocks(&kv, &[id]).unwrap()[0], saved, "block {id}");
+    }
+    assert_ne!(batch[0], batch[1], "blocks hold their own tokens");
+    let blocks: Vec<&[u8]> = batch.iter().map(|b| b.as_slice()).collect();
+    model.load_kv_blocks(&mut kv, &[20, 17, 23, 18], &blocks).unwrap();
+    assert_eq!(model.save_kv_blocks(&kv, &[20, 17, 23, 18]).unwrap(), batch);
+    assert!(model.load_kv_blocks(&mut kv, &[20], &[&batch[0][1..]]).is_err(), "a short block is refused");
+}
+
+/// Prefixes evicted to the host tier come back with the tokens the big cache gives;
+/// and a request handed over after its first token (its blocks exported, then
+/// imported by another engine) goes on there with the tokens of one engine.
+fn tier_and_handoff<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
+    let block = {
+        let e = engine(backend(), dir, 4);
+        let c = e.config();
+        2 * c.num_layers * c.kv_width() * 16 * 2
+    } as u64;
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| (0..200).map(|j| ((i * 31 + j * 7) % 256) as u32).collect()).collect();
+    let run = |e: &mut EngineCore<B>, base: u64| -> Vec<Vec<u32>> {
+        // Twice through: the second pass finds each prefix in the cache or the tier.
+        (0..2)
+            .flat_map(|pass| prompts.iter().enumerate().map(move |(i, p)| (pass, i, p)))
+            .map(|(pass, i, p)| {
+                let id = base + (pass * 10 + i) as u64;
+                e.add_request(Request::greedy(id, p.clone(), 6)).unwrap();
+                run_all(e).remove(&id).unwrap().0
+            })
+            .collect()
+    };
+    let want = run(&mut engine(backend(), dir, 512), 0);
+    // 16 blocks: two prompts' worth; the rest moves to the host tier and back.
+    let mut tiered = engine_with_tier(backend(), dir, 16, 128 * block);
+    assert_eq!(run(&mut tiered, 100), want);
+    let hits = tiered.scheduler().tiers().unwrap().stats().host_hits;
+    assert!(hits >= 60, "prefixes came back from the host tier: {hits} blocks");
+
+    // The handoff: the first token and 12 blocks from one engine, the rest from another.
+    let mut prefill = engine(backend(), dir, 64);
+    let mut decode = engine_with_tier(backend(), dir, 64, 64 * block);
+    let prompt = prompts[0].clone();
+    let whole = {
+        let mut e = engine(backend(), dir, 64);
+        e.add_request(Request::greedy(1, prompt.clone(), 10)).unwrap();
+        run_all(&mut e).remove(&1).unwrap().0
+    };
+    prefill
+        .add_request(Request { handoff: Some(Handoff { skip_blocks: 0 }), ..Request::greedy(2, prompt.clone(), 10) })
+        .unwrap();
+    let mut first = Vec::new();
+    let mut blocks = None;
+    while prefill.has_work() {
+        for o in prefill.step().unwrap() {
+            first.extend(o.token.map(|t| t.token));
+            if o.handoff.is_some() {
+                assert_eq!(o.finish, Some(FinishReason::Handoff));
+                blocks = o.handoff;
+            }
+        }
+    }
+    let blocks = Arc::try_unwrap(blocks.expect("the handoff's blocks")).unwrap();
+    assert_eq!((first.len(), blocks.len()), (1, 12));
+    assert_eq!(decode.import_kv(blocks).unwrap(), (12, 0));
+    decode.add_request(Request { resume: first.clone(), ..Request::greedy(3, prompt.clone(), 10) }).unwrap();
+    let (rest, cached) = run_all(&mut decode).remove(&3).unwrap();
+    assert_eq!(cached, 192, "the prompt's 12 blocks came from the prefill engine");
+    assert_eq!([first, rest].concat(), whole);
+}
+
+#[test]
+fn gpu_kv_blocks_move_in_batches_through_the_tier_and_a_handoff() {
+    let Some(g) = gpu() else { return };
+    drop(g);
+    let root = temp_root("kv-moves");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    kv_blocks_round_trip(&load_model(CudaBackend::new(0).unwrap(), &dir).unwrap().model);
+    tier_and_handoff(|| CudaBackend::new(0).unwrap(), &dir);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// The same on the CPU (CI runs this code without a GPU).
+#[test]
+fn cpu_kv_blocks_move_in_batches_through_the_tier_and_a_handoff() {
+    let root = temp_root("kv-moves-cpu");
+    let dir = write_model(&wide(), &mut rng(), &root);
+    kv_blocks_round_trip(&load_model(CpuBackend::default(), &dir).unwrap().model);
+    tier_and_handoff(CpuBackend::default, &dir);
     let _ = std::fs::remove_dir_all(root);
 }
 

@@ -105,6 +105,7 @@ fn three_ranks_of_smollm2_compute_its_logits() {
 #[test]
 fn an_engine_over_two_ranks_generates_what_one_model_generates() {
     use tessera_worker::engine::core::{EngineConfig, EngineCore, Output, Request};
+    use tessera_worker::engine::kv_tier::TierConfig;
     use tessera_worker::load::{load_model, open};
     let mut rng = StdRng::seed_from_u64(7);
     let root = std::env::temp_dir().join(format!("tessera-tp-engine-{}", std::process::id()));
@@ -138,5 +139,28 @@ fn an_engine_over_two_ranks_generates_what_one_model_generates() {
     let got = run(engine);
     assert!(want.iter().all(|t| !t.is_empty()), "every request produced tokens");
     assert_eq!(got, want);
+
+    // Over two ranks with a cache of 8 blocks and a host tier: each rank's share of a
+    // block goes out and comes back, and the tokens are the same.
+    let (config, tokenizer, source) = open(&root).unwrap();
+    let ranks: Vec<Model<CpuBackend>> = ThreadGroup::ranks(2)
+        .into_iter()
+        .map(|rank| Model::load_shard(CpuBackend::exact(), config.clone(), &*source, Arc::new(rank)).unwrap())
+        .collect();
+    let kv_tiers = TierConfig { host_bytes: 1 << 20, disk: None, identity: "tp".into() };
+    let small = EngineConfig { num_blocks: 8, kv_tiers, ..EngineConfig::default() };
+    let mut e = EngineCore::tensor_parallel(ranks, tokenizer, small, "tp").unwrap();
+    for pass in 0..2u64 {
+        for i in 0..12u64 {
+            let prompt = e.tokenizer().encode(&format!("request {i}: {}", "abc".repeat(i as usize))).unwrap();
+            e.add_request(Request::greedy(pass * 100 + i, prompt, 10)).unwrap();
+            let mut tokens = Vec::new();
+            while e.has_work() {
+                tokens.extend(e.step().unwrap().into_iter().filter_map(|o| o.token.map(|t| t.token)));
+            }
+            assert_eq!(tokens, want[i as usize], "pass {pass}, request {i}");
+        }
+    }
+    assert!(e.scheduler().tiers().unwrap().stats().host_hits > 0, "prefixes came back from the host tier");
     let _ = std::fs::remove_dir_all(root);
 }

@@ -110,7 +110,8 @@ struct Started {
 
 /// Sends the generation to replicas until one returns its first delta: disaggregated
 /// when the pool has prefill and decode replicas and the request allows it (one
-/// completion, no prompt scores), else (or if no prefill replica can start it) whole.
+/// completion, no prompt scores), whole on a prefill replica when it asks for at most
+/// one token, else (or if no prefill replica can start it) whole.
 async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize) -> Result<Started, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
@@ -136,9 +137,19 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);
     let request_id = meter.request_id();
     let params = (grammar_param, g.prompt_param);
+    let pooled = pool.disaggregated();
+    // A prompt and at most one token is a prefill replica's work, whole.
+    if pooled && request.max_tokens <= 1 {
+        let tried = Vec::new();
+        if let Some((stream, first)) =
+            attempts(pool, Stage::Prefill, &request, &blocks, meter, slot, tried, params, &request_id).await?
+        {
+            return Ok(Started { stream, first, decode: None });
+        }
+    }
     let disaggregable = request.n <= 1 && request.prompt_logprobs.is_none() && request.max_tokens > 1;
     if disaggregable
-        && pool.disaggregated()
+        && pooled
         && let Some(chosen) = pool.choose_stage(Stage::Decode, &blocks, &[])
     {
         let handoff = pb::KvHandoff {

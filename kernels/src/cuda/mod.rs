@@ -23,7 +23,8 @@ use crate::{AttentionShape, Backend, Gelu, HostWeight, KernelError, PagedBatch, 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -52,6 +53,19 @@ pub struct CudaBackend {
     /// than cublasGemmEx: off until measured, as `bf16_gemv`.
     lt: Option<CudaBlasLT>,
     use_lt: bool,
+    /// KV blocks leave and enter the cache on a stream of their own (the second tier,
+    /// handoffs), staged through `staging`: a load is queued there and the compute
+    /// stream waits for it on the device, so the host goes on at once.
+    copies: Arc<CudaStream>,
+    staging: Mutex<KvStaging>,
+}
+
+/// A device buffer KV blocks are gathered into (or scattered from) and page-locked host
+/// memory they cross to the host through, grown as needed; used on the copy stream.
+#[derive(Default)]
+struct KvStaging {
+    device: Option<CudaSlice<bf16>>,
+    host: Option<PinnedHostSlice<bf16>>,
 }
 
 /// A device buffer: bf16 activations, or f32 as uploaded.
@@ -255,6 +269,15 @@ fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
     Ok(len / cols)
 }
 
+/// Elements of blocks `ids` of a KV cache of `len` elements, each id checked.
+fn kv_blocks_in(op: &'static str, len: usize, block_elems: usize, ids: &[u32]) -> Result<usize> {
+    let blocks = len / block_elems.max(1);
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= blocks) {
+        return Err(KernelError::shape(op, format!("block {id} past the cache's {blocks}")));
+    }
+    Ok(ids.len() * block_elems)
+}
+
 fn u32_of(op: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| KernelError::shape(op, format!("{v} does not fit the kernel's 32-bit sizes")))
 }
@@ -375,7 +398,20 @@ impl CudaBackend {
             true => CudaBlasLT::new(stream.clone()).ok(),
             false => None,
         };
-        Ok(Self { ctx, stream, blas, k, sm_count, poison: false, bf16_gemv: false, lt, use_lt: false })
+        let copies = ctx.new_stream().map_err(device_err("cuda"))?;
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            k,
+            sm_count,
+            poison: false,
+            bf16_gemv: false,
+            lt,
+            use_lt: false,
+            copies,
+            staging: Mutex::default(),
+        })
     }
 
     /// GPU 0 for a test, or None, with the reason printed, where it cannot be opened;
@@ -439,6 +475,22 @@ impl CudaBackend {
     /// Waits for all queued work; device faults surface here.
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(device_err("synchronize"))
+    }
+
+    /// The KV staging buffers, holding `n` elements at least (grown once the copies
+    /// through the old ones have ended).
+    fn staging(&self, op: &'static str, n: usize) -> Result<std::sync::MutexGuard<'_, KvStaging>> {
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.device.as_ref().is_none_or(|d| d.len() < n) {
+            self.copies.synchronize().map_err(device_err(op))?;
+            *staging = KvStaging::default();
+            let device = self.copies.alloc_zeros::<bf16>(n).map_err(device_err(op))?;
+            // Not write-combined: the host reads saved blocks back from it.
+            // SAFETY: every element read is first written by a copy or by the host.
+            let host = unsafe { self.ctx.alloc_pinned_with_flags::<bf16>(n, 0) }.map_err(device_err(op))?;
+            *staging = KvStaging { device: Some(device), host: Some(host) };
+        }
+        Ok(staging)
     }
 
     /// `data` copied to a new device slice (an empty one where `data` is empty, which
@@ -666,18 +718,27 @@ impl Backend for CudaBackend {
     fn kv_save_blocks(&self, cache: &CudaBuffer, block_elems: usize, ids: &[u32], out: &mut Vec<u8>) -> Result<()> {
         const OP: &str = "kv_save_blocks";
         let Data::Bf16(cache) = &cache.0 else { return Err(KernelError::shape(OP, "a KV cache holds bf16")) };
-        let mut host = vec![bf16::ZERO; block_elems];
-        for &id in ids {
-            let start = id as usize * block_elems;
-            if start + block_elems > cache.len() {
-                return Err(KernelError::shape(OP, "a block past the cache's end"));
-            }
-            // Through pageable memory, waited for: correct, not yet overlapped with the
-            // step (pinned buffers on a copy stream of their own would be).
-            self.stream.memcpy_dtoh(&cache.slice(start..start + block_elems), &mut host).map_err(device_err(OP))?;
-            self.synchronize()?;
-            out.extend(host.iter().flat_map(|h| h.to_bits().to_le_bytes()));
+        let n = kv_blocks_in(OP, cache.len(), block_elems, ids)?;
+        if n == 0 {
+            return Ok(());
         }
+        let mut staging = self.staging(OP, n)?;
+        let KvStaging { device: Some(device), host: Some(host) } = &mut *staging else {
+            return Err(KernelError::shape(OP, "no staging buffers"));
+        };
+        let rows = self.copies.clone_htod(ids).map_err(device_err(OP))?;
+        // The copy reads what the compute stream has written.
+        self.copies.join(&self.stream).map_err(device_err(OP))?;
+        let (count, cols) = (u32_of(OP, ids.len())?, u32_of(OP, block_elems)?);
+        {
+            let mut l = self.copies.launch_builder(&self.k.gather_rows);
+            l.arg(&mut *device).arg(cache).arg(&rows).arg(&count).arg(&cols);
+            launch(&mut l, flat(n), OP)?;
+        }
+        let pinned = &mut host.as_mut_slice().map_err(device_err(OP))?[..n];
+        self.copies.memcpy_dtoh(&device.slice(0..n), pinned).map_err(device_err(OP))?;
+        self.copies.synchronize().map_err(device_err(OP))?;
+        out.extend(pinned.iter().flat_map(|h| h.to_bits().to_le_bytes()));
         Ok(())
     }
 
@@ -685,18 +746,32 @@ impl Backend for CudaBackend {
         const OP: &str = "kv_load_blocks";
         expect_len(OP, "saved blocks", data.len(), ids.len() * block_elems * 2)?;
         let Data::Bf16(cache) = &mut cache.0 else { return Err(KernelError::shape(OP, "a KV cache holds bf16")) };
-        for (&id, saved) in ids.iter().zip(data.chunks_exact(block_elems * 2)) {
-            let start = id as usize * block_elems;
-            if start + block_elems > cache.len() {
-                return Err(KernelError::shape(OP, "a block past the cache's end"));
-            }
-            let host: Vec<bf16> =
-                saved.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect();
-            self.stream.memcpy_htod(&host, &mut cache.slice_mut(start..start + block_elems)).map_err(device_err(OP))?;
-            // `host` is pageable and dropped here: the copy must be done first.
-            self.synchronize()?;
+        let n = kv_blocks_in(OP, cache.len(), block_elems, ids)?;
+        if n == 0 {
+            return Ok(());
         }
-        Ok(())
+        let mut staging = self.staging(OP, n)?;
+        let KvStaging { device: Some(device), host: Some(host) } = &mut *staging else {
+            return Err(KernelError::shape(OP, "no staging buffers"));
+        };
+        // The last copy through the staging buffers has ended before they are rewritten.
+        self.copies.synchronize().map_err(device_err(OP))?;
+        let pinned = &mut host.as_mut_slice().map_err(device_err(OP))?[..n];
+        for (h, b) in pinned.iter_mut().zip(data.chunks_exact(2)) {
+            *h = bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+        let rows = self.copies.clone_htod(ids).map_err(device_err(OP))?;
+        // Earlier compute work on these blocks ends first.
+        self.copies.join(&self.stream).map_err(device_err(OP))?;
+        self.copies.memcpy_htod(&*pinned, &mut device.slice_mut(0..n)).map_err(device_err(OP))?;
+        let (count, cols) = (u32_of(OP, ids.len())?, u32_of(OP, block_elems)?);
+        {
+            let mut l = self.copies.launch_builder(&self.k.scatter_rows);
+            l.arg(cache).arg(&*device).arg(&rows).arg(&count).arg(&cols);
+            launch(&mut l, flat(n), OP)?;
+        }
+        // The next step's reads wait for the blocks on the device; the host does not.
+        self.stream.join(&self.copies).map_err(device_err(OP))
     }
 
     fn copy_into(&self, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {

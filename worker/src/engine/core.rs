@@ -734,17 +734,20 @@ impl<B: Backend> EngineCore<B> {
     /// takes from there, before the forward writes or reads any of them. A block that
     /// cannot be copied out is only lost to the cache (computed again when asked for).
     fn move_blocks(&mut self, step: &Step) -> Result<(), EngineError> {
-        for &(id, hash) in &step.offload {
-            match self.exec.save_block(id) {
-                Ok(data) => self.scheduler.offloaded(hash, Arc::new(data)),
-                Err(e) => tracing::warn!("KV block {id} could not be copied to the second tier: {e}"),
+        let ids: Vec<u32> = step.offload.iter().map(|&(id, _)| id).collect();
+        match self.exec.save_blocks(&ids) {
+            Ok(saved) => {
+                for (&(_, hash), data) in step.offload.iter().zip(saved) {
+                    self.scheduler.offloaded(hash, Arc::new(data));
+                }
             }
+            Err(e) => tracing::warn!("{} KV blocks could not be copied to the second tier: {e}", ids.len()),
         }
-        for (id, data, _) in &step.onload {
-            if let Err(e) = self.exec.load_block(*id, data.clone()) {
-                self.scheduler.onload_failed(step);
-                return Err(e.into());
-            }
+        let (ids, data): (Vec<u32>, Vec<Arc<Vec<u8>>>) =
+            step.onload.iter().map(|(id, data, _)| (*id, data.clone())).unzip();
+        if let Err(e) = self.exec.load_blocks(&ids, &data) {
+            self.scheduler.onload_failed(step);
+            return Err(e.into());
         }
         Ok(())
     }
@@ -759,8 +762,8 @@ impl<B: Backend> EngineCore<B> {
             return self.scheduler.tiers_mut().map_or(0, |t| t.spill_host(capacity));
         };
         // Only the newest that fit: older ones would be written to be pushed out.
-        let block = match self.exec.save_block(newest) {
-            Ok(data) => data.len().max(1) as u64,
+        let block = match self.exec.save_blocks(&[newest]) {
+            Ok(data) => data.first().map_or(1, |d| d.len().max(1)) as u64,
             Err(e) => {
                 tracing::warn!("the KV cache could not be copied to disk at shutdown: {e}");
                 return 0;
@@ -770,10 +773,17 @@ impl<B: Backend> EngineCore<B> {
         let device = &cached[cached.len().saturating_sub(fit)..];
         let host_room = capacity.saturating_sub(device.len() as u64 * block);
         let mut written = self.scheduler.tiers_mut().map_or(0, |t| t.spill_host(host_room));
-        for &(id, hash) in device {
-            match self.exec.save_block(id) {
-                Ok(data) => written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, &data)) as usize,
-                Err(e) => tracing::warn!("KV block {id} could not be copied to disk at shutdown: {e}"),
+        // A few MB at a time: the whole cache copied at once could be most of memory.
+        let per_copy = ((8 << 20) / block as usize).max(1);
+        for part in device.chunks(per_copy) {
+            let ids: Vec<u32> = part.iter().map(|&(id, _)| id).collect();
+            match self.exec.save_blocks(&ids) {
+                Ok(saved) => {
+                    for (&(_, hash), data) in part.iter().zip(saved) {
+                        written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, &data)) as usize;
+                    }
+                }
+                Err(e) => tracing::warn!("{} KV blocks could not be copied to disk at shutdown: {e}", ids.len()),
             }
         }
         written
@@ -1202,24 +1212,21 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Copies the computed full blocks of a sequence's prompt, from block `skip` on,
-    /// for a handoff. A block that cannot be copied ends the list there: the receiver
-    /// computes what it lacks.
+    /// for a handoff (none if the copy fails: the receiver computes what it lacks).
     fn export_prompt(&mut self, seq_id: SeqId, skip: usize) -> KvBlocks {
         let seq = self.scheduler.get(seq_id).expect("sampled sequences exist");
         let full = (seq.num_computed.min(seq.prompt_len) / BLOCK_TOKENS).min(seq.block_hashes.len());
         let blocks: Vec<(u64, u32)> =
             (skip.min(full)..full).map(|i| (seq.block_hashes[i], seq.block_table[i])).collect();
-        let mut out = Vec::with_capacity(blocks.len());
-        for (hash, id) in blocks {
-            match self.exec.save_block(id) {
-                Ok(data) => out.push((hash, data)),
-                Err(e) => {
-                    tracing::warn!("KV block {id} could not be copied for a handoff: {e}");
-                    break;
-                }
+        let ids: Vec<u32> = blocks.iter().map(|&(_, id)| id).collect();
+        match self.exec.save_blocks(&ids) {
+            Ok(saved) => blocks.iter().map(|&(hash, _)| hash).zip(saved).collect(),
+            Err(e) => {
+                // The receiver computes the prompt itself.
+                tracing::warn!("the prompt's KV blocks could not be copied for a handoff: {e}");
+                Vec::new()
             }
         }
-        out
     }
 
     /// Brings a completion's state to where it would be had it sampled `tokens` here:

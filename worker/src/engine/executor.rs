@@ -65,20 +65,29 @@ impl<B: Backend> Executor<B> {
 }
 
 impl<B: Backend> Executor<B> {
-    /// Block `id` of the KV cache as stored (each rank's share of it, rank 0 first): what
-    /// the second KV tier keeps of a block the pool evicts.
-    pub fn save_block(&mut self, id: u32) -> Result<Vec<u8>, ModelError> {
+    /// Blocks `ids` of the KV cache as stored (each rank's share of a block, rank 0
+    /// first): what the second KV tier keeps of a block the pool evicts.
+    pub fn save_blocks(&mut self, ids: &[u32]) -> Result<Vec<Vec<u8>>, ModelError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
         match self {
-            Executor::Single { model, kv } => model.save_kv_block(kv, id),
-            Executor::Parallel(tp) => tp.save_block(id),
+            Executor::Single { model, kv } => model.save_kv_blocks(kv, ids),
+            Executor::Parallel(tp) => tp.save_blocks(ids),
         }
     }
 
-    /// Writes a block `save_block` gave back into block `id`.
-    pub fn load_block(&mut self, id: u32, data: Arc<Vec<u8>>) -> Result<(), ModelError> {
+    /// Writes blocks `save_blocks` gave back into blocks `ids`.
+    pub fn load_blocks(&mut self, ids: &[u32], data: &[Arc<Vec<u8>>]) -> Result<(), ModelError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
         match self {
-            Executor::Single { model, kv } => model.load_kv_block(kv, id, &data),
-            Executor::Parallel(tp) => tp.load_block(id, data),
+            Executor::Single { model, kv } => {
+                let blocks: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+                model.load_kv_blocks(kv, ids, &blocks)
+            }
+            Executor::Parallel(tp) => tp.load_blocks(ids, data),
         }
     }
 }
@@ -109,18 +118,18 @@ struct OwnedSeq {
 /// What the engine's thread asks of every rank.
 enum Job {
     Forward(Arc<Vec<OwnedSeq>>),
-    /// Its share of a KV block, as stored.
-    Save(u32),
-    /// A saved block's bytes (every rank's share, each the same length, rank 0 first)
-    /// into a block.
-    Load(u32, Arc<Vec<u8>>),
+    /// Its share of KV blocks, as stored.
+    Save(Vec<u32>),
+    /// Saved blocks' bytes (every rank's share, each the same length, rank 0 first)
+    /// into blocks.
+    Load(Vec<u32>, Vec<Arc<Vec<u8>>>),
 }
 
 struct Rank {
     jobs: Option<Sender<Job>>,
     /// Logits of a forward (rank 0's count), or a saved share of a block.
     results: Receiver<Result<Vec<f32>, ModelError>>,
-    saved: Receiver<Result<Vec<u8>, ModelError>>,
+    saved: Receiver<Result<Vec<Vec<u8>>, ModelError>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -187,14 +196,14 @@ impl TensorParallel {
         Ok(())
     }
 
-    /// Every rank's share of block `id`, concatenated, rank 0 first.
-    fn save_block(&mut self, id: u32) -> Result<Vec<u8>, ModelError> {
-        self.send(|| Job::Save(id))?;
-        let mut out = Vec::new();
+    /// Every rank's share of each block, concatenated, rank 0 first.
+    fn save_blocks(&mut self, ids: &[u32]) -> Result<Vec<Vec<u8>>, ModelError> {
+        self.send(|| Job::Save(ids.to_vec()))?;
+        let mut out = vec![Vec::new(); ids.len()];
         let mut error = None;
         for r in &self.ranks {
             match r.saved.recv() {
-                Ok(Ok(share)) => out.extend_from_slice(&share),
+                Ok(Ok(shares)) => out.iter_mut().zip(shares).for_each(|(block, share)| block.extend_from_slice(&share)),
                 Ok(Err(e)) => {
                     error.get_or_insert(e);
                 }
@@ -206,8 +215,8 @@ impl TensorParallel {
         error.map_or(Ok(out), Err)
     }
 
-    fn load_block(&mut self, id: u32, data: Arc<Vec<u8>>) -> Result<(), ModelError> {
-        self.send(|| Job::Load(id, data.clone()))?;
+    fn load_blocks(&mut self, ids: &[u32], data: &[Arc<Vec<u8>>]) -> Result<(), ModelError> {
+        self.send(|| Job::Load(ids.to_vec(), data.to_vec()))?;
         self.collect().map(drop)
     }
 
@@ -235,7 +244,7 @@ impl TensorParallel {
     }
 }
 
-type RankAnswers = (Sender<Result<Vec<f32>, ModelError>>, Sender<Result<Vec<u8>, ModelError>>);
+type RankAnswers = (Sender<Result<Vec<f32>, ModelError>>, Sender<Result<Vec<Vec<u8>>, ModelError>>);
 
 fn rank_loop<B: Backend>(
     model: Model<B>,
@@ -259,15 +268,21 @@ fn rank_loop<B: Backend>(
     while let Ok(job) = jobs.recv() {
         let batch = match job {
             Job::Forward(batch) => batch,
-            Job::Save(id) => {
-                if saved.send(model.save_kv_block(&kv, id)).is_err() {
+            Job::Save(ids) => {
+                if saved.send(model.save_kv_blocks(&kv, &ids)).is_err() {
                     return;
                 }
                 continue;
             }
-            Job::Load(id, data) => {
-                let share = data.len() / ranks;
-                let loaded = model.load_kv_block(&mut kv, id, &data[rank * share..(rank + 1) * share]);
+            Job::Load(ids, data) => {
+                let shares: Vec<&[u8]> = data
+                    .iter()
+                    .map(|d| {
+                        let share = d.len() / ranks;
+                        &d[rank * share..(rank + 1) * share]
+                    })
+                    .collect();
+                let loaded = model.load_kv_blocks(&mut kv, &ids, &shares);
                 if results.send(loaded.map(|()| Vec::new())).is_err() {
                     return;
                 }

@@ -129,34 +129,49 @@ impl<B: Backend> Model<B> {
         Ok(KvCache { block_size, num_blocks, layers, graphs: None })
     }
 
-    /// Block `id` of `kv` as stored, every layer's keys then its values: what a second KV
-    /// tier keeps of a block the pool evicts.
-    pub fn save_kv_block(&self, kv: &KvCache<B>, id: u32) -> Result<Vec<u8>, ModelError> {
+    /// Blocks `ids` of `kv` as stored, each every layer's keys then its values: what a
+    /// second KV tier keeps of a block the pool evicts, or a handoff sends. Each layer
+    /// half is copied for all the blocks at once (one transfer on a GPU, not one each).
+    pub fn save_kv_blocks(&self, kv: &KvCache<B>, ids: &[u32]) -> Result<Vec<Vec<u8>>, ModelError> {
         let elems = self.attention_shape(kv.block_size).block_floats();
-        let mut out = Vec::with_capacity(2 * kv.layers.len() * elems * self.backend.kv_element_bytes());
+        let half = elems * self.backend.kv_element_bytes();
+        let mut blocks = vec![Vec::with_capacity(2 * kv.layers.len() * half); ids.len()];
+        let mut staged = Vec::with_capacity(ids.len() * half);
         for (k, v) in &kv.layers {
-            self.backend.kv_save_blocks(k, elems, &[id], &mut out)?;
-            self.backend.kv_save_blocks(v, elems, &[id], &mut out)?;
+            for cache in [k, v] {
+                staged.clear();
+                self.backend.kv_save_blocks(cache, elems, ids, &mut staged)?;
+                for (block, part) in blocks.iter_mut().zip(staged.chunks_exact(half)) {
+                    block.extend_from_slice(part);
+                }
+            }
         }
-        Ok(out)
+        Ok(blocks)
     }
 
-    /// Writes a block `save_kv_block` gave into block `id` of `kv`.
-    pub fn load_kv_block(&self, kv: &mut KvCache<B>, id: u32, data: &[u8]) -> Result<(), ModelError> {
+    /// Writes blocks `save_kv_blocks` gave into blocks `ids` of `kv`, each layer half
+    /// for all of them at once.
+    pub fn load_kv_blocks(&self, kv: &mut KvCache<B>, ids: &[u32], blocks: &[&[u8]]) -> Result<(), ModelError> {
+        let elems = self.attention_shape(kv.block_size).block_floats();
+        let half = elems * self.backend.kv_element_bytes();
         let parts = 2 * kv.layers.len();
-        if parts == 0 || !data.len().is_multiple_of(parts) {
+        if ids.len() != blocks.len() {
+            return Err(ModelError::Input(format!("{} saved KV blocks for {} block ids", blocks.len(), ids.len())));
+        }
+        if let Some(b) = blocks.iter().find(|b| b.len() != parts * half) {
             return Err(ModelError::Input(format!(
-                "a saved KV block of {} bytes for {parts} layer halves",
-                data.len()
+                "a saved KV block of {} bytes; this cache's are {} ({parts} layer halves)",
+                b.len(),
+                parts * half
             )));
         }
-        let elems = self.attention_shape(kv.block_size).block_floats();
-        let mut halves = data.chunks_exact(data.len() / parts);
-        for (k, v) in &mut kv.layers {
-            for cache in [k, v] {
-                let saved = halves.next().expect("2 × layers parts");
-                self.backend.kv_load_blocks(cache, elems, &[id], saved)?;
+        let mut staged = Vec::with_capacity(ids.len() * half);
+        for (part, cache) in kv.layers.iter_mut().flat_map(|(k, v)| [k, v]).enumerate() {
+            staged.clear();
+            for b in blocks {
+                staged.extend_from_slice(&b[part * half..(part + 1) * half]);
             }
+            self.backend.kv_load_blocks(cache, elems, ids, &staged)?;
         }
         Ok(())
     }
