@@ -25,6 +25,8 @@ pub struct BurstArgs<'a> {
     pub max_tokens: u32,
     pub burst: usize,
     pub burst_tokens: usize,
+    /// Tokens each long prompt asks for (1: only its prefill matters).
+    pub burst_max_tokens: u32,
     pub disaggregate: bool,
 }
 
@@ -82,6 +84,7 @@ async fn phase(
         .map(|b| {
             let t = Target { port: target.port, key: target.key.clone(), model: target.model.clone() };
             let words = args.burst_tokens * 10 / 11;
+            let max_tokens = args.burst_max_tokens;
             tokio::spawn(async move {
                 // A load generator's schedule, not synchronisation: the streams are under
                 // way by then.
@@ -91,7 +94,7 @@ async fn phase(
                 let body = json!({
                     "model": t.model,
                     "messages": [{"role": "user", "content": text}],
-                    "max_tokens": 1,
+                    "max_tokens": max_tokens,
                     "stream": true,
                     "stream_options": {"include_usage": true},
                 });
@@ -151,6 +154,7 @@ fn disaggregation(args: &BurstArgs<'_>) -> Result<()> {
             "streams": args.streams,
             "max_tokens": args.max_tokens,
             "burst_prompts": args.burst,
+            "burst_max_tokens": args.burst_max_tokens,
             "aggregated": aggregated,
             "disaggregated": disaggregated,
             "itl_p99_ratio": ratio("itl_p99_ms"),

@@ -83,6 +83,9 @@ pub struct Args {
     /// Tokens of each long prompt (about).
     #[arg(long, default_value_t = 4000)]
     burst_tokens: usize,
+    /// Tokens each long prompt asks for (more than 1: a disaggregated one is handed over).
+    #[arg(long, default_value_t = 1)]
+    burst_max_tokens: u32,
     /// Streaming clients beside the burst.
     #[arg(long, default_value_t = 4)]
     streams: usize,
@@ -119,6 +122,7 @@ pub fn run(args: Args) -> Result<()> {
             max_tokens: args.output_tokens,
             burst: args.burst_prompts,
             burst_tokens: args.burst_tokens,
+            burst_max_tokens: args.burst_max_tokens,
             disaggregate: args.disaggregate,
         });
     }

@@ -245,6 +245,11 @@ pub struct ApiArgs {
     /// turn (a baseline for comparison).
     #[arg(long, value_enum, default_value_t = Routing::CacheAware)]
     pub routing: Routing,
+    /// Disaggregated serving: a prompt with fewer tokens than this that the chosen
+    /// decode replica lacks is computed there rather than handed over from a prefill
+    /// replica (its transfer and the prefill queue would cost more than they save).
+    #[arg(long, default_value_t = crate::router::pool::HANDOFF_MIN_TOKENS)]
+    pub disaggregation_min_prompt_tokens: usize,
     /// Record no metrics (GET /metrics answers 404; `tessera serve`'s workers record
     /// none either): the baseline for measuring what metrics cost.
     #[arg(long)]

@@ -67,8 +67,15 @@ pub async fn run(
             let settings = workers::Settings { kv_cache_bytes: config.kv_cache_bytes, metrics, speculative, role };
             let worker = workers::start(&worker, &weights, &replica, settings).await?;
             let replica = Arc::new(Replica::connect(&worker.addr).await?);
-            let (_, pool) = pool
-                .get_or_insert_with(|| (replica.clone(), Arc::new(Pool::new(&replica.card.model, config.api.routing))));
+            let (_, pool) = pool.get_or_insert_with(|| {
+                (
+                    replica.clone(),
+                    Arc::new(
+                        Pool::new(&replica.card.model, config.api.routing)
+                            .handing_over_from(config.api.disaggregation_min_prompt_tokens),
+                    ),
+                )
+            });
             pool.add(&worker.addr, replica)?;
             local.push(worker);
         }

@@ -114,8 +114,13 @@ impl Harness {
         Self::with_roles(&[pb::ServingRole::Aggregated]).await
     }
 
-    /// One scripted worker per role, in one pool.
+    /// One scripted worker per role, in one pool that hands over every prompt.
     async fn with_roles(roles: &[pb::ServingRole]) -> Self {
+        Self::with_roles_from(roles, 0).await
+    }
+
+    /// The same, handing over prompts of `min_tokens` on.
+    async fn with_roles_from(roles: &[pb::ServingRole], min_tokens: usize) -> Self {
         let mut workers = Vec::new();
         let mut pool = None;
         let mut first_replica = None;
@@ -130,7 +135,9 @@ impl Harness {
                     .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
             );
             let replica = Arc::new(Replica::connect(&addr).await.unwrap());
-            let pool = pool.get_or_insert_with(|| Arc::new(Pool::new(&replica.card.model, Routing::CacheAware)));
+            let pool = pool.get_or_insert_with(|| {
+                Arc::new(Pool::new(&replica.card.model, Routing::CacheAware).handing_over_from(min_tokens))
+            });
             pool.add(&addr, replica.clone()).unwrap();
             first_replica.get_or_insert(replica);
             workers.push((worker, addr));
@@ -339,6 +346,13 @@ async fn disaggregated_requests_go_on_whatever_side_fails_and_are_billed_once() 
     assert!(chunks.iter().any(|c| c.get("error").is_some()), "{chunks:?}");
     let bill = settled(&h, &id).await;
     assert_eq!((bill.prompt_tokens, bill.completion_tokens), (1, 2));
+
+    // A prompt shorter than the threshold is computed where it decodes, whole.
+    let h = Harness::with_roles_from(&[Prefill, Decode], 2).await;
+    h.script_on(1, vec![last(0, "d", pb::FinishReason::Stop)]);
+    let (status, _, reply) = h.json("/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, 200, "{reply}");
+    assert!(h.seen_on(0).is_empty() && h.seen_on(1)[0].handoff.is_none());
 
     // A prompt and one token is a prefill replica's work, whole.
     let h = Harness::with_roles(&[Prefill, Decode]).await;

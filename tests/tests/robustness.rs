@@ -297,7 +297,10 @@ fn disaggregated_serving_answers_as_one_replica_would() {
     // A prefill worker and a decode worker: each n = 1 request's prompt is computed on
     // the first, its KV blocks sent to the second, which goes on from the first token.
     let data = tempfile::tempdir().unwrap();
-    let serve = Serve::start(data.path(), &["--prefill-replicas", "1", "--decode-replicas", "1"], &[]);
+    // (Prompts of 16 tokens on are handed over: this one's ~80 would be computed where
+    // it decodes by default.)
+    let args = ["--prefill-replicas", "1", "--decode-replicas", "1", "--disaggregation-min-prompt-tokens", "16"];
+    let serve = Serve::start(data.path(), &args, &[]);
     let out = python(THREE_WAYS, &serve.base_url(), &serve.key, &[]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let texts: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -305,11 +308,13 @@ fn disaggregated_serving_answers_as_one_replica_would() {
     assert_eq!(texts["handed"], texts["whole"], "{texts}");
     assert_eq!(texts["streamed"], texts["whole"], "{texts}");
     assert_eq!(texts["usage"], 24, "{texts}");
-    // Both n = 1 requests were handed over with their blocks.
+    // The first was handed over with its blocks. (The second too, unless the decode
+    // worker's report that it holds the prompt now came first: then it computed the
+    // few tokens it lacked itself.)
     let metrics = serve.get("/metrics").unwrap();
     let handed = metrics
         .lines()
         .find(|l| l.starts_with("tessera_handoffs_total") && l.contains("outcome=\"transferred\""))
         .unwrap_or_else(|| panic!("no handoff counted:\n{metrics}"));
-    assert!(handed.ends_with(" 2"), "{handed}");
+    assert!(handed.ends_with(" 1") || handed.ends_with(" 2"), "{handed}");
 }

@@ -110,8 +110,9 @@ struct Started {
 
 /// Sends the generation to replicas until one returns its first delta: disaggregated
 /// when the pool has prefill and decode replicas and the request allows it (one
-/// completion, no prompt scores), whole on a prefill replica when it asks for at most
-/// one token, else (or if no prefill replica can start it) whole.
+/// completion, no prompt scores) and the decode replica lacks enough of the prompt to
+/// make a handoff pay (`Pool::worth_handing_over`); whole on a prefill replica when it
+/// asks for at most one token; else (or if no prefill replica can start it) whole.
 async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize) -> Result<Started, ApiError> {
     let (grammar, grammar_param) = g.grammar.map_or((None, ""), |(g, p)| (Some(g), p));
     let request = pb::GenerateRequest {
@@ -151,6 +152,7 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
     if disaggregable
         && pooled
         && let Some(chosen) = pool.choose_stage(Stage::Decode, &blocks, &[])
+        && pool.worth_handing_over(chosen.id(), request.prompt_token_ids.len(), &blocks)
     {
         let handoff = pb::KvHandoff {
             decode_addr: chosen.replica().addr.clone(),

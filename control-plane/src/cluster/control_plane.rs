@@ -46,7 +46,8 @@ pub async fn run(config: ClusterConfig) -> Result<()> {
 
     let table = ReplicaTable::spawn(client, Duration::from_secs(1));
     let models = Arc::new(Models::expecting(catalog.models.iter().map(|m| (m.id.clone(), m.name.clone()))));
-    tokio::spawn(feed(table.subscribe(), catalog, models.clone(), config.api.routing));
+    let pools = (config.api.routing, config.api.disaggregation_min_prompt_tokens);
+    tokio::spawn(feed(table.subscribe(), catalog, models.clone(), pools));
     let view = ClusterView { table: table.subscribe(), leading: leading_rx };
     crate::serve::serve_api(db, models, Some(view), &config.api, &config.store.data_dir).await?;
     Ok(())
@@ -57,7 +58,9 @@ const CONNECT: Duration = Duration::from_secs(10);
 
 /// Keeps the models' pools equal to the ready replicas in the table; a replica that
 /// cannot be reached yet is tried again every two seconds.
-async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Models>, routing: Routing) {
+/// `pools`: how each new pool routes, and the prompts it hands over.
+async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Models>, pools: (Routing, usize)) {
+    let (routing, handoff_min_tokens) = pools;
     let mut pools: BTreeMap<String, Arc<Pool>> = BTreeMap::new();
     // Replica id → (model, address) of the replicas in a pool.
     let mut joined: BTreeMap<String, (String, String)> = BTreeMap::new();
@@ -103,7 +106,9 @@ async fn feed(mut rx: watch::Receiver<Table>, catalog: Catalog, models: Arc<Mode
             };
             let pool = pools
                 .entry(r.model.clone())
-                .or_insert_with(|| Arc::new(Pool::new(&replica.card.model, routing)))
+                .or_insert_with(|| {
+                    Arc::new(Pool::new(&replica.card.model, routing).handing_over_from(handoff_min_tokens))
+                })
                 .clone();
             if let Err(e) = pool.add(id, replica.clone()) {
                 tracing::warn!("replica {id} left out of routing: {e}");

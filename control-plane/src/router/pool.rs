@@ -26,9 +26,16 @@ pub enum PoolError {
     Model { id: String, got: String, want: String },
 }
 
+/// `Pool::handoff_min_tokens` by default: a prompt of up to 32 blocks is computed where
+/// it decodes (as NVIDIA Dynamo's disaggregated router keeps short prefills local).
+pub const HANDOFF_MIN_TOKENS: usize = 512;
+
 pub struct Pool {
     /// The served model's name as the workers hash it (their cards' `model`).
     model: String,
+    /// Disaggregated serving hands over prompts of at least this many tokens that the
+    /// decode replica lacks; shorter ones it computes itself.
+    handoff_min_tokens: usize,
     hasher: BlockHasher,
     routing: Routing,
     weights: Weights,
@@ -108,6 +115,7 @@ impl Pool {
     pub fn new(model: &str, routing: Routing) -> Self {
         Self {
             model: model.to_string(),
+            handoff_min_tokens: HANDOFF_MIN_TOKENS,
             hasher: BlockHasher::new(model),
             routing,
             weights: Weights::default(),
@@ -158,6 +166,18 @@ impl Pool {
     /// whole requests; without one, any replica does.
     pub fn choose(&self, blocks: &[BlockHash], except: &[String]) -> Option<Dispatch> {
         self.choose_stage(Stage::Whole, blocks, except)
+    }
+
+    /// The same, handing over prompts from `tokens` uncached tokens on
+    /// (`--disaggregation-min-prompt-tokens`).
+    pub fn handing_over_from(self, tokens: usize) -> Self {
+        Self { handoff_min_tokens: tokens, ..self }
+    }
+
+    /// Whether a prompt of `prompt_tokens` is worth handing over to decode replica `id`:
+    /// the tokens it lacks (not held on its device or in its tier) reach the threshold.
+    pub fn worth_handing_over(&self, id: &str, prompt_tokens: usize, blocks: &[BlockHash]) -> bool {
+        prompt_tokens.saturating_sub(self.held_by(id, blocks) * BLOCK_TOKENS) >= self.handoff_min_tokens
     }
 
     /// Whether requests can be served disaggregated: the pool has a prefill replica and
