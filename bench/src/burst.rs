@@ -95,6 +95,8 @@ async fn phase(
                     "model": t.model,
                     "messages": [{"role": "user", "content": text}],
                     "max_tokens": max_tokens,
+                    // Exactly `max_tokens` (an end sampled first would skip a handoff).
+                    "ignore_eos": true,
                     "stream": true,
                     "stream_options": {"include_usage": true},
                 });
@@ -151,6 +153,7 @@ fn disaggregation(args: &BurstArgs<'_>) -> Result<()> {
         json!({
             "bench": "disaggregation",
             "device": device,
+            "cpu_path": tessera_kernels::cpu::dispatched_path(),
             "streams": args.streams,
             "max_tokens": args.max_tokens,
             "burst_prompts": args.burst,
@@ -192,13 +195,14 @@ fn transfer_figures(metrics: &str) -> Value {
             .lines()
             .filter(|l| l.starts_with(name) && l.contains(label))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+            .sum::<f64>()
+            + 0.0 // an empty sum is -0.0
     };
     let handoffs = value("tessera:kv_transfer_seconds_count", "");
     let per = |x: f64| round(x / handoffs.max(1.0));
     json!({
         "handoffs": handoffs,
-        "failed": value("tessera:kv_transfers_total", "outcome=\"failed\"").abs(),
+        "failed": value("tessera:kv_transfers_total", "outcome=\"failed\""),
         "bytes_per_handoff": per(value("tessera:kv_transfer_bytes_total", "direction=\"sent\"")),
         "blocks_per_handoff": per(value("tessera:kv_transfer_blocks_total", "direction=\"sent\"")),
         "ms_per_handoff": per(value("tessera:kv_transfer_seconds_sum", "") * 1000.0),

@@ -317,5 +317,18 @@ pub(crate) fn http_get(addr: &str, path: &str) -> Result<String> {
     conn.read_to_string(&mut answer)?;
     let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
     anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "GET {path} from {addr}: {}", head.lines().next().unwrap_or(""));
-    Ok(body.to_string())
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Ok(body.to_string());
+    }
+    // Chunked: each chunk's hexadecimal size line, its bytes, CRLF; a 0 ends it.
+    let (mut rest, mut out) = (body, String::new());
+    loop {
+        let (size, after) = rest.split_once("\r\n").context("a chunk's size line")?;
+        let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)?;
+        if size == 0 {
+            return Ok(out);
+        }
+        out.push_str(after.get(..size).context("a chunk cut short")?);
+        rest = after.get(size + 2..).context("a chunk's end")?;
+    }
 }

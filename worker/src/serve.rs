@@ -2,7 +2,8 @@
 
 use crate::device;
 use crate::engine::core::{
-    CPU_CONTENDED_BATCH, DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT, EngineConfig, EngineCore,
+    CPU_CONTENDED_BATCH, DECODE_PROMPT_STEP_PERCENT, DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_PROMPT_STEP_PERCENT,
+    EngineConfig, EngineCore,
 };
 use crate::engine::kv_tier::TierConfig;
 use crate::engine::runner::EngineHandle;
@@ -72,9 +73,11 @@ pub struct ServeConfig {
     pub max_num_batched_tokens: usize,
     /// While others decode, a step with prompt chunks takes at most this percentage of
     /// a decode step's time, measured as the engine runs; 0: only
-    /// --max-num-batched-tokens bounds it.
-    #[arg(long, default_value_t = DEFAULT_PROMPT_STEP_PERCENT)]
-    pub prompt_step_percent: u32,
+    /// --max-num-batched-tokens bounds it. Default 250, and 100 on a decode replica
+    /// (disaggregated serving: the prompts it computes itself are short, and its
+    /// streams' gaps are what it is for).
+    #[arg(long)]
+    pub prompt_step_percent: Option<u32>,
     /// While more than one organization has work here, a step runs at most this many
     /// rows, shared by their weights (fair sharing); default 8 on a CPU, --max-num-seqs
     /// on a GPU.
@@ -341,7 +344,10 @@ fn build<B: Backend + 'static>(
         max_num_seqs: config.max_num_seqs,
         num_blocks,
         graph_batch_sizes: if config.enforce_eager { Vec::new() } else { config.cuda_graph_sizes.clone() },
-        prompt_step_percent: config.prompt_step_percent,
+        prompt_step_percent: config.prompt_step_percent.unwrap_or(match config.disaggregation_mode {
+            Role::Decode => DECODE_PROMPT_STEP_PERCENT,
+            _ => DEFAULT_PROMPT_STEP_PERCENT,
+        }),
         speculative: config.spec_config(),
         contended_batch: config.contended_batch.unwrap_or(match rank0.backend().name() {
             "cpu" => CPU_CONTENDED_BATCH,

@@ -48,9 +48,10 @@ pub struct AgentConfig {
     pub max_num_batched_tokens: usize,
     /// Each replica's pacing, as `tessera-worker serve --prompt-step-percent`: while
     /// others decode, a step with prompt chunks takes at most this percentage of a decode
-    /// step's time; 0: only --max-num-batched-tokens bounds it.
-    #[arg(long, default_value_t = crate::engine::core::DEFAULT_PROMPT_STEP_PERCENT)]
-    pub prompt_step_percent: u32,
+    /// step's time; 0: only --max-num-batched-tokens bounds it (default: the worker's,
+    /// by the replica's role).
+    #[arg(long)]
+    pub prompt_step_percent: Option<u32>,
     /// Each replica's fair sharing, as `tessera-worker serve --contended-batch`: while
     /// organizations contend, a step runs at most this many rows (default 8 on a CPU,
     /// --max-num-seqs on a GPU).

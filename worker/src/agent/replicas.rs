@@ -19,7 +19,7 @@ pub struct EngineTemplate {
     pub kv_cache_bytes: Option<u64>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
-    pub prompt_step_percent: u32,
+    pub prompt_step_percent: Option<u32>,
     pub contended_batch: Option<usize>,
     /// The second KV tier; its folder holds one per replica, named after it.
     pub kv_tier: crate::serve::KvTierArgs,

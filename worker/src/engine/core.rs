@@ -67,6 +67,9 @@ pub const CPU_CONTENDED_BATCH: usize = 8;
 /// this project's 2-core machines). Prompts beside decodes lose little by it: their
 /// share of such a step goes from 2/3 to 3/5.
 pub const DEFAULT_PROMPT_STEP_PERCENT: u32 = 250;
+/// A decode replica's (disaggregated serving): long prompts come computed from prefill
+/// replicas, so the prompt chunks it runs are short ones' and its gaps matter most.
+pub const DECODE_PROMPT_STEP_PERCENT: u32 = 100;
 
 /// vLLM's default capture sizes, up to 256.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 11] = [1, 2, 4, 8, 16, 24, 32, 64, 128, 192, 256];

@@ -56,7 +56,7 @@ pub fn serve_config(kv_cache_bytes: u64) -> tessera_worker::serve::ServeConfig {
         no_metrics: false,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
-        prompt_step_percent: tessera_worker::engine::core::DEFAULT_PROMPT_STEP_PERCENT,
+        prompt_step_percent: None,
         contended_batch: None,
         kv_tier: Default::default(),
         disaggregation_mode: Default::default(),
