@@ -362,6 +362,20 @@ async fn disaggregated_requests_go_on_whatever_side_fails_and_are_billed_once() 
     assert_eq!(status, 200, "{reply}");
     assert!(h.seen_on(0)[0].handoff.is_none() && h.seen_on(1).is_empty());
 
+    // Aggregated replicas beside the pools take whole requests (n = 2 here); n = 1 is
+    // still handed over.
+    let h = Harness::with_roles(&[pb::ServingRole::Aggregated, Prefill, Decode]).await;
+    h.script_on(0, vec![last(0, "x", pb::FinishReason::Stop), last(1, "y", pb::FinishReason::Stop)]);
+    let two =
+        json!({"model": "test/scripted", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "n": 2});
+    let (status, _, reply) = h.json("/v1/chat/completions", two).await;
+    assert_eq!((status, reply["choices"][1]["message"]["content"].as_str()), (200, Some("y")), "{reply}");
+    h.script_on(1, vec![first_token(), handoff("")]);
+    h.script_on(2, vec![decoded("a2", pb::FinishReason::Stop)]);
+    let (status, _, reply) = h.json("/v1/chat/completions", body.clone()).await;
+    assert_eq!((status, reply["choices"][0]["message"]["content"].as_str()), (200, Some("a1 a2")), "{reply}");
+    assert_eq!((h.seen_on(0).len(), h.seen_on(1).len(), h.seen_on(2).len()), (1, 1, 1));
+
     // n > 1 is never disaggregated: served whole by the decode replica.
     let h = Harness::with_roles(&[Prefill, Decode]).await;
     h.script_on(1, vec![last(0, "x", pb::FinishReason::Stop), last(1, "y", pb::FinishReason::Stop)]);

@@ -317,4 +317,68 @@ fn disaggregated_serving_answers_as_one_replica_would() {
         .find(|l| l.starts_with("tessera_handoffs_total") && l.contains("outcome=\"transferred\""))
         .unwrap_or_else(|| panic!("no handoff counted:\n{metrics}"));
     assert!(handed.ends_with(" 1") || handed.ends_with(" 2"), "{handed}");
+
+    // The prefill worker killed as its first token reaches the client (its blocks on
+    // their way): the request goes on at the decode worker, which computes what it
+    // lacks, and ends with all its tokens.
+    let [prefill, _] = workers_by_role(&serve);
+    let done = kill_at_first_token(&serve, &prefill);
+    assert_eq!((done["finish"].as_str(), done["completion_tokens"].as_u64()), (Some("length"), Some(24)), "{done}");
+
+    // The decode worker killed the same way, on a second pair: the request goes on at
+    // the prefill worker, resumed after its first token.
+    let data = tempfile::tempdir().unwrap();
+    let serve = Serve::start(data.path(), &args, &[]);
+    let [_, decode] = workers_by_role(&serve);
+    let done = kill_at_first_token(&serve, &decode);
+    assert_eq!((done["finish"].as_str(), done["completion_tokens"].as_u64()), (Some("length"), Some(24)), "{done}");
 }
+
+/// `tessera serve`'s prefill worker and decode worker, by their command lines.
+fn workers_by_role(serve: &Serve) -> [String; 2] {
+    let children =
+        std::process::Command::new("pgrep").args(["-P", &serve.process.0.id().to_string()]).output().unwrap();
+    let pids: Vec<String> = String::from_utf8(children.stdout).unwrap().split_whitespace().map(String::from).collect();
+    let role = |pid: &String| std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap().replace('\0', " ");
+    let find = |mode: &str| {
+        pids.iter()
+            .find(|p| role(p).contains(&format!("--disaggregation-mode {mode}")))
+            .cloned()
+            .unwrap_or_else(|| panic!("no {mode} worker among {pids:?}"))
+    };
+    [find("prefill"), find("decode")]
+}
+
+/// Streams a long greedy request, SIGKILLs `pid` as its first token arrives, and
+/// returns how the stream ended (finish reason, completion tokens).
+fn kill_at_first_token(serve: &Serve, pid: &str) -> Value {
+    use std::io::BufRead;
+    let mut client = python(KILLED_MID_STREAM, &serve.base_url(), &serve.key, &[]).spawn().unwrap();
+    let mut out = std::io::BufReader::new(client.stdout.take().unwrap()).lines();
+    assert_eq!(out.next().unwrap().unwrap(), "FIRST");
+    let killed = std::process::Command::new("kill").args(["-KILL", pid]).status().unwrap();
+    assert!(killed.success());
+    let last = out.next().expect("the stream's end").unwrap();
+    assert!(client.wait().unwrap().success());
+    serde_json::from_str(&last).unwrap()
+}
+
+/// A streamed greedy request of a ~600-token prompt: prints FIRST at its first token,
+/// then how it ended.
+const KILLED_MID_STREAM: &str = r#"
+import os, sys, json, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0, timeout=120)
+text = "Summarise these notes: " + " ".join(f"note {i} says the tide was {i % 7} metres" for i in range(60))
+stream = c.chat.completions.create(model="vendor-c/model-c", messages=[{"role": "user", "content": text}],
+    max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+finish, usage, first = None, None, True
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content and first:
+        print("FIRST", flush=True)
+        first = False
+    if chunk.choices and chunk.choices[0].finish_reason:
+        finish = chunk.choices[0].finish_reason
+    if chunk.usage:
+        usage = chunk.usage.completion_tokens
+print(json.dumps({"finish": finish, "completion_tokens": usage}))
+"#;

@@ -162,6 +162,9 @@ pub struct WorkerService {
     /// The vision encoder, for a model that reads images.
     images: Option<Arc<dyn PlaceImages>>,
     peers: Peers,
+    /// Bytes of one saved KV block here (every rank's share): a transfer's blocks must
+    /// be the same (0: not checked).
+    kv_block_bytes: u64,
 }
 
 impl WorkerService {
@@ -174,7 +177,18 @@ impl WorkerService {
         let (_, closing) = tokio::sync::watch::channel(false);
         let next_id = AtomicU64::new(1);
         let peers = Peers { clients: Arc::default(), kv_identity: card.kv_identity.clone(), engine: engine.clone() };
-        Self { engine, card, grammars, live: LiveIds::default(), next_id, closing, metrics: None, images: None, peers }
+        Self {
+            engine,
+            card,
+            grammars,
+            live: LiveIds::default(),
+            next_id,
+            closing,
+            metrics: None,
+            images: None,
+            peers,
+            kv_block_bytes: 0,
+        }
     }
 
     /// The same, reading requests' images with `encoder`.
@@ -213,6 +227,11 @@ impl WorkerService {
                 ImageError::Encoder { .. } => errors::status(Code::Internal, ErrorKind::Internal, e.to_string()),
                 _ => errors::status(Code::InvalidArgument, ErrorKind::ImageRefused, e.to_string()),
             })
+    }
+
+    /// The same, taking transferred KV blocks of `bytes` each only.
+    pub fn with_kv_block_bytes(self, bytes: u64) -> Self {
+        Self { kv_block_bytes: bytes, ..self }
     }
 
     /// The same, serving `metrics` at GET /metrics.
@@ -585,6 +604,12 @@ impl pb::worker_server::Worker for WorkerService {
             return Err(refuse(format!(
                 "KV blocks of {} cannot be used by this replica of {}: other weights or layout",
                 header.kv_identity, self.card.model
+            )));
+        }
+        if self.kv_block_bytes != 0 && header.block_bytes != self.kv_block_bytes {
+            return Err(refuse(format!(
+                "KV blocks of {} bytes cannot be used by this replica, whose blocks are {} bytes",
+                header.block_bytes, self.kv_block_bytes
             )));
         }
         let mut reply = pb::KvPushReply::default();

@@ -261,9 +261,9 @@ fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>
 }
 
 /// What the bytes of a KV block depend on, as replicas exchanging blocks compare it
-/// (`ModelCard::kv_identity`): the disk tier's identity without the files' times and
-/// the backend, since another node's copy of the weights, or a GPU's block copied to
-/// the host, has the same bytes. Hex SHA-256.
+/// (`ModelCard::kv_identity`): the disk tier's identity without the files' times, since
+/// another node's copy of the weights has the same bytes. The backend stays in it: a
+/// CPU stores f16 and a GPU bf16, two bytes each. Hex SHA-256.
 fn transfer_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
     use sha2::{Digest, Sha256};
     let mut files: Vec<String> = match std::fs::read_dir(path) {
@@ -276,8 +276,9 @@ fn transfer_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Mo
     files.sort();
     let c = &rank0.config;
     let text = format!(
-        "{model}|{}|kv {} bytes|{} layers × {}|{BLOCK_TOKENS}-token blocks|{ranks} ranks",
+        "{model}|{}|{}|kv {} bytes|{} layers × {}|{BLOCK_TOKENS}-token blocks|{ranks} ranks",
         files.join(","),
+        rank0.backend().name(),
         rank0.backend().kv_element_bytes(),
         c.num_layers,
         c.kv_width(),
@@ -364,6 +365,7 @@ fn build<B: Backend + 'static>(
         },
     };
     let kv_identity = transfer_identity(path, &config.model, rank0, ranks.len());
+    let ranks_count = ranks.len() as u64;
     let core = if ranks.len() == 1 {
         let model = ranks.into_iter().next().context("no ranks")?;
         match draft {
@@ -406,7 +408,8 @@ fn build<B: Backend + 'static>(
         None => (EngineHandle::spawn(core), None),
         Some((recorder, metrics)) => (EngineHandle::spawn_recording(core, Some(recorder)), Some(metrics)),
     };
-    let mut service = WorkerService::new(engine, card);
+    // A saved block holds every rank's share.
+    let mut service = WorkerService::new(engine, card).with_kv_block_bytes(block_bytes * ranks_count);
     if let Some(metrics) = metrics {
         service = service.with_metrics(metrics);
     }

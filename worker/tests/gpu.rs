@@ -330,6 +330,37 @@ fn tier_and_handoff<B: Backend + 'static>(backend: impl Fn() -> B, dir: &Path) {
     let (rest, cached) = run_all(&mut decode).remove(&3).unwrap();
     assert_eq!(cached, 192, "the prompt's 12 blocks came from the prefill engine");
     assert_eq!([first, rest].concat(), whole);
+
+    // A thinking budget of 0: the close is forced from the first token, and the handoff
+    // waits for its end (a replay could not tell a close under way), then goes on the
+    // same on the other engine.
+    let close = prefill.tokenizer().encode("\n</think>\n\n").unwrap();
+    let budget = ThinkingBudget {
+        inside: true,
+        open: "<think>".into(),
+        close: "</think>".into(),
+        close_tokens: close.clone(),
+        budget: 0,
+    };
+    let thinking = |id, resume: Vec<u32>, handoff| Request {
+        thinking: Some(budget.clone()),
+        ignore_eos: true,
+        resume,
+        handoff,
+        ..Request::greedy(id, prompt.clone(), 12)
+    };
+    let whole = {
+        let mut e = engine(backend(), dir, 64);
+        e.add_request(thinking(4, Vec::new(), None)).unwrap();
+        run_all(&mut e).remove(&4).unwrap().0
+    };
+    assert_eq!(&whole[..close.len()], close.as_slice());
+    prefill.add_request(thinking(5, Vec::new(), Some(Handoff { skip_blocks: 12 }))).unwrap();
+    let first = run_all(&mut prefill).remove(&5).unwrap().0;
+    assert_eq!(first, close, "handed over once the close was out");
+    decode.add_request(thinking(6, first.clone(), None)).unwrap();
+    let rest = run_all(&mut decode).remove(&6).unwrap().0;
+    assert_eq!([first, rest].concat(), whole);
 }
 
 #[test]

@@ -188,19 +188,20 @@ async fn a_prefill_replica_hands_its_blocks_to_a_decode_replica_which_goes_on_as
 
     // Blocks of other weights, another format, or for a replica without a tier to keep
     // them in, are refused.
-    let chunk = |version, kv_identity: &str| pb::KvChunk {
+    let chunk = |version, kv_identity: &str, block_bytes: u64| pb::KvChunk {
         header: Some(pb::KvTransferHeader {
             version,
             kv_identity: kv_identity.into(),
-            block_bytes: 4,
+            block_bytes,
             request_id: "x".into(),
         }),
-        blocks: vec![pb::KvBlock { hash: 1, data: vec![0; 4] }],
+        blocks: vec![pb::KvBlock { hash: 1, data: vec![0; block_bytes as usize] }],
     };
     for (to, c) in [
-        (d.clone(), chunk(1, "other")),
-        (d.clone(), chunk(2, &card.kv_identity)),
-        (p.clone(), chunk(1, &card.kv_identity)),
+        (d.clone(), chunk(1, "other", block)),
+        (d.clone(), chunk(2, &card.kv_identity, block)),
+        (d.clone(), chunk(1, &card.kv_identity, 4)),
+        (p.clone(), chunk(1, &card.kv_identity, block)),
     ] {
         let refused = to.clone().push_kv(tokio_stream::iter([c])).await.unwrap_err();
         assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");

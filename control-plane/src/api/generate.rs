@@ -136,17 +136,22 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
         ..Default::default()
     };
     let blocks = pool.blocks(&request.prompt_token_ids, &g.image_spans);
-    let request_id = meter.request_id();
-    let params = (grammar_param, g.prompt_param);
+    let mut attempts = Attempts {
+        pool,
+        blocks: &blocks,
+        meter,
+        slot,
+        request_id: meter.request_id(),
+        params: (grammar_param, g.prompt_param),
+        tried: Vec::new(),
+    };
     let pooled = pool.disaggregated();
     // A prompt and at most one token is a prefill replica's work, whole.
-    if pooled && request.max_tokens <= 1 {
-        let tried = Vec::new();
-        if let Some((stream, first)) =
-            attempts(pool, Stage::Prefill, &request, &blocks, meter, slot, tried, params, &request_id).await?
-        {
-            return Ok(Started { stream, first, decode: None });
-        }
+    if pooled
+        && request.max_tokens <= 1
+        && let Some((stream, first)) = attempts.run(Stage::Prefill, &request, false).await?
+    {
+        return Ok(Started { stream, first, decode: None });
     }
     let disaggregable = request.n <= 1 && request.prompt_logprobs.is_none() && request.max_tokens > 1;
     if disaggregable
@@ -159,13 +164,12 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
             skip_blocks: pool.held_by(chosen.id(), &blocks) as u32,
         };
         let prefill = pb::GenerateRequest { handoff: Some(handoff), ..request.clone() };
-        let tried = Vec::new();
-        match attempts(pool, Stage::Prefill, &prefill, &blocks, meter, slot, tried, params, &request_id).await? {
+        match attempts.run(Stage::Prefill, &prefill, false).await? {
             Some((stream, first)) => {
                 let decode = Decode {
                     pool: pool.clone(),
                     request,
-                    blocks,
+                    blocks: blocks.clone(),
                     chosen: Some(chosen),
                     generated: Vec::new(),
                     prompt_tokens: 0,
@@ -173,66 +177,70 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
                 };
                 return Ok(Started { stream, first, decode: Some(decode) });
             }
-            None => tracing::warn!(request_id, "no prefill replica could start the request; serving it whole"),
+            None => {
+                tracing::warn!(request_id = %attempts.request_id, "no prefill replica could start the request; serving it whole")
+            }
         }
     }
-    let tried = Vec::new();
-    match attempts(pool, Stage::Whole, &request, &blocks, meter, slot, tried, params, &request_id).await? {
+    match attempts.run(Stage::Whole, &request, false).await? {
         Some((stream, first)) => Ok(Started { stream, first, decode: None }),
         None => Err(ApiError::Overloaded),
     }
 }
 
-/// Sends `request` to replicas of `stage` (`ATTEMPTS` at most, none in `tried`) until
-/// one returns its first delta; None when none could.
-#[allow(clippy::too_many_arguments)]
-async fn attempts(
-    pool: &Pool,
-    stage: Stage,
-    request: &pb::GenerateRequest,
-    blocks: &[BlockHash],
-    meter: &Meter,
+struct Attempts<'a> {
+    pool: &'a Pool,
+    blocks: &'a [BlockHash],
+    meter: &'a Meter,
     slot: usize,
-    mut tried: Vec<String>,
-    (grammar_param, prompt_param): (&str, &'static str),
-    request_id: &str,
-) -> Result<Option<(Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>)>, ApiError> {
-    let first_attempt = tried.len();
-    while tried.len() - first_attempt < ATTEMPTS {
-        let Some(dispatch) = pool.choose_stage(stage, blocks, &tried) else { break };
-        let id = dispatch.id().to_string();
-        let attempt_id = attempt_id(request_id, slot, tried.len() + 1, stage);
-        let mut attempt =
-            tonic::Request::new(pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() });
-        // The worker's span for it joins this request's trace.
-        tessera_worker::telemetry::inject(&tracing::Span::current(), attempt.metadata_mut());
-        let first = match dispatch.replica().client.clone().generate(attempt).await {
-            Ok(stream) => {
-                let mut stream = stream.into_inner();
-                match stream.message().await {
-                    Ok(first) if !first.as_ref().is_some_and(aborted_before_output) => Ok((stream, first)),
-                    Ok(_) => Err(Status::aborted("the worker aborted the request before its first token")),
-                    Err(s) => Err(s),
+    request_id: String,
+    /// The parameters a worker's refusal names (`worker_error`).
+    params: (&'a str, &'static str),
+    tried: Vec<String>,
+}
+
+type FirstDelta = (Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>);
+
+impl Attempts<'_> {
+    /// Sends `request` to replicas of `stage` not tried yet (`ATTEMPTS` at most) until
+    /// one returns its first delta; None when none could. `resumed`: the request goes on
+    /// after tokens generated elsewhere (its attempts are named for it).
+    async fn run(
+        &mut self,
+        stage: Stage,
+        request: &pb::GenerateRequest,
+        resumed: bool,
+    ) -> Result<Option<FirstDelta>, ApiError> {
+        let (grammar_param, prompt_param) = self.params;
+        let first_attempt = self.tried.len();
+        while self.tried.len() - first_attempt < ATTEMPTS {
+            let Some(dispatch) = self.pool.choose_stage(stage, self.blocks, &self.tried) else { break };
+            let id = dispatch.id().to_string();
+            let attempt_id = attempt_id(&self.request_id, self.slot, self.tried.len() + 1, resumed);
+            let mut attempt =
+                tonic::Request::new(pb::GenerateRequest { request_id: attempt_id.clone(), ..request.clone() });
+            // The worker's span for it joins this request's trace.
+            tessera_worker::telemetry::inject(&tracing::Span::current(), attempt.metadata_mut());
+            match start_on(&dispatch, attempt).await {
+                Ok(started) => {
+                    self.meter.started(self.slot);
+                    return Ok(Some(started));
+                }
+                Err(s) if retry_elsewhere(s.code()) => {
+                    tracing::warn!(attempt = %attempt_id, "replica {id} failed before the first token ({s}); trying another");
+                    if s.code() != Code::ResourceExhausted {
+                        self.pool.broken(&id);
+                    }
+                    self.tried.push(id);
+                }
+                Err(s) => {
+                    self.tried.push(id);
+                    return Err(worker_error(s, grammar_param, prompt_param));
                 }
             }
-            Err(s) => Err(s),
-        };
-        match first {
-            Ok(started) => {
-                meter.started(slot);
-                return Ok(Some(started));
-            }
-            Err(s) if retry_elsewhere(s.code()) => {
-                tracing::warn!(attempt = %attempt_id, "replica {id} failed before the first token ({s}); trying another");
-                if s.code() != Code::ResourceExhausted {
-                    pool.broken(&id);
-                }
-                tried.push(id);
-            }
-            Err(s) => return Err(worker_error(s, grammar_param, prompt_param)),
         }
+        Ok(None)
     }
-    Ok(None)
 }
 
 /// The id a worker knows one attempt of a request's generation by: the request's own
@@ -240,12 +248,12 @@ async fn attempts(
 /// prompt's place when a request has several (`-p1`), its decode half's mark when it
 /// was handed over (`-d`) and the attempt's number from the second (`-a2`), so that
 /// every worker line of a request is found by its id.
-fn attempt_id(request_id: &str, slot: usize, attempt: usize, stage: Stage) -> String {
+fn attempt_id(request_id: &str, slot: usize, attempt: usize, resumed: bool) -> String {
     let mut id = request_id.to_string();
     if slot > 0 {
         id.push_str(&format!("-p{slot}"));
     }
-    if stage == Stage::Decode {
+    if resumed {
         id.push_str("-d");
     }
     if attempt > 1 {
@@ -349,8 +357,10 @@ impl Output {
         let request = pb::GenerateRequest { resume_token_ids: d.generated.clone(), handoff: None, ..d.request.clone() };
         let request_id = self.meter.request_id();
         let mut tried = Vec::new();
+        // Whatever a replica answers, the request goes on elsewhere if it can: its first
+        // token has been sent.
         if let Some(chosen) = d.chosen.take() {
-            let attempt_id = attempt_id(&request_id, self.slot, 1, Stage::Decode);
+            let attempt_id = attempt_id(&request_id, self.slot, 1, true);
             let mut attempt = tonic::Request::new(pb::GenerateRequest { request_id: attempt_id, ..request.clone() });
             tessera_worker::telemetry::inject(&tracing::Span::current(), attempt.metadata_mut());
             match start_on(&chosen, attempt).await {
@@ -358,40 +368,40 @@ impl Output {
                     self.continue_with(started);
                     return Ok(());
                 }
-                Err(s) if retry_elsewhere(s.code()) => {
+                Err(s) => {
                     tracing::warn!(
                         "decode replica {} failed before its first token ({s}); trying another",
                         chosen.id()
                     );
-                    if s.code() != Code::ResourceExhausted {
+                    if retry_elsewhere(s.code()) && s.code() != Code::ResourceExhausted {
                         d.pool.broken(chosen.id());
                     }
                     tried.push(chosen.id().to_string());
                 }
-                Err(s) => return Err(self.failed_on(s)),
             }
         }
+        let mut attempts = Attempts {
+            pool: &d.pool,
+            blocks: &d.blocks,
+            meter: &self.meter,
+            slot: self.slot,
+            request_id,
+            params: ("", ""),
+            tried,
+        };
+        let mut refused = None;
         for stage in [Stage::Decode, Stage::Whole] {
-            let found = attempts(
-                &d.pool,
-                stage,
-                &request,
-                &d.blocks,
-                &self.meter,
-                self.slot,
-                tried.clone(),
-                ("", ""),
-                &request_id,
-            )
-            .await
-            .inspect_err(|_| self.probe.failed())?;
-            if let Some(started) = found {
-                self.continue_with(started);
-                return Ok(());
+            match attempts.run(stage, &request, true).await {
+                Ok(Some(started)) => {
+                    self.continue_with(started);
+                    return Ok(());
+                }
+                Ok(None) => {}
+                Err(e) => refused = Some(e),
             }
         }
         self.probe.failed();
-        Err(ApiError::Overloaded)
+        Err(refused.unwrap_or(ApiError::Overloaded))
     }
 
     fn continue_with(&mut self, (stream, first): (Streaming<pb::GenerateResponse>, Option<pb::GenerateResponse>)) {
@@ -400,11 +410,6 @@ impl Output {
         }
         self.stream = stream;
         self.first = first;
-    }
-
-    fn failed_on(&mut self, s: Status) -> ApiError {
-        self.probe.failed();
-        worker_error(s, "", "")
     }
 }
 
@@ -454,11 +459,11 @@ mod tests {
 
     #[test]
     fn each_attempt_is_known_by_the_request_id() {
-        assert_eq!(attempt_id("req_1", 0, 1, Stage::Whole), "req_1");
-        assert_eq!(attempt_id("req_1", 0, 2, Stage::Prefill), "req_1-a2");
-        assert_eq!(attempt_id("req_1", 2, 1, Stage::Whole), "req_1-p2");
-        assert_eq!(attempt_id("req_1", 1, 3, Stage::Whole), "req_1-p1-a3");
-        assert_eq!(attempt_id("req_1", 0, 2, Stage::Decode), "req_1-d-a2");
+        assert_eq!(attempt_id("req_1", 0, 1, false), "req_1");
+        assert_eq!(attempt_id("req_1", 0, 2, false), "req_1-a2");
+        assert_eq!(attempt_id("req_1", 2, 1, false), "req_1-p2");
+        assert_eq!(attempt_id("req_1", 1, 3, false), "req_1-p1-a3");
+        assert_eq!(attempt_id("req_1", 0, 2, true), "req_1-d-a2");
     }
 
     #[test]

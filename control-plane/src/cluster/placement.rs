@@ -159,7 +159,7 @@ pub fn plan(
         }
         let missing = want.saturating_sub(staying.len());
         let Some(weights) = weights(&d.model) else {
-            out.unplaced.insert(d.model.clone(), missing as u32);
+            *out.unplaced.entry(d.model.clone()).or_default() += missing as u32;
             continue;
         };
         for _ in 0..missing {

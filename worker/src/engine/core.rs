@@ -134,9 +134,10 @@ pub struct Request {
     /// Tokens already generated for this request on another replica (disaggregated
     /// serving): the output goes on after them as if they had been sampled here.
     pub resume: Vec<u32>,
-    /// Prefill only: after the first token, the request ends (`FinishReason::Handoff`)
-    /// and its prompt's full blocks, past the first `skip` (which the receiver holds),
-    /// go out with that output (`Output::handoff`).
+    /// Prefill only: after the first token (or, in the middle of a forced close of
+    /// reasoning, after the close), the request ends (`FinishReason::Handoff`) and its
+    /// prompt's full blocks, past the first `skip` (which the receiver holds), go out
+    /// with that output (`Output::handoff`).
     pub handoff: Option<Handoff>,
 }
 
@@ -762,7 +763,10 @@ impl<B: Backend> EngineCore<B> {
         let Some(capacity) = self.scheduler.tiers().and_then(KvTiers::disk_capacity) else { return 0 };
         let cached = self.scheduler.pool().cached_by_age();
         let Some(&(newest, _)) = cached.last() else {
-            return self.scheduler.tiers_mut().map_or(0, |t| t.spill_host(capacity));
+            let Some(tiers) = self.scheduler.tiers_mut() else { return 0 };
+            let written = tiers.spill_host(capacity);
+            tiers.flush();
+            return written;
         };
         // Only the newest that fit: older ones would be written to be pushed out.
         let block = match self.exec.save_blocks(&[newest]) {
@@ -783,11 +787,14 @@ impl<B: Backend> EngineCore<B> {
             match self.exec.save_blocks(&ids) {
                 Ok(saved) => {
                     for (&(_, hash), data) in part.iter().zip(saved) {
-                        written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, &data)) as usize;
+                        written += self.scheduler.tiers_mut().is_some_and(|t| t.persist(hash, data)) as usize;
                     }
                 }
                 Err(e) => tracing::warn!("{} KV blocks could not be copied to disk at shutdown: {e}", ids.len()),
             }
+        }
+        if let Some(t) = self.scheduler.tiers_mut() {
+            t.flush();
         }
         written
     }
@@ -1188,8 +1195,10 @@ impl<B: Backend> EngineCore<B> {
             finish = Some(FinishReason::Length);
         }
         let mut handoff = None;
+        // Not in the middle of a forced close: the receiver's replay would not know it.
         if finish.is_none()
             && let Some(h) = state.handoff
+            && state.thinking.as_ref().is_none_or(Thinking::settled)
         {
             // The text held back (a possible stop string, a partial character) stays
             // held: the receiver's detokenizer, replaying the same tokens, holds it too.
@@ -1240,6 +1249,11 @@ impl<B: Backend> EngineCore<B> {
             if (!state.ignore_eos && self.eos.contains(&token)) || state.stop_token_ids.contains(&token) {
                 let why = format!("resumed token {token} ends the output: there is nothing to resume");
                 return Err(EngineError::InvalidRequest(why));
+            }
+            // Each token's rule, as the step that sampled it asked (a forced close
+            // advances with it).
+            if let Some(t) = &mut state.thinking {
+                t.rule();
             }
             state.sampler.replay(token);
             let delta = state.detok.push(self.tokenizer.inner(), token)?;

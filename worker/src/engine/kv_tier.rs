@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tessera_proto::block_hash::BlockHash;
 
 /// Where a block of the second tier is.
@@ -159,6 +159,7 @@ impl KvTiers {
     }
 
     pub fn take_events(&mut self) -> TierEvents {
+        self.drop_failed_writes();
         std::mem::take(&mut self.events)
     }
 
@@ -186,13 +187,13 @@ impl KvTiers {
                 self.host.remove(oldest);
                 let spilled = self.host_data.remove(&oldest).expect("host entries have data");
                 self.stats.spilled_blocks += 1;
-                self.write_down(oldest, &spilled);
+                self.write_down(oldest, spilled);
             }
             self.host.insert(hash, bytes);
             self.host_data.insert(hash, data);
             self.events.stored.push((hash, Tier::Host));
         } else {
-            self.write_down(hash, &data);
+            self.write_down(hash, data);
         }
     }
 
@@ -218,7 +219,7 @@ impl KvTiers {
             Ok(data) => {
                 self.stats.disk_hits += 1;
                 self.stats.onloaded_bytes += data.len() as u64;
-                Some((Arc::new(data), Tier::Disk))
+                Some((data, Tier::Disk))
             }
             Err(e) => {
                 tracing::warn!("KV block {hash:016x} could not be read back from disk ({e}); computing it again");
@@ -250,15 +251,15 @@ impl KvTiers {
         for hash in newest.into_iter().rev() {
             self.host.remove(hash);
             let data = self.host_data.remove(&hash).expect("host entries have data");
-            written += self.write_down(hash, &data) as usize;
+            written += self.write_down(hash, data) as usize;
         }
         written
     }
 
     /// At shutdown: a block of the device's cache written to disk too (the device's
-    /// copy goes with the process); whether it was.
-    pub fn persist(&mut self, hash: BlockHash, data: &[u8]) -> bool {
-        self.write_down(hash, data)
+    /// copy goes with the process); whether it was queued (`flush` waits for it).
+    pub fn persist(&mut self, hash: BlockHash, data: Vec<u8>) -> bool {
+        self.write_down(hash, Arc::new(data))
     }
 
     /// Drops `hash` from the tiers: the device holds it again.
@@ -274,9 +275,9 @@ impl KvTiers {
         }
     }
 
-    /// Writes a block to disk, the oldest there making room; whether it was written
-    /// (without a disk tier, or too big for it, it is dropped).
-    fn write_down(&mut self, hash: BlockHash, data: &[u8]) -> bool {
+    /// Writes a block to disk, the oldest there making room; whether it was (queued to
+    /// be) written: without a disk tier, or too big for it, it is dropped.
+    fn write_down(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) -> bool {
         let bytes = data.len() as u64;
         let Some(disk) = self.disk.as_mut().filter(|d| bytes <= d.capacity) else {
             self.stats.dropped_blocks += 1;
@@ -287,18 +288,28 @@ impl KvTiers {
             self.stats.dropped_blocks += 1;
             self.events.removed.push(dropped);
         }
-        match disk.write(hash, data) {
-            Ok(()) => {
-                self.events.stored.push((hash, Tier::Disk));
-                true
-            }
-            Err(e) => {
-                tracing::warn!("KV block {hash:016x} could not be written to disk: {e}");
-                self.stats.disk_errors += 1;
+        disk.write(hash, data);
+        self.events.stored.push((hash, Tier::Disk));
+        true
+    }
+
+    /// Drops the blocks whose files could not be written: they are computed again.
+    fn drop_failed_writes(&mut self) {
+        let Some(disk) = self.disk.as_mut() else { return };
+        for hash in disk.take_failed() {
+            self.stats.disk_errors += 1;
+            if disk.lru.remove(hash) {
                 self.events.removed.push(hash);
-                false
             }
         }
+    }
+
+    /// Waits until the disk tier's files are all written (at shutdown, and in tests).
+    pub fn flush(&mut self) {
+        if let Some(disk) = &self.disk {
+            disk.writer.flush();
+        }
+        self.drop_failed_writes();
     }
 }
 
@@ -339,12 +350,114 @@ impl Header {
     }
 }
 
-/// Evicted blocks as files, one a block, in a folder of this identity's own.
+/// Evicted blocks as files, one a block, in a folder of this identity's own. The files
+/// are written and removed on a thread of their own (`Writer`), in order: an engine step
+/// never waits on the disk for a block going down, whose bytes are served from memory
+/// until its file is whole.
 struct DiskTier {
     folder: PathBuf,
     identity: [u8; 32],
     capacity: u64,
     lru: Lru,
+    writer: Writer,
+}
+
+/// The disk tier's file work, in the order it was asked for.
+enum FileOp {
+    Write {
+        hash: BlockHash,
+        path: PathBuf,
+        identity: [u8; 32],
+        data: Arc<Vec<u8>>,
+    },
+    Remove(PathBuf),
+    /// Answered once everything before it is done.
+    Flush(std::sync::mpsc::SyncSender<()>),
+}
+
+/// The thread that does a disk tier's file work, and what it has not finished.
+struct Writer {
+    ops: Option<std::sync::mpsc::Sender<FileOp>>,
+    /// Blocks whose files are queued or being written: reads take their bytes from here.
+    pending: Arc<Mutex<HashMap<BlockHash, Arc<Vec<u8>>>>>,
+    /// Blocks whose files could not be written, not yet dropped from the tier.
+    failed: Arc<Mutex<Vec<BlockHash>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start() -> std::io::Result<Self> {
+        let (ops, queue) = std::sync::mpsc::channel::<FileOp>();
+        let pending: Arc<Mutex<HashMap<BlockHash, Arc<Vec<u8>>>>> = Arc::default();
+        let failed: Arc<Mutex<Vec<BlockHash>>> = Arc::default();
+        let (p, f) = (pending.clone(), failed.clone());
+        let thread = std::thread::Builder::new().name("kv-disk".into()).spawn(move || {
+            for op in queue {
+                match op {
+                    FileOp::Write { hash, path, identity, data } => {
+                        if let Err(e) = write_file(&path, hash, identity, &data) {
+                            tracing::warn!("KV block {hash:016x} could not be written to disk: {e}");
+                            f.lock().unwrap_or_else(|e| e.into_inner()).push(hash);
+                        }
+                        // From now on its file serves it (unless a newer copy is queued).
+                        let mut pending = p.lock().unwrap_or_else(|e| e.into_inner());
+                        if pending.get(&hash).is_some_and(|queued| Arc::ptr_eq(queued, &data)) {
+                            pending.remove(&hash);
+                        }
+                    }
+                    FileOp::Remove(path) => {
+                        if let Err(e) = std::fs::remove_file(&path) {
+                            tracing::debug!("removing KV block file {}: {e}", path.display());
+                        }
+                    }
+                    FileOp::Flush(done) => {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        })?;
+        Ok(Self { ops: Some(ops), pending, failed, thread: Some(thread) })
+    }
+
+    fn send(&self, op: FileOp) {
+        if let Some(ops) = &self.ops {
+            // The thread lives as long as the tier: a send fails only if it panicked.
+            let _ = ops.send(op);
+        }
+    }
+
+    /// Waits until every file operation asked for so far is done.
+    fn flush(&self) {
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        self.send(FileOp::Flush(done));
+        let _ = wait.recv();
+    }
+}
+
+impl Drop for Writer {
+    /// Finishes the work queued (a restart must find the files whole), then ends.
+    fn drop(&mut self) {
+        self.ops = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Writes a block whole under a temporary name and renames it: a file of the block's
+/// name is always whole (a cut-short one is left under the temporary name, and removed).
+fn write_file(path: &Path, hash: BlockHash, identity: [u8; 32], data: &[u8]) -> std::io::Result<()> {
+    let partial = path.with_extension("partial");
+    let header = Header { identity, hash, len: data.len() as u64, crc: crc32fast::hash(data) };
+    let written = std::fs::File::create(&partial).and_then(|mut file| {
+        file.write_all(&header.bytes())?;
+        file.write_all(data)
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&partial, path)) {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
+    }
+    Ok(())
 }
 
 impl DiskTier {
@@ -375,7 +488,7 @@ impl DiskTier {
             }
         }
         found.sort();
-        let mut tier = Self { folder, identity: digest, capacity, lru: Lru::default() };
+        let mut tier = Self { folder, identity: digest, capacity, lru: Lru::default(), writer: Writer::start()? };
         for (_, hash, bytes) in found {
             tier.lru.insert(hash, bytes);
         }
@@ -398,28 +511,19 @@ impl DiskTier {
         self.folder.join(format!("{hash:016x}.kv"))
     }
 
-    /// Writes a block whole under a temporary name and renames it: a file of the
-    /// block's name is always whole (a cut-short one is left under the temporary name,
-    /// and removed).
-    fn write(&mut self, hash: BlockHash, data: &[u8]) -> std::io::Result<()> {
-        let path = self.path(hash);
-        let partial = path.with_extension("partial");
-        let header = Header { identity: self.identity, hash, len: data.len() as u64, crc: crc32fast::hash(data) };
-        let written = std::fs::File::create(&partial).and_then(|mut file| {
-            file.write_all(&header.bytes())?;
-            file.write_all(data)
-        });
-        if let Err(e) = written.and_then(|()| std::fs::rename(&partial, &path)) {
-            let _ = std::fs::remove_file(&partial);
-            return Err(e);
-        }
+    /// Queues a block's file (`Writer`); from now on the tier holds it.
+    fn write(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
         self.lru.insert(hash, data.len() as u64);
-        Ok(())
+        self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(hash, data.clone());
+        self.writer.send(FileOp::Write { hash, path: self.path(hash), identity: self.identity, data });
     }
 
-    /// A block's data, checked against its header: this identity, this hash, its
-    /// length and CRC.
-    fn read(&self, hash: BlockHash) -> std::io::Result<Vec<u8>> {
+    /// A block's data: from memory while its file is being written, else from the file,
+    /// checked against its header (this identity, this hash, its length and CRC).
+    fn read(&self, hash: BlockHash) -> std::io::Result<Arc<Vec<u8>>> {
+        if let Some(data) = self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).get(&hash) {
+            return Ok(data.clone());
+        }
         let mut file = std::fs::File::open(self.path(hash))?;
         let header = Header::read(&mut file).ok_or_else(|| std::io::Error::other("no block header"))?;
         if header.identity != self.identity || header.hash != hash {
@@ -430,7 +534,12 @@ impl DiskTier {
         if data.len() as u64 != header.len || crc32fast::hash(&data) != header.crc {
             return Err(std::io::Error::other("the block's data is not what was written"));
         }
-        Ok(data)
+        Ok(Arc::new(data))
+    }
+
+    /// Blocks whose files could not be written since the last call.
+    fn take_failed(&mut self) -> Vec<BlockHash> {
+        std::mem::take(&mut *self.writer.failed.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Removes a block's file; whether it was held.
@@ -438,9 +547,9 @@ impl DiskTier {
         if !self.lru.remove(hash) {
             return false;
         }
-        if let Err(e) = std::fs::remove_file(self.path(hash)) {
-            tracing::debug!("removing KV block file {hash:016x}: {e}");
-        }
+        self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&hash);
+        // After its write, if that is still queued: the queue keeps the order.
+        self.writer.send(FileOp::Remove(self.path(hash)));
         true
     }
 }
@@ -532,12 +641,41 @@ mod tests {
     }
 
     #[test]
+    fn files_are_written_off_the_step_and_served_from_memory_until_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((dir.path().into(), 10_000)), identity: "m".into() };
+        let mut tiers = KvTiers::open(&config).unwrap();
+        let folder = tiers.disk.as_ref().unwrap().folder.clone();
+        let file = |h: u64| folder.join(format!("{h:016x}.kv"));
+        for h in 1..=20 {
+            tiers.put(h, block(h, 300));
+        }
+        // Held at once, whether or not its file is written yet, with its bytes.
+        assert_eq!(tiers.take(20), Some((block(20, 300), Tier::Disk)));
+        tiers.put(21, block(21, 300));
+        tiers.forget(21);
+        tiers.flush();
+        assert!(tiers.disk.as_ref().unwrap().writer.pending.lock().unwrap().is_empty());
+        assert!(file(1).exists() && file(19).exists());
+        assert!(!file(20).exists() && !file(21).exists(), "a block taken or forgotten leaves no file behind");
+        assert_eq!(tiers.take(1), Some((block(1, 300), Tier::Disk)), "read back from its file");
+        // A file that cannot be written: the block is dropped from the tier, and said so.
+        std::fs::remove_dir_all(&folder).unwrap();
+        tiers.put(30, block(30, 300));
+        tiers.flush();
+        assert_eq!(tiers.find(30), None);
+        assert_eq!(tiers.stats().disk_errors, 1);
+        assert!(tiers.take_events().removed.contains(&30));
+    }
+
+    #[test]
     fn a_damaged_file_is_not_served() {
         let dir = tempfile::tempdir().unwrap();
         let config = TierConfig { host_bytes: 0, disk: Some((dir.path().into(), 10_000)), identity: "m".into() };
         let mut tiers = KvTiers::open(&config).unwrap();
         tiers.put(9, block(9, 300));
         tiers.put(10, block(10, 300));
+        tiers.flush();
         let folder = tiers.disk.as_ref().unwrap().folder.clone();
         // Cut short while running: read back, refused, and computed again.
         let f = std::fs::OpenOptions::new().write(true).open(folder.join(format!("{:016x}.kv", 9u64))).unwrap();
@@ -546,6 +684,7 @@ mod tests {
         assert_eq!(tiers.stats().disk_errors, 1);
         // A byte changed in place (a torn write the size does not show): refused too.
         tiers.put(11, block(11, 300));
+        tiers.flush();
         let path = folder.join(format!("{:016x}.kv", 11u64));
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[HEADER + 7] ^= 1;

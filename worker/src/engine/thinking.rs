@@ -85,6 +85,13 @@ impl Thinking {
         self.inside
     }
 
+    /// No close is under way: the state is what replaying the output's tokens on
+    /// another replica gives (`EngineCore::replay`), so a request may be handed over
+    /// here.
+    pub fn settled(&self) -> bool {
+        self.forcing.is_empty() && !(self.closing && self.inside)
+    }
+
     /// Reasoning tokens spent so far.
     pub fn spent(&self) -> usize {
         self.spent
