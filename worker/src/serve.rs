@@ -240,13 +240,19 @@ fn gpu_kv_budget(model: &Model<tessera_kernels::cuda::CudaBackend>, config: &Ser
     (allowed - activations as i64).max(0) as u64
 }
 
-/// What a KV block's contents depend on: the model and its weight files (names, sizes,
-/// modification times), the backend, the cache's element format and layout, and the
-/// tensor-parallel split. A disk tier serves blocks only to a worker with the same.
-fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
+/// What a KV block's contents depend on: the model and its weight files (as `file`
+/// names each), the backend (a CPU stores f16, a GPU bf16: two bytes each), the cache's
+/// element size and layout, and the tensor-parallel split.
+fn block_identity<B: Backend>(
+    path: &std::path::Path,
+    model: &str,
+    rank0: &Model<B>,
+    ranks: usize,
+    file: impl Fn(&std::path::Path) -> String,
+) -> String {
     let mut files: Vec<String> = match std::fs::read_dir(path) {
-        Ok(entries) => entries.filter_map(|e| e.ok()).map(|e| file_identity(&e.path())).collect(),
-        Err(_) => vec![file_identity(path)],
+        Ok(entries) => entries.filter_map(|e| e.ok()).map(|e| file(&e.path())).collect(),
+        Err(_) => vec![file(path)],
     };
     files.sort();
     let c = &rank0.config;
@@ -260,29 +266,22 @@ fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>
     )
 }
 
-/// What the bytes of a KV block depend on, as replicas exchanging blocks compare it
-/// (`ModelCard::kv_identity`): the disk tier's identity without the files' times, since
-/// another node's copy of the weights has the same bytes. The backend stays in it: a
-/// CPU stores f16 and a GPU bf16, two bytes each. Hex SHA-256.
+/// The disk tier's identity: files named with their sizes and modification times. A
+/// disk tier serves blocks only to a worker with the same.
+fn kv_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
+    block_identity(path, model, rank0, ranks, file_identity)
+}
+
+/// The identity replicas exchanging blocks compare (`ModelCard::kv_identity`): without
+/// the files' times, since another node's copy of the weights has the same bytes. Hex
+/// SHA-256.
 fn transfer_identity<B: Backend>(path: &std::path::Path, model: &str, rank0: &Model<B>, ranks: usize) -> String {
     use sha2::{Digest, Sha256};
-    let mut files: Vec<String> = match std::fs::read_dir(path) {
-        Ok(entries) => entries
-            .filter_map(|e| e.ok())
-            .map(|e| format!("{}:{}", e.file_name().to_string_lossy(), e.metadata().map_or(0, |m| m.len())))
-            .collect(),
-        Err(_) => vec![std::fs::metadata(path).map_or(0, |m| m.len()).to_string()],
+    let sized = |p: &std::path::Path| {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        format!("{name}:{}", std::fs::metadata(p).map_or(0, |m| m.len()))
     };
-    files.sort();
-    let c = &rank0.config;
-    let text = format!(
-        "{model}|{}|{}|kv {} bytes|{} layers × {}|{BLOCK_TOKENS}-token blocks|{ranks} ranks",
-        files.join(","),
-        rank0.backend().name(),
-        rank0.backend().kv_element_bytes(),
-        c.num_layers,
-        c.kv_width(),
-    );
+    let text = block_identity(path, model, rank0, ranks, sized);
     Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
