@@ -157,12 +157,10 @@ async fn first_delta(pool: &Arc<Pool>, g: Generation, meter: &Meter, slot: usize
     if disaggregable
         && pooled
         && let Some(chosen) = pool.choose_stage(Stage::Decode, &blocks, &[])
-        && pool.worth_handing_over(chosen.id(), request.prompt_token_ids.len(), &blocks)
+        && let held = pool.held_by(chosen.id(), &blocks)
+        && pool.worth_handing_over(request.prompt_token_ids.len(), held)
     {
-        let handoff = pb::KvHandoff {
-            decode_addr: chosen.replica().addr.clone(),
-            skip_blocks: pool.held_by(chosen.id(), &blocks) as u32,
-        };
+        let handoff = pb::KvHandoff { decode_addr: chosen.replica().addr.clone(), skip_blocks: held as u32 };
         let prefill = pb::GenerateRequest { handoff: Some(handoff), ..request.clone() };
         match attempts.run(Stage::Prefill, &prefill, false).await? {
             Some((stream, first)) => {

@@ -174,10 +174,11 @@ impl Pool {
         Self { handoff_min_tokens: tokens, ..self }
     }
 
-    /// Whether a prompt of `prompt_tokens` is worth handing over to decode replica `id`:
-    /// the tokens it lacks (not held on its device or in its tier) reach the threshold.
-    pub fn worth_handing_over(&self, id: &str, prompt_tokens: usize, blocks: &[BlockHash]) -> bool {
-        prompt_tokens.saturating_sub(self.held_by(id, blocks) * BLOCK_TOKENS) >= self.handoff_min_tokens
+    /// Whether a prompt of `prompt_tokens`, of which a decode replica holds `held`
+    /// leading blocks (`held_by`), is worth handing over: the tokens it lacks reach the
+    /// threshold.
+    pub fn worth_handing_over(&self, prompt_tokens: usize, held: usize) -> bool {
+        prompt_tokens.saturating_sub(held * BLOCK_TOKENS) >= self.handoff_min_tokens
     }
 
     /// Whether requests can be served disaggregated: the pool has a prefill replica and

@@ -68,6 +68,16 @@ struct KvStaging {
     host: Option<PinnedHostSlice<bf16>>,
 }
 
+impl KvStaging {
+    /// Both buffers (`CudaBackend::staging` has made them).
+    fn buffers(&mut self, op: &'static str) -> Result<(&mut CudaSlice<bf16>, &mut PinnedHostSlice<bf16>)> {
+        match (&mut self.device, &mut self.host) {
+            (Some(device), Some(host)) => Ok((device, host)),
+            _ => Err(KernelError::shape(op, "no staging buffers")),
+        }
+    }
+}
+
 /// A device buffer: bf16 activations, or f32 as uploaded.
 pub struct CudaBuffer(Data);
 
@@ -723,9 +733,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let mut staging = self.staging(OP, n)?;
-        let KvStaging { device: Some(device), host: Some(host) } = &mut *staging else {
-            return Err(KernelError::shape(OP, "no staging buffers"));
-        };
+        let (device, host) = staging.buffers(OP)?;
         let rows = self.copies.clone_htod(ids).map_err(device_err(OP))?;
         // The copy reads what the compute stream has written.
         self.copies.join(&self.stream).map_err(device_err(OP))?;
@@ -751,9 +759,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let mut staging = self.staging(OP, n)?;
-        let KvStaging { device: Some(device), host: Some(host) } = &mut *staging else {
-            return Err(KernelError::shape(OP, "no staging buffers"));
-        };
+        let (device, host) = staging.buffers(OP)?;
         // The last copy through the staging buffers has ended before they are rewritten.
         self.copies.synchronize().map_err(device_err(OP))?;
         let pinned = &mut host.as_mut_slice().map_err(device_err(OP))?[..n];
