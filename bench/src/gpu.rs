@@ -6,7 +6,9 @@
 //! several batch sizes against the memory-bandwidth floor (weights plus KV read once per
 //! step), prefill against the matrix ceiling, and the paged-attention kernel alone
 //! against its bandwidth floor, and picking tokens from a step's logits (greedy and
-//! sampled on the device, or downloaded for the host) against one read of them. Times are medians of host-clocked, synchronised runs
+//! sampled on the device, or downloaded for the host) against one read of them, and a
+//! second KV tier's batched block copies against the bus's page-locked bandwidth. Times
+//! are medians of host-clocked, synchronised runs
 //! after warm-up, so launch overhead counts: decode runs op by op and as a CUDA graph.
 //! `--weights q4_k` (or `q8_0`, `fp8`, `int4`) holds the model's matrices packed, made
 //! on the host, and judges decode against the packed bytes' floor.
@@ -279,6 +281,43 @@ pub fn run(args: Args) -> Result<()> {
             })?;
             line(json!({"case": "pick", "kind": kind, "batch": batch, "vocab": config.vocab_size,
                 "time_us": round(time * 1e6), "floor_us": round(floor * 1e6)}));
+        }
+    }
+
+    kv_tier_copies(&model, &mut kv, args.reps, &line)
+}
+
+/// A second KV tier's copies: blocks saved from the cache to host memory (what an
+/// eviction to the host tier or a handoff's export does) and loaded back (an onload),
+/// each a batch of blocks through `Model::save_kv_blocks` / `load_kv_blocks`, against
+/// the bus's own bandwidth between page-locked memory and the device, measured here.
+fn kv_tier_copies(
+    model: &Model<CudaBackend>,
+    kv: &mut KvCache<CudaBackend>,
+    reps: usize,
+    line: &dyn Fn(Value),
+) -> Result<()> {
+    let g = model.backend();
+    let bus = g.host_copy_bandwidth(1 << 30, reps)?;
+    line(json!({"case": "host_copy_bandwidth", "to_device_bytes_per_s": round(bus.to_device),
+        "to_host_bytes_per_s": round(bus.to_host)}));
+    for blocks in [16, 128].map(|b: usize| b.min(kv.num_blocks)) {
+        let ids: Vec<u32> = (0..blocks as u32).collect();
+        let mut saved = Vec::new();
+        let save = median(reps, || {
+            saved = model.save_kv_blocks(kv, &ids)?;
+            Ok(())
+        })?;
+        let bytes = saved.iter().map(Vec::len).sum::<usize>() as f64;
+        let parts: Vec<&[u8]> = saved.iter().map(Vec::as_slice).collect();
+        let load = median(reps, || {
+            model.load_kv_blocks(kv, &ids, &parts)?;
+            Ok(g.synchronize()?)
+        })?;
+        for (direction, time, bus) in [("save", save, bus.to_host), ("load", load, bus.to_device)] {
+            line(json!({"case": "kv_tier_copy", "direction": direction, "blocks": blocks,
+                "block_bytes": bytes as usize / blocks.max(1), "time_ms": round(time * 1e3),
+                "bytes_per_s": round(bytes / time), "fraction_of_bus": round(bytes / time / bus)}));
         }
     }
     Ok(())

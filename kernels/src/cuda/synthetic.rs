@@ -52,4 +52,43 @@ impl CudaBackend {
         times.sort_by(f64::total_cmp);
         Ok(2.0 * (n * 2) as f64 / times[times.len() / 2])
     }
+
+    /// The bus's bandwidth in bytes/s to the device and back from it, from the medians
+    /// of `reps` copies of `bytes` between page-locked host memory and the device: what
+    /// a second KV tier's copies are judged against.
+    pub fn host_copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<HostCopyBandwidth> {
+        const OP: &str = "host_copy_bandwidth";
+        let n = bytes / 2;
+        let mut dev = self.random_buffer(n, 2, 1.0)?;
+        let Data::Bf16(dev) = &mut dev.0 else { unreachable!("random buffers are bf16") };
+        // SAFETY: the first copy below writes every element before the host could read one.
+        let mut host = unsafe { self.ctx.alloc_pinned::<bf16>(n) }.map_err(device_err(OP))?;
+        let mut median = |to_device: bool| -> Result<f64> {
+            let mut times = Vec::with_capacity(reps);
+            for _ in 0..reps + 2 {
+                self.synchronize()?;
+                let t = Instant::now();
+                if to_device {
+                    self.stream.memcpy_htod(&host, dev).map_err(device_err(OP))?;
+                } else {
+                    self.stream.memcpy_dtoh(&*dev, &mut host).map_err(device_err(OP))?;
+                }
+                self.synchronize()?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            let mut times = times[2..].to_vec();
+            times.sort_by(f64::total_cmp);
+            Ok((n * 2) as f64 / times[times.len() / 2])
+        };
+        let to_host = median(false)?;
+        let to_device = median(true)?;
+        Ok(HostCopyBandwidth { to_device, to_host })
+    }
+}
+
+/// Bytes/s each way between page-locked host memory and the device.
+#[derive(Clone, Copy, Debug)]
+pub struct HostCopyBandwidth {
+    pub to_device: f64,
+    pub to_host: f64,
 }
