@@ -157,6 +157,16 @@ c.chat.completions.create(model="vendor-a/model-a", max_tokens=4, messages=[{"ro
     exported.push("up".into());
     // Only a cluster's control plane has these (tests/cluster.rs reads them there).
     exported.extend(["tessera_etcd_connected", "tessera_etcd_revision", "tessera_placement_leader"].map(String::from));
+    // Only a disaggregated pool's handoffs make these (tests/robustness.rs reads them there).
+    exported.extend(
+        [
+            "tessera_handoffs_total",
+            "tessera:kv_transfers_total",
+            "tessera:kv_transfer_bytes_total",
+            "tessera:kv_transfer_seconds_bucket",
+        ]
+        .map(String::from),
+    );
     let mut queries: Vec<(String, String)> =
         rules.iter().map(|r| (format!("rule {}", r["name"]), r["query"].as_str().unwrap().to_string())).collect();
     let dashboards = deploy().join("grafana/dashboards");

@@ -8,7 +8,7 @@
 //! what the SDK would not send.
 
 use serde_json::Value;
-use tessera_e2e::{Serve, python};
+use tessera_e2e::{Serve, get, python, until};
 
 /// The SDK's view of the oversized case, printed as JSON.
 const OVERSIZED: &str = r#"
@@ -317,6 +317,30 @@ fn disaggregated_serving_answers_as_one_replica_would() {
         .find(|l| l.starts_with("tessera_handoffs_total") && l.contains("outcome=\"transferred\""))
         .unwrap_or_else(|| panic!("no handoff counted:\n{metrics}"));
     assert!(handed.ends_with(" 1") || handed.ends_with(" 2"), "{handed}");
+    // The workers counted it too (what the Capacity dashboard's handoff panels read):
+    // the prefill worker's sent bytes arrived whole at the decode worker, and the
+    // transfer's time was recorded. (Each side records it through its engine's queue:
+    // read until both have.)
+    let workers: Vec<&str> = serve
+        .started
+        .iter()
+        .filter(|l| l.contains("tessera-worker serving"))
+        .map(|l| l.rsplit(" on ").next().unwrap())
+        .collect();
+    let counted = || {
+        let (mut sent, mut received, mut timed) = (0.0, 0.0, 0.0);
+        for w in &workers {
+            let text = get(&format!("http://{w}/metrics"))?;
+            sent += series_sum(&text, "tessera:kv_transfer_bytes_total{", "direction=\"sent\"");
+            received += series_sum(&text, "tessera:kv_transfer_bytes_total{", "direction=\"received\"");
+            timed += series_sum(&text, "tessera:kv_transfer_seconds_count", "");
+        }
+        Some((sent, received, timed))
+    };
+    assert_eq!(workers.len(), 2, "{:?}", serve.started);
+    until(10, "bytes sent by the prefill worker, all received by the decode worker, the transfer timed", || {
+        counted().filter(|&(sent, received, timed)| sent > 0.0 && sent == received && timed >= 1.0)
+    });
 
     // The prefill worker killed as its first token reaches the client (its blocks on
     // their way): the request goes on at the decode worker, which computes what it
@@ -332,6 +356,15 @@ fn disaggregated_serving_answers_as_one_replica_would() {
     let [_, decode] = workers_by_role(&serve);
     let done = kill_at_first_token(&serve, &decode);
     assert_eq!((done["finish"].as_str(), done["completion_tokens"].as_u64()), (Some("length"), Some(24)), "{done}");
+}
+
+/// The sum of the series in Prometheus text `text` whose lines start with `name` and
+/// hold `label`.
+fn series_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// `tessera serve`'s prefill worker and decode worker, by their command lines.

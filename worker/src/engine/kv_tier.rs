@@ -177,9 +177,30 @@ impl KvTiers {
     /// Keeps a block the device evicted: in host memory while it fits (the oldest there
     /// moving to disk), else on disk, else nowhere.
     pub fn put(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
-        self.forget(hash);
         self.stats.offloaded_blocks += 1;
         self.stats.offloaded_bytes += data.len() as u64;
+        self.keep(hash, data);
+    }
+
+    /// Returns a block `take` gave out that never reached the device (the step that was
+    /// to fill it gave its room to another): kept again, counted neither as evicted nor
+    /// as a hit.
+    pub fn put_back(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
+        self.keep(hash, data);
+    }
+
+    /// A block the device has been given from `tier`: a hit, counted once the step that
+    /// copies it in is formed (`put_back` returns the others).
+    pub fn onloaded(&mut self, tier: Tier, bytes: u64) {
+        match tier {
+            Tier::Host => self.stats.host_hits += 1,
+            Tier::Disk => self.stats.disk_hits += 1,
+        }
+        self.stats.onloaded_bytes += bytes;
+    }
+
+    fn keep(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
+        self.forget(hash);
         let bytes = data.len() as u64;
         if bytes <= self.host_capacity {
             while self.host.bytes + bytes > self.host_capacity {
@@ -199,12 +220,10 @@ impl KvTiers {
 
     /// Takes a block out of the tiers for the device: its bytes and the tier it was in.
     /// None if it is not held, or its file could not be read back whole (then it is
-    /// dropped, and the block is computed again).
+    /// dropped, and the block is computed again). The hit is counted by `onloaded`.
     pub fn take(&mut self, hash: BlockHash) -> Option<(Arc<Vec<u8>>, Tier)> {
         if self.host.remove(hash) {
             let data = self.host_data.remove(&hash).expect("host entries have data");
-            self.stats.host_hits += 1;
-            self.stats.onloaded_bytes += data.len() as u64;
             self.events.removed.push(hash);
             return Some((data, Tier::Host));
         }
@@ -216,11 +235,7 @@ impl KvTiers {
         disk.remove(hash);
         self.events.removed.push(hash);
         match read {
-            Ok(data) => {
-                self.stats.disk_hits += 1;
-                self.stats.onloaded_bytes += data.len() as u64;
-                Some((data, Tier::Disk))
-            }
+            Ok(data) => Some((data, Tier::Disk)),
             Err(e) => {
                 tracing::warn!("KV block {hash:016x} could not be read back from disk ({e}); computing it again");
                 self.stats.disk_errors += 1;

@@ -351,6 +351,11 @@ impl Scheduler {
         }
         step.offload = std::mem::take(&mut self.offload);
         step.onload = self.onload.drain().map(|(id, (_, data, tier))| (id, data, tier)).collect();
+        if let Some(tiers) = &mut self.tiers {
+            for (_, data, tier) in &step.onload {
+                tiers.onloaded(*tier, data.len() as u64);
+            }
+        }
         step
     }
 
@@ -362,7 +367,7 @@ impl Scheduler {
         if let Some(tiers) = &mut self.tiers {
             for (id, hash) in self.pool.take_evicted() {
                 match self.onload.remove(&id) {
-                    Some((loading, data, _)) if loading == hash => tiers.put(hash, data),
+                    Some((loading, data, _)) if loading == hash => tiers.put_back(hash, data),
                     _ => self.offload.push((id, hash)),
                 }
             }
@@ -1264,6 +1269,8 @@ mod tests {
             let mut got: HashMap<SeqId, usize> = HashMap::new();
             let mut next_id = 0;
             let mut steps = 0;
+            // Blocks copied back this walk, from host and disk: the tiers' hits.
+            let mut hits = [0u64; 2];
             while s.has_work() || !arrivals.is_empty() {
                 while arrivals.last().is_some_and(|a| a.0 <= steps) {
                     let (_, p, max_tokens, n, tenant, priority) = arrivals.pop().unwrap();
@@ -1303,6 +1310,7 @@ mod tests {
                 for (id, data, tier) in &step.onload {
                     device[*id as usize] = Some(u64::from_le_bytes(data[..].try_into().unwrap()));
                     loaded[(*tier == Tier::Disk) as usize] += 1;
+                    hits[(*tier == Tier::Disk) as usize] += 1;
                 }
                 // The forward reads every full block before each chunk.
                 for x in &step.scheduled {
@@ -1359,6 +1367,11 @@ mod tests {
                 }
             }
             assert_eq!(got, want, "seed {seed}: every admitted sequence ran to its end");
+            if let Some(stats) = s.tiers().map(KvTiers::stats) {
+                // A block found but given back before its step (its room went to another)
+                // is no hit.
+                assert_eq!([stats.host_hits, stats.disk_hits], hits, "seed {seed}: hits as copied");
+            }
             assert_eq!(s.pool().num_free(), num_blocks, "seed {seed}: every block returned");
         }
         // The walk reached the cases it is about.
@@ -1456,6 +1469,9 @@ mod tests {
         let step = s.schedule();
         assert!(step.onload.is_empty() && step.offload.is_empty(), "{:?}", step.offload);
         assert_eq!(s.place(42), Place::Host);
+        // Evicted once (the first put), never a hit: no step copied it in.
+        let stats = s.tiers().unwrap().stats();
+        assert_eq!((stats.offloaded_blocks, stats.host_hits, stats.onloaded_bytes), (1, 0, 0), "{stats:?}");
         assert_eq!(s.tiers.as_mut().unwrap().take(42), Some((saved.clone(), Tier::Host)), "the saved bytes");
         // A copy-in that fails leaves nothing served from the block it was for.
         s.pool.release(both);
@@ -1464,6 +1480,7 @@ mod tests {
         s.take_from_tiers(&[42], &block);
         let step = s.schedule();
         assert_eq!(step.onload.len(), 1);
+        assert_eq!(s.tiers().unwrap().stats().host_hits, 1, "a step copies it in");
         s.onload_failed(&step);
         assert_eq!(s.place(42), Place::Gone);
         assert!(s.pool.take_cached_prefix(&[42]).is_empty());
