@@ -9,6 +9,10 @@
 //! tiers (`forget`). Nothing here touches the device: the scheduler says which blocks
 //! move (`Step::offload`, `Step::onload`) and the engine copies them.
 //!
+//! Disk is slow next to a step: files are written on a thread of their own, and the
+//! blocks a waiting prompt needs from disk are read ahead on another (`ready`), the
+//! prompt admitted once they are in memory while the running sequences go on.
+//!
 //! The disk tier survives a restart: its files sit in a folder named for the model's
 //! identity (model, weights, KV layout), each headed by that identity and its hash,
 //! written whole under a temporary name and renamed, and checked again when read.
@@ -174,6 +178,27 @@ impl KvTiers {
         }
     }
 
+    /// Whether the held blocks of `hashes` can be copied to the device without a step
+    /// waiting on the disk. Those that cannot are asked for: read ahead off the step
+    /// (`wait_for_read` waits for one), they are ready at a later call.
+    pub fn ready(&mut self, hashes: &[BlockHash]) -> bool {
+        let Some(disk) = self.disk.as_mut() else { return true };
+        disk.poll();
+        let mut ready = true;
+        for &hash in hashes {
+            if !self.host.contains(hash) && disk.lru.contains(hash) {
+                // Every block is asked for, not only up to the first that is not ready.
+                ready &= disk.ready(hash);
+            }
+        }
+        ready
+    }
+
+    /// Waits for a block being read ahead; false if none is.
+    pub fn wait_for_read(&mut self) -> bool {
+        self.disk.as_mut().is_some_and(DiskTier::wait_for_read)
+    }
+
     /// Keeps a block the device evicted: in host memory while it fits (the oldest there
     /// moving to disk), else on disk, else nowhere.
     pub fn put(&mut self, hash: BlockHash, data: Arc<Vec<u8>>) {
@@ -218,9 +243,10 @@ impl KvTiers {
         }
     }
 
-    /// Takes a block out of the tiers for the device: its bytes and the tier it was in.
-    /// None if it is not held, or its file could not be read back whole (then it is
-    /// dropped, and the block is computed again). The hit is counted by `onloaded`.
+    /// Takes a block out of the tiers for the device: its bytes and the tier it was in
+    /// (from disk: read ahead, else read now). None if it is not held, or its file could
+    /// not be read back whole (then it is dropped, and the block is computed again). The
+    /// hit is counted by `onloaded`.
     pub fn take(&mut self, hash: BlockHash) -> Option<(Arc<Vec<u8>>, Tier)> {
         if self.host.remove(hash) {
             let data = self.host_data.remove(&hash).expect("host entries have data");
@@ -375,7 +401,26 @@ struct DiskTier {
     capacity: u64,
     lru: Lru,
     writer: Writer,
+    reader: Reader,
+    /// Blocks asked of `reader`, kept until taken or gone from the tier, within
+    /// `READ_AHEAD_BYTES`.
+    ahead: HashMap<BlockHash, ReadAhead>,
+    ahead_bytes: u64,
+    tickets: u64,
 }
+
+/// A block asked of the disk tier's reader.
+struct ReadAhead {
+    /// Which request: a block dropped and asked for again takes only the newer answer.
+    ticket: u64,
+    bytes: u64,
+    /// Its result, once in.
+    read: Option<std::io::Result<Arc<Vec<u8>>>>,
+}
+
+/// The most bytes of blocks read ahead at once; a block past it is read when taken, in
+/// the step, as it would be without a reader.
+const READ_AHEAD_BYTES: u64 = 1 << 30;
 
 /// The disk tier's file work, in the order it was asked for.
 enum FileOp {
@@ -459,6 +504,54 @@ impl Drop for Writer {
     }
 }
 
+/// The thread that reads block files ahead of their steps: a request is a ticket, the
+/// block and its file; each answer comes back with its ticket.
+struct Reader {
+    requests: Option<std::sync::mpsc::Sender<(u64, BlockHash, PathBuf)>>,
+    answers: std::sync::mpsc::Receiver<(u64, BlockHash, std::io::Result<Vec<u8>>)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reader {
+    fn start(identity: [u8; 32]) -> std::io::Result<Self> {
+        let (requests, queue) = std::sync::mpsc::channel::<(u64, BlockHash, PathBuf)>();
+        let (answer, answers) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("kv-disk-read".into()).spawn(move || {
+            for (ticket, hash, path) in queue {
+                if answer.send((ticket, hash, read_file(&path, hash, &identity))).is_err() {
+                    return;
+                }
+            }
+        })?;
+        Ok(Self { requests: Some(requests), answers, thread: Some(thread) })
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.requests = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A block's data from its file, checked against its header (this identity, this
+/// hash, its length and CRC).
+fn read_file(path: &Path, hash: BlockHash, identity: &[u8; 32]) -> std::io::Result<Vec<u8>> {
+    let mut file = std::fs::File::open(path)?;
+    let header = Header::read(&mut file).ok_or_else(|| std::io::Error::other("no block header"))?;
+    if &header.identity != identity || header.hash != hash {
+        return Err(std::io::Error::other("the file is another block's or another model's"));
+    }
+    let mut data = Vec::with_capacity(header.len as usize);
+    file.take(header.len + 1).read_to_end(&mut data)?;
+    if data.len() as u64 != header.len || crc32fast::hash(&data) != header.crc {
+        return Err(std::io::Error::other("the block's data is not what was written"));
+    }
+    Ok(data)
+}
+
 /// Writes a block whole under a temporary name and renames it: a file of the block's
 /// name is always whole (a cut-short one is left under the temporary name, and removed).
 fn write_file(path: &Path, hash: BlockHash, identity: [u8; 32], data: &[u8]) -> std::io::Result<()> {
@@ -503,7 +596,17 @@ impl DiskTier {
             }
         }
         found.sort();
-        let mut tier = Self { folder, identity: digest, capacity, lru: Lru::default(), writer: Writer::start()? };
+        let mut tier = Self {
+            folder,
+            identity: digest,
+            capacity,
+            lru: Lru::default(),
+            writer: Writer::start()?,
+            reader: Reader::start(digest)?,
+            ahead: HashMap::new(),
+            ahead_bytes: 0,
+            tickets: 0,
+        };
         for (_, hash, bytes) in found {
             tier.lru.insert(hash, bytes);
         }
@@ -533,23 +636,80 @@ impl DiskTier {
         self.writer.send(FileOp::Write { hash, path: self.path(hash), identity: self.identity, data });
     }
 
-    /// A block's data: from memory while its file is being written, else from the file,
-    /// checked against its header (this identity, this hash, its length and CRC).
-    fn read(&self, hash: BlockHash) -> std::io::Result<Arc<Vec<u8>>> {
+    /// A block's data: from memory while its file is being written, else as read ahead,
+    /// else from its file now (`read_file`).
+    fn read(&mut self, hash: BlockHash) -> std::io::Result<Arc<Vec<u8>>> {
+        let ahead = self.drop_ahead(hash);
         if let Some(data) = self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).get(&hash) {
             return Ok(data.clone());
         }
-        let mut file = std::fs::File::open(self.path(hash))?;
-        let header = Header::read(&mut file).ok_or_else(|| std::io::Error::other("no block header"))?;
-        if header.identity != self.identity || header.hash != hash {
-            return Err(std::io::Error::other("the file is another block's or another model's"));
+        match ahead {
+            Some(read) => read,
+            None => read_file(&self.path(hash), hash, &self.identity).map(Arc::new),
         }
-        let mut data = Vec::with_capacity(header.len as usize);
-        file.take(header.len + 1).read_to_end(&mut data)?;
-        if data.len() as u64 != header.len || crc32fast::hash(&data) != header.crc {
-            return Err(std::io::Error::other("the block's data is not what was written"));
+    }
+
+    /// Whether a held block's bytes are in memory: being written, or read ahead. If not,
+    /// it is asked of the reader (unless the read-ahead is full: then it is read when
+    /// taken, and counts as ready).
+    fn ready(&mut self, hash: BlockHash) -> bool {
+        if let Some(ahead) = self.ahead.get(&hash) {
+            return ahead.read.is_some();
         }
-        Ok(Arc::new(data))
+        if self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&hash) {
+            return true;
+        }
+        let bytes = self.lru.entries.get(&hash).map_or(0, |&(_, bytes)| bytes);
+        let Some(requests) = self.reader.requests.as_ref().filter(|_| self.ahead_bytes + bytes <= READ_AHEAD_BYTES)
+        else {
+            return true;
+        };
+        self.tickets += 1;
+        if requests.send((self.tickets, hash, self.path(hash))).is_err() {
+            return true;
+        }
+        self.ahead.insert(hash, ReadAhead { ticket: self.tickets, bytes, read: None });
+        self.ahead_bytes += bytes;
+        false
+    }
+
+    /// Takes in the reads that have ended.
+    fn poll(&mut self) {
+        while let Ok(answer) = self.reader.answers.try_recv() {
+            self.settle(answer);
+        }
+    }
+
+    /// Waits for a read asked for to end; false if none is under way.
+    fn wait_for_read(&mut self) -> bool {
+        self.poll();
+        if !self.ahead.values().any(|a| a.read.is_none()) {
+            return false;
+        }
+        match self.reader.answers.recv() {
+            Ok(answer) => {
+                self.settle(answer);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// A read's result, kept if its block is still wanted by that read (not taken, or
+    /// dropped and asked for again, since).
+    fn settle(&mut self, (ticket, hash, read): (u64, BlockHash, std::io::Result<Vec<u8>>)) {
+        if let Some(ahead) = self.ahead.get_mut(&hash)
+            && ahead.ticket == ticket
+        {
+            ahead.read = Some(read.map(Arc::new));
+        }
+    }
+
+    /// Forgets a block's read-ahead: its result, if it came.
+    fn drop_ahead(&mut self, hash: BlockHash) -> Option<std::io::Result<Arc<Vec<u8>>>> {
+        let ahead = self.ahead.remove(&hash)?;
+        self.ahead_bytes -= ahead.bytes;
+        ahead.read
     }
 
     /// Blocks whose files could not be written since the last call.
@@ -562,6 +722,7 @@ impl DiskTier {
         if !self.lru.remove(hash) {
             return false;
         }
+        self.drop_ahead(hash);
         self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&hash);
         // After its write, if that is still queued: the queue keeps the order.
         self.writer.send(FileOp::Remove(self.path(hash)));
@@ -681,6 +842,39 @@ mod tests {
         assert_eq!(tiers.find(30), None);
         assert_eq!(tiers.stats().disk_errors, 1);
         assert!(tiers.take_events().removed.contains(&30));
+    }
+
+    #[test]
+    fn blocks_on_disk_are_read_ahead_and_served_from_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((dir.path().into(), 1 << 20)), identity: "m".into() };
+        let mut tiers = KvTiers::open(&config).unwrap();
+        for hash in [1, 2] {
+            tiers.put(hash, block(hash, 64));
+        }
+        tiers.flush();
+        // Not in memory: asked for, not ready at once.
+        assert!(!tiers.ready(&[1, 2]));
+        while tiers.wait_for_read() {}
+        assert!(tiers.ready(&[1, 2]) && !tiers.wait_for_read());
+        // Taken from memory: the files could be gone by now.
+        let folder = std::fs::read_dir(dir.path()).unwrap().flatten().next().unwrap().path();
+        for file in std::fs::read_dir(&folder).unwrap().flatten() {
+            std::fs::remove_file(file.path()).unwrap();
+        }
+        assert_eq!(tiers.take(1), Some((block(1, 64), Tier::Disk)));
+        // A block leaving the tier leaves its read-ahead too.
+        tiers.forget(2);
+        let disk = tiers.disk.as_ref().unwrap();
+        assert!(disk.ahead.is_empty() && disk.ahead_bytes == 0);
+        assert_eq!(tiers.take(2), None);
+        assert_eq!(tiers.stats().disk_errors, 0);
+        // Without a read ahead, a block is read when taken: here its file is gone.
+        tiers.put(3, block(3, 64));
+        tiers.flush();
+        std::fs::remove_file(folder.join(format!("{:016x}.kv", 3))).unwrap();
+        assert_eq!(tiers.take(3), None);
+        assert_eq!(tiers.stats().disk_errors, 1);
     }
 
     #[test]

@@ -75,6 +75,17 @@ pub struct Step {
     pub onload: Vec<(BlockId, Arc<Vec<u8>>, Tier)>,
 }
 
+impl Step {
+    /// Whether the step does nothing at all.
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+            && self.preempted.is_empty()
+            && self.exhausted.is_empty()
+            && self.offload.is_empty()
+            && self.onload.is_empty()
+    }
+}
+
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: BlockPool,
@@ -319,6 +330,17 @@ impl Scheduler {
     /// held back by it (`pacing`), only by fair sharing while tenants contend.
     pub fn schedule_paced(&mut self, prompt_tokens: usize) -> Step {
         self.steps += 1;
+        loop {
+            let step = self.form_step(prompt_tokens);
+            // Nothing to run but prompts whose blocks are coming up from disk: a read
+            // is waited for here rather than an empty step handed out.
+            if !step.is_empty() || !self.tiers.as_mut().is_some_and(KvTiers::wait_for_read) {
+                return step;
+            }
+        }
+    }
+
+    fn form_step(&mut self, prompt_tokens: usize) -> Step {
         let mut step = Step::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut prompt_left = prompt_tokens.max(1);
@@ -619,6 +641,11 @@ impl Scheduler {
             // The prefix goes on in the second tier: those blocks are copied, not computed.
             let rest = &prefix[hits.len()..];
             let tiered = rest[..tier_prefix(self.tiers.as_ref(), rest)].to_vec();
+            // Those on disk are read ahead: the sequence waits for them, the others go on.
+            if self.tiers.as_mut().is_some_and(|t| !t.ready(&tiered)) {
+                self.pool.release(hits.into_iter().rev());
+                continue;
+            }
             let found = hits.len() + tiered.len();
             let mut n = (seq.tokens.len() - found * BLOCK_TOKENS).min(*budget);
             if let Some(share) = share {
@@ -1484,6 +1511,61 @@ mod tests {
         s.onload_failed(&step);
         assert_eq!(s.place(42), Place::Gone);
         assert!(s.pool.take_cached_prefix(&[42]).is_empty());
+    }
+
+    #[test]
+    fn a_prompt_waits_for_its_blocks_from_disk_while_the_running_decode() {
+        let disk = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((disk.path().into(), 1 << 20)), identity: "t".into() };
+        let mut s = sched(1000, 8, 100).with_tiers(KvTiers::open(&config).unwrap());
+        // A 50-token prompt whose first three blocks are on disk, each holding its hash.
+        let mut waiting = Sequence::new(2, prompt(50, 3));
+        update_hashes(&s.hasher, &mut waiting);
+        let on_disk = waiting.block_hashes[..3].to_vec();
+        for &hash in &on_disk {
+            s.tiers_mut().unwrap().put(hash, Arc::new(hash.to_le_bytes().to_vec()));
+        }
+        s.tiers_mut().unwrap().flush();
+        s.add(Sequence::new(1, prompt(5, 0)));
+        run(&mut s);
+        assert_eq!(s.decoding(), 1, "sequence 1 decodes");
+
+        // Its blocks are asked for; the decode runs without waiting for them.
+        s.add(waiting);
+        let step = run(&mut s);
+        let ran: Vec<_> = step.scheduled.iter().map(|x| (x.id, x.len)).collect();
+        assert_eq!(ran, [(1, 1)]);
+        assert!(step.onload.is_empty());
+        while s.tiers_mut().unwrap().wait_for_read() {}
+        // Read, their files are not needed: the step copies them from memory.
+        for folder in std::fs::read_dir(disk.path()).unwrap().flatten() {
+            for file in std::fs::read_dir(folder.path()).unwrap().flatten() {
+                std::fs::remove_file(file.path()).unwrap();
+            }
+        }
+        let step = run(&mut s);
+        let ran: Vec<_> = step.scheduled.iter().map(|x| (x.id, x.start, x.len)).collect();
+        assert_eq!(ran, [(1, 6, 1), (2, 48, 2)], "the prompt from its fourth block");
+        assert!(step.onload.iter().all(|(_, _, tier)| *tier == Tier::Disk));
+        let mut onload: Vec<_> = step.onload.iter().map(|(_, data, _)| data.to_vec()).collect();
+        onload.sort();
+        let mut want: Vec<_> = on_disk.iter().map(|h| h.to_le_bytes().to_vec()).collect();
+        want.sort();
+        assert_eq!(onload, want);
+        assert_eq!(s.tiers().unwrap().stats().disk_errors, 0);
+
+        // Alone, a prompt's step waits for its reads rather than being empty.
+        let mut alone = Sequence::new(3, prompt(40, 9));
+        update_hashes(&s.hasher, &mut alone);
+        let hash = alone.block_hashes[0];
+        s.remove(1);
+        s.remove(2);
+        s.tiers_mut().unwrap().put(hash, Arc::new(vec![1; 8]));
+        s.tiers_mut().unwrap().flush();
+        s.add(alone);
+        let step = s.schedule();
+        assert_eq!(step.scheduled.iter().map(|x| (x.id, x.start)).collect::<Vec<_>>(), [(3, 16)]);
+        assert_eq!(step.onload.len(), 1);
     }
 
     #[test]
