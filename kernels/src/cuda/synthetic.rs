@@ -61,11 +61,12 @@ impl CudaBackend {
         let n = bytes / 2;
         let mut dev = self.random_buffer(n, 2, 1.0)?;
         let Data::Bf16(dev) = &mut dev.0 else { unreachable!("random buffers are bf16") };
+        // Not write-combined, as the KV staging buffer is not.
         // SAFETY: the first copy below writes every element before the host could read one.
-        let mut host = unsafe { self.ctx.alloc_pinned::<bf16>(n) }.map_err(device_err(OP))?;
+        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<bf16>(n, 0) }.map_err(device_err(OP))?;
         let mut median = |to_device: bool| -> Result<f64> {
             let mut times = Vec::with_capacity(reps);
-            for _ in 0..reps + 2 {
+            for _ in 0..reps.max(1) + 2 {
                 self.synchronize()?;
                 let t = Instant::now();
                 if to_device {

@@ -168,6 +168,11 @@ impl BlockPool {
         Some(out)
     }
 
+    /// How many of `hashes` lead a prefix cached on the device (not counted as a query).
+    pub fn cached_prefix_len(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.cached.contains_key(h)).count()
+    }
+
     /// The blocks holding the longest cached prefix of `hashes` (a prompt's full blocks,
     /// in order), each with one more reference. Counts toward the hit statistics.
     pub fn take_cached_prefix(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {

@@ -188,7 +188,7 @@ impl KvTiers {
         for &hash in hashes {
             if !self.host.contains(hash) && disk.lru.contains(hash) {
                 // Every block is asked for, not only up to the first that is not ready.
-                ready &= disk.ready(hash);
+                ready &= disk.ready(hash, hashes);
             }
         }
         ready
@@ -340,6 +340,7 @@ impl KvTiers {
         for hash in disk.take_failed() {
             self.stats.disk_errors += 1;
             if disk.lru.remove(hash) {
+                disk.drop_ahead(hash);
                 self.events.removed.push(hash);
             }
         }
@@ -406,6 +407,8 @@ struct DiskTier {
     /// `READ_AHEAD_BYTES`.
     ahead: HashMap<BlockHash, ReadAhead>,
     ahead_bytes: u64,
+    /// `READ_AHEAD_BYTES` (smaller in tests).
+    ahead_limit: u64,
     tickets: u64,
 }
 
@@ -509,6 +512,8 @@ impl Drop for Writer {
 struct Reader {
     requests: Option<std::sync::mpsc::Sender<(u64, BlockHash, PathBuf)>>,
     answers: std::sync::mpsc::Receiver<(u64, BlockHash, std::io::Result<Vec<u8>>)>,
+    /// Set when the tier closes: reads still queued are not done.
+    stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -516,19 +521,25 @@ impl Reader {
     fn start(identity: [u8; 32]) -> std::io::Result<Self> {
         let (requests, queue) = std::sync::mpsc::channel::<(u64, BlockHash, PathBuf)>();
         let (answer, answers) = std::sync::mpsc::channel();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
         let thread = std::thread::Builder::new().name("kv-disk-read".into()).spawn(move || {
             for (ticket, hash, path) in queue {
+                if stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
                 if answer.send((ticket, hash, read_file(&path, hash, &identity))).is_err() {
                     return;
                 }
             }
         })?;
-        Ok(Self { requests: Some(requests), answers, thread: Some(thread) })
+        Ok(Self { requests: Some(requests), answers, stop, thread: Some(thread) })
     }
 }
 
 impl Drop for Reader {
     fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.requests = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -605,6 +616,7 @@ impl DiskTier {
             reader: Reader::start(digest)?,
             ahead: HashMap::new(),
             ahead_bytes: 0,
+            ahead_limit: READ_AHEAD_BYTES,
             tickets: 0,
         };
         for (_, hash, bytes) in found {
@@ -650,27 +662,64 @@ impl DiskTier {
     }
 
     /// Whether a held block's bytes are in memory: being written, or read ahead. If not,
-    /// it is asked of the reader (unless the read-ahead is full: then it is read when
-    /// taken, and counts as ready).
-    fn ready(&mut self, hash: BlockHash) -> bool {
+    /// it is asked of the reader, and made the tier's newest (the prompt that wants it,
+    /// of `wanted`, is about to), unless the read-ahead has no room even so: then it is
+    /// read when taken, and counts as ready.
+    fn ready(&mut self, hash: BlockHash, wanted: &[BlockHash]) -> bool {
         if let Some(ahead) = self.ahead.get(&hash) {
             return ahead.read.is_some();
         }
         if self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&hash) {
             return true;
         }
-        let bytes = self.lru.entries.get(&hash).map_or(0, |&(_, bytes)| bytes);
-        let Some(requests) = self.reader.requests.as_ref().filter(|_| self.ahead_bytes + bytes <= READ_AHEAD_BYTES)
-        else {
-            return true;
-        };
-        self.tickets += 1;
-        if requests.send((self.tickets, hash, self.path(hash))).is_err() {
+        let Some(&(_, bytes)) = self.lru.entries.get(&hash) else { return true };
+        if self.reader.requests.is_none() || !self.ahead_room(bytes, wanted) {
             return true;
         }
+        self.tickets += 1;
+        let request = (self.tickets, hash, self.path(hash));
+        if self.reader.requests.as_ref().is_none_or(|r| r.send(request).is_err()) {
+            self.reader_gone();
+            return true;
+        }
+        self.lru.insert(hash, bytes);
         self.ahead.insert(hash, ReadAhead { ticket: self.tickets, bytes, read: None });
         self.ahead_bytes += bytes;
         false
+    }
+
+    /// Makes room for `bytes` more read ahead, within `READ_AHEAD_BYTES`: reads nobody
+    /// took (their prompts gone, or their blocks found elsewhere) go, oldest first,
+    /// never one of `wanted`. Whether it fits.
+    fn ahead_room(&mut self, bytes: u64, wanted: &[BlockHash]) -> bool {
+        if self.ahead_bytes + bytes <= self.ahead_limit {
+            return true;
+        }
+        let mut taken_by_none: Vec<(u64, BlockHash)> = self
+            .ahead
+            .iter()
+            .filter(|(hash, a)| a.read.is_some() && !wanted.contains(hash))
+            .map(|(&hash, a)| (a.ticket, hash))
+            .collect();
+        taken_by_none.sort_unstable();
+        for (_, hash) in taken_by_none {
+            self.drop_ahead(hash);
+            if self.ahead_bytes + bytes <= self.ahead_limit {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The reader thread has ended (it panicked): reads still awaited will not come,
+    /// and blocks are read when taken from now on.
+    fn reader_gone(&mut self) {
+        tracing::warn!("the KV disk tier's reader has stopped; blocks are read in the step");
+        self.reader.requests = None;
+        let waiting: Vec<BlockHash> = self.ahead.iter().filter(|(_, a)| a.read.is_none()).map(|(&h, _)| h).collect();
+        for hash in waiting {
+            self.drop_ahead(hash);
+        }
     }
 
     /// Takes in the reads that have ended.
@@ -691,7 +740,10 @@ impl DiskTier {
                 self.settle(answer);
                 true
             }
-            Err(_) => false,
+            Err(_) => {
+                self.reader_gone();
+                false
+            }
         }
     }
 
@@ -875,6 +927,39 @@ mod tests {
         std::fs::remove_file(folder.join(format!("{:016x}.kv", 3))).unwrap();
         assert_eq!(tiers.take(3), None);
         assert_eq!(tiers.stats().disk_errors, 1);
+    }
+
+    #[test]
+    fn reads_nobody_took_make_room_for_those_a_prompt_waits_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((dir.path().into(), 1 << 20)), identity: "m".into() };
+        let mut tiers = KvTiers::open(&config).unwrap();
+        for hash in [1, 2, 3] {
+            tiers.put(hash, block(hash, 64));
+        }
+        tiers.flush();
+        tiers.disk.as_mut().unwrap().ahead_limit = 128;
+        let ahead = |t: &KvTiers| {
+            let mut held: Vec<BlockHash> = t.disk.as_ref().unwrap().ahead.keys().copied().collect();
+            held.sort();
+            held
+        };
+        // Blocks 1 and 2 read for a prompt that never took them.
+        assert!(!tiers.ready(&[1, 2]));
+        while tiers.wait_for_read() {}
+        // Block 3's prompt: the oldest of them makes room.
+        assert!(!tiers.ready(&[3]));
+        assert_eq!(ahead(&tiers), [2, 3]);
+        while tiers.wait_for_read() {}
+        assert!(tiers.ready(&[3]));
+        // A prompt wanting more than the read-ahead holds: none of its own blocks goes,
+        // the one that does not fit is read when taken.
+        assert!(tiers.ready(&[1, 2, 3]));
+        assert_eq!(ahead(&tiers), [2, 3]);
+        for hash in [1, 2, 3] {
+            assert_eq!(tiers.take(hash), Some((block(hash, 64), Tier::Disk)));
+        }
+        assert!(ahead(&tiers).is_empty() && tiers.disk.as_ref().unwrap().ahead_bytes == 0);
     }
 
     #[test]

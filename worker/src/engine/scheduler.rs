@@ -31,7 +31,7 @@ use super::block_pool::{BlockId, BlockPool, KvEvents, PoolStats};
 use super::fair::{self, Fairness};
 use super::kv_tier::{KvTiers, Tier};
 use super::sequence::{SeqId, Sequence};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
@@ -99,6 +99,9 @@ pub struct Scheduler {
     steps: u64,
     /// The second KV tier, when there is one, and this step's moves to and from it.
     tiers: Option<KvTiers>,
+    /// Waiting sequences whose blocks on disk are being read ahead: fairness does not
+    /// preempt for them.
+    reading: HashSet<SeqId>,
     offload: Vec<(BlockId, BlockHash)>,
     onload: HashMap<BlockId, (BlockHash, Arc<Vec<u8>>, Tier)>,
 }
@@ -192,6 +195,7 @@ impl Scheduler {
             tiers: None,
             offload: Vec::new(),
             onload: HashMap::new(),
+            reading: HashSet::new(),
         }
     }
 
@@ -637,15 +641,16 @@ impl Scheduler {
                 if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
             update_hashes(&self.hasher, seq);
             let prefix = &seq.block_hashes[..usable.min(seq.block_hashes.len())];
-            let hits = self.pool.take_cached_prefix(prefix);
             // The prefix goes on in the second tier: those blocks are copied, not computed.
-            let rest = &prefix[hits.len()..];
+            let rest = &prefix[self.pool.cached_prefix_len(prefix)..];
             let tiered = rest[..tier_prefix(self.tiers.as_ref(), rest)].to_vec();
             // Those on disk are read ahead: the sequence waits for them, the others go on.
             if self.tiers.as_mut().is_some_and(|t| !t.ready(&tiered)) {
-                self.pool.release(hits.into_iter().rev());
+                self.reading.insert(id);
                 continue;
             }
+            self.reading.remove(&id);
+            let hits = self.pool.take_cached_prefix(prefix);
             let found = hits.len() + tiered.len();
             let mut n = (seq.tokens.len() - found * BLOCK_TOKENS).min(*budget);
             if let Some(share) = share {
@@ -716,7 +721,9 @@ impl Scheduler {
         let mut victim = None;
         for id in self.waiting_order(true) {
             let seq = &self.seqs[&id];
-            if seq.after.and_then(|p| self.seqs.get(&p)).is_some_and(|p| p.num_computed < p.prompt_len) {
+            let parent_unready =
+                seq.after.and_then(|p| self.seqs.get(&p)).is_some_and(|p| p.num_computed < p.prompt_len);
+            if parent_unready || self.reading.contains(&id) {
                 continue;
             }
             // Its first chunk's blocks, cache hits aside.
@@ -843,6 +850,7 @@ impl Scheduler {
         self.fair.leave(&seq.tenant, Instant::now());
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
+        self.reading.remove(&id);
         self.pool.release(std::mem::take(&mut seq.block_table).into_iter().rev());
         Some(seq)
     }
