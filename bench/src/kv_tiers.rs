@@ -5,7 +5,10 @@
 //! a disk tier; then the disk tier's engine stopped and a new one started on the same
 //! folder (a warm restart) against a restart without one. Prefix hit rate (prompt
 //! tokens served from the cache or the tier, of all prompt tokens) and TTFT p50/p99 for
-//! each, and the bytes and time the tier moved.
+//! each, and the bytes and time the tier moved. Last, streams decoding while every
+//! conversation's next turn arrives with its history on disk: the streams' gaps
+//! between tokens with the disk tier's blocks read ahead of their prompts' steps,
+//! against each read in its step.
 
 use crate::{percentile, round};
 use anyhow::Result;
@@ -125,6 +128,7 @@ pub fn run(args: Args) -> Result<()> {
     let tier_blocks = args.conversations * (longest + args.user_tokens + args.reply_tokens).div_ceil(16) + 16;
     let tier_bytes = tier_blocks as u64 * block_bytes;
     let identity = format!("{} benchmark", args.model);
+    let (ahead_disk, step_disk) = (tempfile::tempdir()?, tempfile::tempdir()?);
     let host = TierConfig { host_bytes: tier_bytes, disk: None, identity: identity.clone() };
     let on_disk = TierConfig { host_bytes: 0, disk: Some((disk.path().into(), tier_bytes)), identity };
 
@@ -177,6 +181,21 @@ pub fn run(args: Args) -> Result<()> {
             // it; against the same last turn on an engine with nothing kept.
             let persisted = e.persist_kv();
             drop(e);
+            // The same folder twice, for the streams beside disk hits.
+            for (copy, read_ahead) in [(&ahead_disk, true), (&step_disk, false)] {
+                copy_tree(disk.path(), copy.path())?;
+                let config = TierConfig { disk: Some((copy.path().into(), tier_bytes)), ..on_disk.clone() };
+                let mut e = new_engine(config, num_blocks)?;
+                let last: Vec<Vec<u32>> = (0..args.conversations)
+                    .map(|i| [c.histories[i].clone(), c.user[i][args.turns].clone()].concat())
+                    .collect();
+                let key = if read_ahead {
+                    "streams_beside_disk_hits_read_ahead"
+                } else {
+                    "streams_beside_disk_hits_read_in_step"
+                };
+                lines.insert(key.into(), streams_beside(&mut e, read_ahead, &last, args.reply_tokens)?);
+            }
             let last = args.turns..args.turns + 1;
             let mut cold_chats = Chats { histories: c.histories.clone(), user: c.user.clone() };
             let mut warm = new_engine(on_disk.clone(), num_blocks)?;
@@ -191,6 +210,8 @@ pub fn run(args: Args) -> Result<()> {
         lines.insert(name.into(), report);
     }
     let p50 = |k: &str| lines[k]["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN);
+    let gap = |k: &str, q: &str| lines[k][q].as_f64().unwrap_or(f64::NAN);
+    let (ahead, in_step) = ("streams_beside_disk_hits_read_ahead", "streams_beside_disk_hits_read_in_step");
     let out = json!({
         "bench": "kv_tiers",
         "backend": "cpu",
@@ -207,6 +228,8 @@ pub fn run(args: Args) -> Result<()> {
         "ttft_p50_ratio_disk_tier": round(p50("disk_tier") / p50("no_tier")),
         "ttft_p50_ratio_cache_with_the_tiers_memory": round(p50("cache_with_the_tiers_memory") / p50("no_tier")),
         "ttft_p50_ratio_warm_restart": round(p50("restart_warm") / p50("restart_cold")),
+        "stream_gap_p99_ratio_read_ahead": round(gap(ahead, "gap_p99_ms") / gap(in_step, "gap_p99_ms")),
+        "stream_gap_max_ratio_read_ahead": round(gap(ahead, "gap_max_ms") / gap(in_step, "gap_max_ms")),
         "load_average_before": load_average,
     });
     println!("{out}");
@@ -220,4 +243,85 @@ fn ceiling(args: &Args) -> f64 {
     let total: usize = (0..args.turns).map(prompt).sum();
     let reused: usize = (1..args.turns).map(|t| (prompt(t - 1) + args.reply_tokens) / 16 * 16).sum();
     reused as f64 / total as f64
+}
+
+/// Four streams decoding (96 tokens each) when `prompts` arrive all at once, each
+/// asking `reply` tokens; the engine's disk tier reading their blocks ahead of their
+/// steps, or each in its step. The gaps between the streams' tokens (the steps they
+/// waited on) and the prompts' time to first token.
+fn streams_beside(
+    e: &mut EngineCore<CpuBackend>,
+    read_ahead: bool,
+    prompts: &[Vec<u32>],
+    reply: usize,
+) -> Result<Value> {
+    if !read_ahead {
+        e.set_kv_read_ahead(0);
+    }
+    const STREAMS: u64 = 4;
+    let stream_prompt: Vec<u32> = (0..24).map(|i| 1000 + i).collect();
+    for s in 0..STREAMS {
+        e.add_request(Request { ignore_eos: true, ..Request::greedy(s, stream_prompt.clone(), 96) })?;
+    }
+    // The streams' prompts computed: they decode from here on.
+    let mut started = 0;
+    while started < STREAMS {
+        started += e.step()?.iter().filter(|o| o.token.is_some() && o.id < STREAMS).count() as u64;
+    }
+    let arrived = Instant::now();
+    for (i, p) in prompts.iter().enumerate() {
+        e.add_request(Request { ignore_eos: true, ..Request::greedy(100 + i as u64, p.clone(), reply) })?;
+    }
+    let mut gaps = Vec::new();
+    let mut ttft = Vec::new();
+    let mut last = Instant::now();
+    let mut seen = std::collections::HashSet::new();
+    while e.has_work() {
+        let outputs = e.step()?;
+        let now = Instant::now();
+        if outputs.iter().any(|o| o.id < STREAMS && o.token.is_some()) {
+            gaps.push((now - last).as_secs_f64() * 1e3);
+            last = now;
+        }
+        for o in outputs.iter().filter(|o| o.id >= STREAMS && o.token.is_some()) {
+            if seen.insert(o.id) {
+                ttft.push((now - arrived).as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let s = e.scheduler().tiers().map(|t| t.stats()).unwrap_or_default();
+    Ok(json!({
+        "read_ahead": read_ahead,
+        "stream_gaps": gaps.len(),
+        "gap_p50_ms": round(percentile(&gaps, 0.5)),
+        "gap_p99_ms": round(percentile(&gaps, 0.99)),
+        "gap_max_ms": round(gaps.iter().copied().fold(0.0, f64::max)),
+        "prompts": prompts.len(),
+        "prompt_ttft_p50_ms": round(percentile(&ttft, 0.5)),
+        "prompt_ttft_max_ms": round(ttft.iter().copied().fold(0.0, f64::max)),
+        "disk_hits": s.disk_hits,
+        "disk_errors": s.disk_errors,
+    }))
+}
+
+/// Copies the files under `from` into `to` (a disk tier's folder: one level of
+/// folders), each then written out and dropped from the page cache, so that reading it
+/// back goes to the disk, as a block that sat there a while would.
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            std::fs::create_dir_all(&target)?;
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+            let file = std::fs::File::open(&target)?;
+            file.sync_all()?;
+            // SAFETY: a plain advice call on an open descriptor; it changes no memory.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
+    Ok(())
 }

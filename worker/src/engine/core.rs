@@ -497,6 +497,14 @@ impl<B: Backend> EngineCore<B> {
         &self.scheduler
     }
 
+    /// The most bytes of disk-tier blocks read ahead of their prompts' steps (0: each
+    /// read in its step, as a benchmark compares).
+    pub fn set_kv_read_ahead(&mut self, bytes: u64) {
+        if let Some(tiers) = self.scheduler.tiers_mut() {
+            tiers.set_read_ahead(bytes);
+        }
+    }
+
     /// What the last `step` computed (nothing if it had no work).
     pub fn last_step(&self) -> &StepSummary {
         &self.last_step

@@ -194,6 +194,14 @@ impl KvTiers {
         ready
     }
 
+    /// The most bytes read ahead at once (`READ_AHEAD_BYTES` unless set; 0: none, every
+    /// block read when taken).
+    pub fn set_read_ahead(&mut self, bytes: u64) {
+        if let Some(disk) = &mut self.disk {
+            disk.ahead_limit = bytes;
+        }
+    }
+
     /// Waits for a block being read ahead; false if none is.
     pub fn wait_for_read(&mut self) -> bool {
         self.disk.as_mut().is_some_and(DiskTier::wait_for_read)
@@ -407,7 +415,7 @@ struct DiskTier {
     /// `READ_AHEAD_BYTES`.
     ahead: HashMap<BlockHash, ReadAhead>,
     ahead_bytes: u64,
-    /// `READ_AHEAD_BYTES` (smaller in tests).
+    /// `READ_AHEAD_BYTES` unless set (`KvTiers::set_read_ahead`).
     ahead_limit: u64,
     tickets: u64,
 }
@@ -938,7 +946,7 @@ mod tests {
             tiers.put(hash, block(hash, 64));
         }
         tiers.flush();
-        tiers.disk.as_mut().unwrap().ahead_limit = 128;
+        tiers.set_read_ahead(128);
         let ahead = |t: &KvTiers| {
             let mut held: Vec<BlockHash> = t.disk.as_ref().unwrap().ahead.keys().copied().collect();
             held.sort();
