@@ -18,7 +18,7 @@
 //! written whole under a temporary name and renamed, and checked again when read.
 
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -184,14 +184,29 @@ impl KvTiers {
     pub fn ready(&mut self, hashes: &[BlockHash]) -> bool {
         let Some(disk) = self.disk.as_mut() else { return true };
         disk.poll();
+        let wanted: HashSet<BlockHash> = hashes.iter().copied().collect();
         let mut ready = true;
+        let mut room = true;
         for &hash in hashes {
-            if !self.host.contains(hash) && disk.lru.contains(hash) {
-                // Every block is asked for, not only up to the first that is not ready.
-                ready &= disk.ready(hash, hashes);
+            if room && !self.host.contains(hash) && disk.lru.contains(hash) {
+                // Every block is asked for, not only up to the first that is not ready;
+                // once the read-ahead is full the rest are read when taken.
+                match disk.ready(hash, &wanted) {
+                    Readiness::Ready => {}
+                    Readiness::Asked => ready = false,
+                    Readiness::NoRoom => room = false,
+                }
             }
         }
         ready
+    }
+
+    /// A new admission pass: blocks a prompt waiting in it wants are not given up for
+    /// another's read-ahead (`DiskTier::ahead_room`).
+    pub fn start_pass(&mut self) {
+        if let Some(disk) = &mut self.disk {
+            disk.passes += 1;
+        }
     }
 
     /// The most bytes read ahead at once (`READ_AHEAD_BYTES` unless set; 0: none, every
@@ -417,7 +432,19 @@ struct DiskTier {
     ahead_bytes: u64,
     /// `READ_AHEAD_BYTES` unless set (`KvTiers::set_read_ahead`).
     ahead_limit: u64,
+    /// Admission passes so far (`KvTiers::start_pass`).
+    passes: u64,
     tickets: u64,
+}
+
+/// Where a block on disk stands for a prompt that wants it.
+enum Readiness {
+    /// In memory.
+    Ready,
+    /// Asked of the reader, not in yet.
+    Asked,
+    /// Not asked: the read-ahead is full (or its reader gone); read when taken.
+    NoRoom,
 }
 
 /// A block asked of the disk tier's reader.
@@ -427,6 +454,8 @@ struct ReadAhead {
     bytes: u64,
     /// Its result, once in.
     read: Option<std::io::Result<Arc<Vec<u8>>>>,
+    /// The admission pass that last wanted it.
+    wanted: u64,
 }
 
 /// The most bytes of blocks read ahead at once; a block past it is read when taken, in
@@ -625,6 +654,7 @@ impl DiskTier {
             ahead: HashMap::new(),
             ahead_bytes: 0,
             ahead_limit: READ_AHEAD_BYTES,
+            passes: 0,
             tickets: 0,
         };
         for (_, hash, bytes) in found {
@@ -671,42 +701,45 @@ impl DiskTier {
 
     /// Whether a held block's bytes are in memory: being written, or read ahead. If not,
     /// it is asked of the reader, and made the tier's newest (the prompt that wants it,
-    /// of `wanted`, is about to), unless the read-ahead has no room even so: then it is
-    /// read when taken, and counts as ready.
-    fn ready(&mut self, hash: BlockHash, wanted: &[BlockHash]) -> bool {
-        if let Some(ahead) = self.ahead.get(&hash) {
-            return ahead.read.is_some();
+    /// of `wanted`, is about to), unless the read-ahead has no room even so (or no
+    /// reader): then it is read when taken.
+    fn ready(&mut self, hash: BlockHash, wanted: &HashSet<BlockHash>) -> Readiness {
+        if let Some(ahead) = self.ahead.get_mut(&hash) {
+            ahead.wanted = self.passes;
+            return if ahead.read.is_some() { Readiness::Ready } else { Readiness::Asked };
         }
         if self.writer.pending.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&hash) {
-            return true;
+            return Readiness::Ready;
         }
-        let Some(&(_, bytes)) = self.lru.entries.get(&hash) else { return true };
+        let Some(&(_, bytes)) = self.lru.entries.get(&hash) else { return Readiness::Ready };
         if self.reader.requests.is_none() || !self.ahead_room(bytes, wanted) {
-            return true;
+            return Readiness::NoRoom;
         }
         self.tickets += 1;
         let request = (self.tickets, hash, self.path(hash));
         if self.reader.requests.as_ref().is_none_or(|r| r.send(request).is_err()) {
             self.reader_gone();
-            return true;
+            return Readiness::NoRoom;
         }
         self.lru.insert(hash, bytes);
-        self.ahead.insert(hash, ReadAhead { ticket: self.tickets, bytes, read: None });
+        self.ahead.insert(hash, ReadAhead { ticket: self.tickets, bytes, read: None, wanted: self.passes });
         self.ahead_bytes += bytes;
-        false
+        Readiness::Asked
     }
 
-    /// Makes room for `bytes` more read ahead, within `READ_AHEAD_BYTES`: reads nobody
-    /// took (their prompts gone, or their blocks found elsewhere) go, oldest first,
-    /// never one of `wanted`. Whether it fits.
-    fn ahead_room(&mut self, bytes: u64, wanted: &[BlockHash]) -> bool {
+    /// Makes room for `bytes` more read ahead, within `READ_AHEAD_BYTES`: reads in that
+    /// no prompt of this admission pass has wanted (their prompts gone, admitted
+    /// otherwise, or not reached) go, oldest first, never one of `wanted` (the asking
+    /// prompt's). Whether it fits: a prompt behind others never takes their blocks, so
+    /// the first waiting is admitted while the later ones read theirs in the step.
+    fn ahead_room(&mut self, bytes: u64, wanted: &HashSet<BlockHash>) -> bool {
         if self.ahead_bytes + bytes <= self.ahead_limit {
             return true;
         }
         let mut taken_by_none: Vec<(u64, BlockHash)> = self
             .ahead
             .iter()
-            .filter(|(hash, a)| a.read.is_some() && !wanted.contains(hash))
+            .filter(|(hash, a)| a.read.is_some() && a.wanted != self.passes && !wanted.contains(*hash))
             .map(|(&hash, a)| (a.ticket, hash))
             .collect();
         taken_by_none.sort_unstable();
@@ -955,13 +988,19 @@ mod tests {
         // Blocks 1 and 2 read for a prompt that never took them.
         assert!(!tiers.ready(&[1, 2]));
         while tiers.wait_for_read() {}
-        // Block 3's prompt: the oldest of them makes room.
+        // In the same pass, another prompt takes no room from it...
+        assert!(tiers.ready(&[3]), "block 3 is read when taken");
+        assert_eq!(ahead(&tiers), [1, 2]);
+        // ...in the next, where that prompt is not seen again, the oldest of its blocks
+        // makes room for block 3.
+        tiers.start_pass();
         assert!(!tiers.ready(&[3]));
         assert_eq!(ahead(&tiers), [2, 3]);
         while tiers.wait_for_read() {}
         assert!(tiers.ready(&[3]));
         // A prompt wanting more than the read-ahead holds: none of its own blocks goes,
         // the one that does not fit is read when taken.
+        tiers.start_pass();
         assert!(tiers.ready(&[1, 2, 3]));
         assert_eq!(ahead(&tiers), [2, 3]);
         for hash in [1, 2, 3] {

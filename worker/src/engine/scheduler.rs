@@ -31,7 +31,7 @@ use super::block_pool::{BlockId, BlockPool, KvEvents, PoolStats};
 use super::fair::{self, Fairness};
 use super::kv_tier::{KvTiers, Tier};
 use super::sequence::{SeqId, Sequence};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_proto::block_hash::{BLOCK_TOKENS, BlockHash, BlockHasher};
@@ -99,9 +99,6 @@ pub struct Scheduler {
     steps: u64,
     /// The second KV tier, when there is one, and this step's moves to and from it.
     tiers: Option<KvTiers>,
-    /// Waiting sequences whose blocks on disk are being read ahead: fairness does not
-    /// preempt for them.
-    reading: HashSet<SeqId>,
     offload: Vec<(BlockId, BlockHash)>,
     onload: HashMap<BlockId, (BlockHash, Arc<Vec<u8>>, Tier)>,
 }
@@ -195,7 +192,6 @@ impl Scheduler {
             tiers: None,
             offload: Vec::new(),
             onload: HashMap::new(),
-            reading: HashSet::new(),
         }
     }
 
@@ -345,6 +341,9 @@ impl Scheduler {
     }
 
     fn form_step(&mut self, prompt_tokens: usize) -> Step {
+        if let Some(tiers) = &mut self.tiers {
+            tiers.start_pass();
+        }
         let mut step = Step::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut prompt_left = prompt_tokens.max(1);
@@ -401,7 +400,7 @@ impl Scheduler {
         Some(blocks)
     }
 
-    /// Takes the blocks `tier_prefix` found into `blocks` (fresh from `allocate`), to be
+    /// Takes the blocks `tier_continuation` found into `blocks` (fresh from `allocate`), to be
     /// filled before the step's forward; how many it could (a file that fails to read
     /// ends the prefix there).
     fn take_from_tiers(&mut self, hashes: &[BlockHash], blocks: &[BlockId]) -> usize {
@@ -549,11 +548,11 @@ impl Scheduler {
     }
 
     /// Each tenant's running sequences over its weight: who runs the most for its share.
-    fn running_loads(&self) -> HashMap<&str, f64> {
-        let mut loads: HashMap<&str, f64> = HashMap::new();
+    fn running_loads(&self) -> HashMap<Arc<str>, f64> {
+        let mut loads: HashMap<Arc<str>, f64> = HashMap::new();
         for r in &self.running {
             let s = &self.seqs[r];
-            *loads.entry(&*s.tenant).or_default() += 1.0 / f64::from(s.weight.max(1));
+            *loads.entry(s.tenant.clone()).or_default() += 1.0 / f64::from(s.weight.max(1));
         }
         loads
     }
@@ -634,22 +633,14 @@ impl Scheduler {
                 continue;
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
-            // Reuse cached full blocks, but always leave at least one token to run: its
-            // logits give the next token.
-            // A prompt being scored is computed whole, every time it is admitted.
-            let usable =
-                if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
             update_hashes(&self.hasher, seq);
-            let prefix = &seq.block_hashes[..usable.min(seq.block_hashes.len())];
+            let prefix = reusable_prefix(seq);
             // The prefix goes on in the second tier: those blocks are copied, not computed.
-            let rest = &prefix[self.pool.cached_prefix_len(prefix)..];
-            let tiered = rest[..tier_prefix(self.tiers.as_ref(), rest)].to_vec();
+            let tiered = tier_continuation(&self.pool, self.tiers.as_ref(), prefix);
             // Those on disk are read ahead: the sequence waits for them, the others go on.
             if self.tiers.as_mut().is_some_and(|t| !t.ready(&tiered)) {
-                self.reading.insert(id);
                 continue;
             }
-            self.reading.remove(&id);
             let hits = self.pool.take_cached_prefix(prefix);
             let found = hits.len() + tiered.len();
             let mut n = (seq.tokens.len() - found * BLOCK_TOKENS).min(*budget);
@@ -721,11 +712,18 @@ impl Scheduler {
         let mut victim = None;
         for id in self.waiting_order(true) {
             let seq = &self.seqs[&id];
-            let parent_unready =
-                seq.after.and_then(|p| self.seqs.get(&p)).is_some_and(|p| p.num_computed < p.prompt_len);
-            if parent_unready || self.reading.contains(&id) {
+            if seq.after.and_then(|p| self.seqs.get(&p)).is_some_and(|p| p.num_computed < p.prompt_len) {
                 continue;
             }
+            // Nor for one whose blocks are still coming up from disk (their reads are
+            // asked for here, the seats being full).
+            let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
+            update_hashes(&self.hasher, seq);
+            let tiered = tier_continuation(&self.pool, self.tiers.as_ref(), reusable_prefix(seq));
+            if self.tiers.as_mut().is_some_and(|t| !t.ready(&tiered)) {
+                continue;
+            }
+            let seq = &self.seqs[&id];
             // Its first chunk's blocks, cache hits aside.
             let blocks = seq.tokens.len().min(self.config.max_num_batched_tokens).div_ceil(BLOCK_TOKENS);
             if !seats && self.pool.num_free() >= blocks {
@@ -850,7 +848,6 @@ impl Scheduler {
         self.fair.leave(&seq.tenant, Instant::now());
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
-        self.reading.remove(&id);
         self.pool.release(std::mem::take(&mut seq.block_table).into_iter().rev());
         Some(seq)
     }
@@ -860,10 +857,20 @@ impl Scheduler {
     }
 }
 
-/// How many of `hashes` (the blocks after a prompt's cached prefix on the device) the
-/// second tier holds, in a row from the first.
-fn tier_prefix(tiers: Option<&KvTiers>, hashes: &[BlockHash]) -> usize {
-    tiers.map_or(0, |t| hashes.iter().take_while(|&&h| t.find(h).is_some()).count())
+/// The full blocks of a waiting sequence a cache may give it: all but the one holding
+/// its last token, whose logits give the next; none for a prompt being scored, which is
+/// computed whole every time it is admitted.
+fn reusable_prefix(seq: &Sequence) -> &[BlockHash] {
+    let usable = if seq.score_prompt && seq.num_output() == 0 { 0 } else { (seq.tokens.len() - 1) / BLOCK_TOKENS };
+    &seq.block_hashes[..usable.min(seq.block_hashes.len())]
+}
+
+/// The blocks of `prefix` past those cached on the device that the second tier holds,
+/// in a row.
+fn tier_continuation(pool: &BlockPool, tiers: Option<&KvTiers>, prefix: &[BlockHash]) -> Vec<BlockHash> {
+    let rest = &prefix[pool.cached_prefix_len(prefix)..];
+    let Some(tiers) = tiers else { return Vec::new() };
+    rest.iter().take_while(|&&h| tiers.find(h).is_some()).copied().collect()
 }
 
 /// Extends the sequence's block hashes over its full blocks, each block holding an
@@ -1185,6 +1192,34 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(run(&mut s).fair_preemptions, 0, "3 for weight 3 against 1 for 1: even");
         }
+    }
+
+    #[test]
+    fn no_seat_is_taken_for_a_prompt_whose_blocks_are_still_on_disk() {
+        let disk = tempfile::tempdir().unwrap();
+        let config = TierConfig { host_bytes: 0, disk: Some((disk.path().into(), 1 << 20)), identity: "t".into() };
+        let mut s = contended(4, 1000, 8, Duration::from_secs(3600)).with_tiers(KvTiers::open(&config).unwrap());
+        for id in 1..=4 {
+            s.add(of("a", 1, id, 8));
+        }
+        run(&mut s);
+        // b's prompt continues into two blocks on disk.
+        let mut b = of("b", 1, 6, 40);
+        update_hashes(&s.hasher, &mut b);
+        for &hash in &b.block_hashes[..2] {
+            s.tiers_mut().unwrap().put(hash, Arc::new(vec![6; 8]));
+        }
+        s.tiers_mut().unwrap().flush();
+        s.add(b);
+        // Its reads are asked for; nobody is preempted while they are under way...
+        let step = run(&mut s);
+        assert_eq!((step.preempted.len(), step.fair_preemptions), (0, 0), "{step:?}");
+        while s.tiers_mut().unwrap().wait_for_read() {}
+        // ...then the flooder's newest makes room, and b starts after its two blocks.
+        assert_eq!(run(&mut s).preempted, [4]);
+        let step = run(&mut s);
+        let b = step.scheduled.iter().find(|x| x.id == 6).map(|x| x.start);
+        assert_eq!((b, step.onload.len()), (Some(32), 2), "{step:?}");
     }
 
     #[test]
