@@ -217,7 +217,8 @@ impl KvTiers {
         }
     }
 
-    /// Waits for a block being read ahead; false if none is.
+    /// Waits for a block being read ahead to come in (one that came in since the last
+    /// look counts); false if none did and none is being read.
     pub fn wait_for_read(&mut self) -> bool {
         self.disk.as_mut().is_some_and(DiskTier::wait_for_read)
     }
@@ -770,10 +771,17 @@ impl DiskTier {
         }
     }
 
-    /// Waits for a read asked for to end; false if none is under way.
+    /// Waits for a read asked for to end (one that ended since the last look counts);
+    /// false if none has and none is under way.
     fn wait_for_read(&mut self) -> bool {
+        let awaited = |d: &Self| d.ahead.values().filter(|a| a.read.is_none()).count();
+        let before = awaited(self);
         self.poll();
-        if !self.ahead.values().any(|a| a.read.is_none()) {
+        let after = awaited(self);
+        if after < before {
+            return true;
+        }
+        if after == 0 {
             return false;
         }
         match self.reader.answers.recv() {
